@@ -1,0 +1,39 @@
+"""kvfsm: the KV-cache lifecycle of every LLM-serving request as a declared, checked state machine.
+
+Write a spec (states, the resources each holds, the transitions); kvfsm proves
+properties of it (:func:`check`), runs it (:class:`Tracker`) with releases
+derived from the spec, and draws and tests it.
+"""
+
+from .engine import Tracker
+from .errors import (
+    ActionError,
+    Anomaly,
+    BindingError,
+    DuplicateKey,
+    Failure,
+    IllegalTransition,
+    KvfsmError,
+    TrackerClosed,
+)
+from .spec import Finding, Spec, SpecError, check, load, parse
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ActionError",
+    "Anomaly",
+    "BindingError",
+    "DuplicateKey",
+    "Failure",
+    "Finding",
+    "IllegalTransition",
+    "KvfsmError",
+    "Spec",
+    "SpecError",
+    "Tracker",
+    "TrackerClosed",
+    "check",
+    "load",
+    "parse",
+]

@@ -1,0 +1,152 @@
+"""Compile a spec and a driver into flat runtime tables, once, before any instance exists.
+
+Each state becomes a :class:`CState` whose ``row`` maps an event name straight
+to a :class:`CEdge` holding everything a transition needs: the bound ``do``
+method, the bound acquire and release methods the spec derives for that edge,
+the target and its deadline. ``fire()`` then costs one dict lookup and a walk
+over short tuples; nothing on the per-event path looks at the spec again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import BindingError
+from ..spec.model import Spec
+
+Action = Callable[..., Any]
+
+
+class CState:
+    """A state in runtime form. ``row[event]`` is a CEdge, or IGNORED."""
+
+    __slots__ = ("after", "error_edge", "final", "holds", "index", "name", "row", "timeout_event")
+
+    def __init__(self, name: str, index: int, final: bool, holds: tuple[str, ...]) -> None:
+        self.name = name
+        self.index = index
+        self.row: dict[str, CEdge] = {}
+        self.final = final
+        self.holds = holds
+        self.after: float | None = None
+        self.timeout_event: str | None = None
+        self.error_edge: CEdge | None = None
+
+    def __repr__(self) -> str:
+        return f"<state {self.name}>"
+
+
+class CEdge:
+    """One (source, event) → target step with its bound actions.
+
+    ``acquires`` holds (action name, acquire, release-to-undo) triples;
+    ``releases`` holds (action name, release) pairs, in the spec's holds order.
+    """
+
+    __slots__ = ("acquires", "do", "do_name", "event", "prepare", "releases", "source", "target")
+
+    def __init__(
+        self,
+        event: str,
+        source: CState | None,
+        target: CState,
+        do: Action | None,
+        do_name: str | None,
+        acquires: tuple[tuple[str, Action, Action], ...],
+        releases: tuple[tuple[str, Action], ...],
+    ) -> None:
+        self.event = event
+        self.source = source
+        self.target = target
+        self.do = do
+        self.do_name = do_name
+        self.acquires = acquires
+        self.releases = releases
+        self.prepare = do is not None or bool(acquires)
+        """Whether anything runs (and can raise) before the state changes."""
+
+    def __repr__(self) -> str:
+        src = self.source.name if self.source else "∅"
+        return f"<edge {src} -{self.event}-> {self.target.name}>"
+
+
+IGNORED: Any = object()
+"""Row value for an event that is a legal no-op in that state."""
+
+
+@dataclass(frozen=True)
+class Program:
+    spec: Spec
+    states: tuple[CState, ...]
+    by_name: Mapping[str, CState]
+    begin: CEdge
+    """Pseudo-edge entering the initial state: its acquires run at ``begin``."""
+
+
+def _bind(driver: object, name: str, missing: list[str]) -> Action:
+    method = getattr(driver, name, None)
+    if not callable(method):
+        missing.append(name)
+        return _missing
+    return method  # type: ignore[no-any-return]
+
+
+def _missing(*_a: object, **_k: object) -> None:  # pragma: no cover - never called: binding fails first
+    raise AssertionError
+
+
+def compile_program(spec: Spec, driver: object, params: Mapping[str, float] | None = None) -> Program:
+    """Bind ``driver``'s methods to ``spec``; raises :class:`BindingError` naming every gap."""
+    params = dict(params or {})
+    unknown = sorted(set(params) - set(spec.params))
+    if unknown:
+        known = ", ".join(spec.params) or "none"
+        raise BindingError(
+            f"params {', '.join(map(repr, unknown))} are not declared by machine {spec.name!r} (declared: {known})"
+        )
+    missing: list[str] = []
+    release = {r.name: _bind(driver, r.release, missing) for r in spec.resources.values()}
+    acquire = {r.name: _bind(driver, r.acquire, missing) for r in spec.resources.values() if r.acquire}
+    do = {t.do: _bind(driver, t.do, missing) for t in spec.transitions if t.do}
+    if missing:
+        names = ", ".join(sorted(set(missing)))
+        raise BindingError(
+            f"driver {type(driver).__name__} lacks method(s) {names} that machine {spec.name!r} ({spec.path}) names; each is called as method(key, **payload)"
+        )
+
+    states = tuple(CState(s.name, i, s.is_final, s.holds) for i, s in enumerate(spec.states.values()))
+    by_name = {s.name: s for s in states}
+
+    def edge(event: str, source: str | None, target: str, do_name: str | None) -> CEdge:
+        acq = tuple(
+            (spec.resources[r].acquire or "", acquire[r], release[r])
+            for r in spec.acquires(source, target)
+            if r in acquire
+        )
+        rel = tuple((spec.resources[r].release, release[r]) for r in spec.releases(source, target)) if source else ()
+        return CEdge(
+            event,
+            by_name[source] if source else None,
+            by_name[target],
+            do[do_name] if do_name else None,
+            do_name,
+            acq,
+            rel,
+        )
+
+    for e in spec.edges():
+        by_name[e.source].row[e.event] = edge(e.event, e.source, e.target, e.do)
+    for state_name, event, _rule in spec.ignored():
+        by_name[state_name].row.setdefault(event, IGNORED)
+    for s in spec.states.values():
+        cs = by_name[s.name]
+        if s.timeout is not None:
+            cs.after = spec.param(s.timeout.after, params)
+            cs.timeout_event = s.timeout.fire
+        if spec.on_error is not None:
+            handler = cs.row.get(spec.on_error)
+            cs.error_edge = handler if isinstance(handler, CEdge) else None
+    initial = spec.initial.name
+    return Program(spec, states, by_name, edge("begin", None, initial, None))

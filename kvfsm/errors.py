@@ -1,0 +1,97 @@
+"""Typed errors the runtime raises, and the records it keeps of what it refused."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from .spec.findings import Finding, SpecError
+
+__all__ = [
+    "ActionError",
+    "Anomaly",
+    "BindingError",
+    "DuplicateKey",
+    "Failure",
+    "Finding",
+    "IllegalTransition",
+    "KvfsmError",
+    "SpecError",
+    "TrackerClosed",
+]
+
+
+class KvfsmError(Exception):
+    """Base of every error kvfsm raises at run time."""
+
+
+class IllegalTransition(KvfsmError):
+    """An event that is neither a transition nor ignored in the instance's state; nothing changed."""
+
+    def __init__(self, key: Hashable, event: str, state: str, accepted: Sequence[str]) -> None:
+        self.key, self.event, self.state, self.accepted = key, event, state, tuple(accepted)
+        ok = ", ".join(self.accepted) or "nothing"
+        super().__init__(
+            f"{key!r} is in state {state!r}, where {event!r} is neither a transition nor ignored (state unchanged). {state!r} accepts: {ok}."
+        )
+
+
+Phase = Literal["do", "acquire", "release"]
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """One driver action that raised: which, for whom, and where the instance ended up."""
+
+    key: Hashable
+    event: str
+    action: str
+    phase: Phase
+    error: BaseException
+    state: str
+    """The state the instance was in once the failure had been handled."""
+
+    def __str__(self) -> str:
+        return f"{self.phase} action {self.action!r} raised {type(self.error).__name__}: {self.error} (key {self.key!r}, event {self.event!r}; now in {self.state!r})"
+
+
+class ActionError(KvfsmError):
+    """Driver actions raised. The instances are already in defined states (see each Failure)."""
+
+    def __init__(self, failures: Sequence[Failure]) -> None:
+        self.failures = tuple(failures)
+        lines = "\n  ".join(str(f) for f in self.failures)
+        super().__init__(f"{len(self.failures)} driver action(s) failed:\n  {lines}")
+        if self.failures:
+            self.__cause__ = self.failures[0].error
+
+
+class BindingError(KvfsmError):
+    """A driver that lacks methods the spec names, or params the spec does not declare."""
+
+
+class DuplicateKey(KvfsmError):
+    """``begin`` for a key whose instance is still live."""
+
+
+class TrackerClosed(KvfsmError):
+    """The tracker was closed; it accepts no more events."""
+
+
+AnomalyKind = Literal["unknown", "stale", "forced"]
+
+
+@dataclass(frozen=True, slots=True)
+class Anomaly:
+    """An event that could not be applied and was counted instead of raised.
+
+    ``unknown``: no instance has that id; ``stale``: the id belongs to an earlier
+    generation of a reused key; ``forced``: ``close()`` had to release an
+    instance that abort could not finish.
+    """
+
+    kind: AnomalyKind
+    space: str
+    id: Hashable
+    event: str

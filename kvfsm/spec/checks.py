@@ -1,0 +1,322 @@
+"""Static checks KVF101–KVF111: properties proved over a spec's transition graph.
+
+Every check works on the expanded edge set of the model (``Spec.edges``), so a
+wildcard source, a timeout or an ``on_error`` path is seen exactly as the
+engine will run it. Reachability questions are answered by graph search, not
+by looking for keywords.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from collections.abc import Callable, Iterable
+
+from .findings import Finding, Severity
+from .model import ABORT, Edge, Loc, Spec
+
+Check = Callable[[Spec], Iterable[Finding]]
+
+
+def _finding(code: str, loc: Loc, message: str, fix: str, severity: Severity = "error") -> Finding:
+    return Finding(code, severity, loc.path, loc.line, message, fix, loc.col)
+
+
+def _valid_edges(spec: Spec) -> list[Edge]:
+    """Edges whose endpoints exist (KVF106 reports the others)."""
+    return [e for e in spec.edges() if e.source in spec.states and e.target in spec.states]
+
+
+def _accepts(spec: Spec) -> dict[str, dict[str, list[Edge]]]:
+    table: dict[str, dict[str, list[Edge]]] = defaultdict(lambda: defaultdict(list))
+    for e in _valid_edges(spec):
+        table[e.source][e.event].append(e)
+    return table
+
+
+def check_initial(spec: Spec) -> Iterable[Finding]:
+    """KVF101: exactly one initial state."""
+    initial = [s for s in spec.states.values() if s.initial]
+    if not initial:
+        loc = spec.locs.get("states", Loc(spec.path, 1))
+        yield _finding(
+            "KVF101", loc, "no state is marked initial", "Mark the state a request starts in with 'initial: true'."
+        )
+    for extra in initial[1:]:
+        yield _finding(
+            "KVF101",
+            extra.loc,
+            f"state {extra.name!r} is a second initial state (the first is {initial[0].name!r})",
+            "Keep 'initial: true' on exactly one state.",
+        )
+
+
+def check_references(spec: Spec) -> Iterable[Finding]:
+    """KVF106: every state, event, resource and param that is named is declared."""
+    events = set(spec.events)
+    declared = ", ".join(spec.states) or "none"
+    for t in spec.transitions:
+        for src in t.sources:
+            if src != "*" and src not in spec.states:
+                yield _finding(
+                    "KVF106",
+                    t.loc,
+                    f"transition {t.event!r} starts from undeclared state {src!r}",
+                    f"Declare it under 'states:' or use one of: {declared}.",
+                )
+        if t.target not in spec.states:
+            yield _finding(
+                "KVF106",
+                t.loc,
+                f"transition {t.event!r} goes to undeclared state {t.target!r}",
+                f"Declare it under 'states:' or use one of: {declared}.",
+            )
+    for state in spec.states.values():
+        for r in state.holds:
+            if r not in spec.resources:
+                yield _finding(
+                    "KVF106",
+                    state.loc,
+                    f"state {state.name!r} holds undeclared resource {r!r}",
+                    "Declare it under 'resources:' with the action that releases it: '{release: <method>}'.",
+                )
+        if state.timeout is not None:
+            after = state.timeout.after
+            if isinstance(after, str) and after not in spec.params:
+                yield _finding(
+                    "KVF106",
+                    state.timeout.loc,
+                    f"state {state.name!r} times out after undeclared param {after!r}",
+                    f"Declare it under 'params:' (e.g. '{after}: 30.0') or write the seconds directly.",
+                )
+            fire = state.timeout.fire
+            accepting = [e for e in spec.edges() if e.source == state.name and e.event == fire]
+            if not accepting:
+                yield _finding(
+                    "KVF106",
+                    state.timeout.loc,
+                    f"state {state.name!r} times out by firing {fire!r}, which it does not accept",
+                    f"Add a transition '{{event: {fire}, from: {state.name}, to: <state>}}' or fire an event it accepts.",
+                )
+    if spec.on_error is not None and spec.on_error not in events:
+        loc = spec.locs.get("on_error", Loc(spec.path, 1))
+        yield _finding(
+            "KVF106",
+            loc,
+            f"on_error names {spec.on_error!r}, which no transition handles",
+            "Name an event that has transitions (usually 'fail').",
+        )
+    for rule in spec.ignore:
+        for ev in rule.events:
+            if ev not in events:
+                yield _finding(
+                    "KVF106",
+                    rule.loc,
+                    f"ignore rule names event {ev!r}, which no transition handles",
+                    "Ignore only events the machine knows; remove it or fix the spelling.",
+                )
+        for st in rule.states:
+            if st != "*" and st not in spec.states:
+                yield _finding(
+                    "KVF106", rule.loc, f"ignore rule names undeclared state {st!r}", f"Use one of: {declared}."
+                )
+
+
+def check_reachable(spec: Spec) -> Iterable[Finding]:
+    """KVF102: every state is reachable from the initial state."""
+    try:
+        start = spec.initial.name
+    except LookupError:
+        return
+    succ: dict[str, set[str]] = defaultdict(set)
+    for e in _valid_edges(spec):
+        succ[e.source].add(e.target)
+    seen = {start}
+    todo = deque([start])
+    while todo:
+        for nxt in succ[todo.popleft()]:
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    for state in spec.states.values():
+        if state.name not in seen:
+            yield _finding(
+                "KVF102",
+                state.loc,
+                f"state {state.name!r} cannot be reached from the initial state {start!r}",
+                "Add a transition into it, or delete it.",
+                "warning",
+            )
+
+
+def check_can_finish(spec: Spec) -> Iterable[Finding]:
+    """KVF103: from every state some final state is reachable (no trap, no closed cycle)."""
+    pred: dict[str, set[str]] = defaultdict(set)
+    for e in _valid_edges(spec):
+        pred[e.target].add(e.source)
+    finishing = set(spec.finals)
+    todo = deque(finishing)
+    while todo:
+        for prev in pred[todo.popleft()]:
+            if prev not in finishing:
+                finishing.add(prev)
+                todo.append(prev)
+    for state in spec.states.values():
+        if state.name not in finishing:
+            yield _finding(
+                "KVF103",
+                state.loc,
+                f"no final state can be reached from state {state.name!r}: a request there never finishes and never releases {_held(state.holds)}",
+                "Add a way out (abort, fail or a timeout) that leads to a final state.",
+            )
+
+
+def _held(holds: tuple[str, ...]) -> str:
+    return ", ".join(holds) if holds else "its slot"
+
+
+def check_finals(spec: Spec) -> Iterable[Finding]:
+    """KVF104 and KVF111: final states hold nothing and have no way out."""
+    for state in spec.states.values():
+        if not state.is_final:
+            continue
+        if state.holds:
+            yield _finding(
+                "KVF104",
+                state.loc,
+                f"final state {state.name!r} holds {', '.join(state.holds)}: a finished request would keep them forever",
+                "Remove 'holds' from final states; resources are released on the way in.",
+            )
+        if state.timeout is not None:
+            yield _finding(
+                "KVF111",
+                state.timeout.loc,
+                f"final state {state.name!r} has a timeout, but a finished request has nothing left to wait for",
+                "Remove the timeout.",
+            )
+    for t in spec.transitions:
+        for src in t.sources:
+            st = spec.states.get(src)
+            if st is not None and st.is_final:
+                yield _finding(
+                    "KVF111",
+                    t.loc,
+                    f"transition {t.event!r} leaves final state {src!r}: a finished request is retired and cannot move",
+                    f"Drop {src!r} from 'from'; to accept late {t.event!r} events there, add it to an 'ignore' rule.",
+                )
+
+
+def check_deterministic(spec: Spec) -> Iterable[Finding]:
+    """KVF105: at most one transition per (state, event)."""
+    first: dict[tuple[str, str], Edge] = {}
+    for e in spec.edges():
+        prior = first.setdefault((e.source, e.event), e)
+        if prior is not e and prior.transition is not e.transition:
+            where = f"line {prior.transition.loc.line}"
+            what = (
+                f"goes to {e.target!r} here but to {prior.target!r} at {where}"
+                if prior.target != e.target
+                else f"is declared again (first at {where})"
+            )
+            yield _finding(
+                "KVF105",
+                e.transition.loc,
+                f"event {e.event!r} in state {e.source!r} {what}",
+                "Keep one transition per (state, event); narrow a '*' source by listing states.",
+            )
+
+
+def check_waiting(spec: Spec) -> Iterable[Finding]:
+    """KVF107: every live state either times out or is left only by local code."""
+    for state in spec.states.values():
+        if not state.is_final and state.timeout is None and not state.waits_local:
+            yield _finding(
+                "KVF107",
+                state.loc,
+                f"state {state.name!r} holds {_held(state.holds)} but has no timeout and is not 'waits: local' — a remote peer that never answers would pin it forever",
+                "Add 'timeout: {after: <param>, fire: expire}' or mark it 'waits: local'.",
+            )
+
+
+def check_abortable(spec: Spec) -> Iterable[Finding]:
+    """KVF108: abort is accepted in every live state."""
+    table = _accepts(spec)
+    for state in spec.states.values():
+        if not state.is_final and not table[state.name].get(ABORT):
+            yield _finding(
+                "KVF108",
+                state.loc,
+                f"state {state.name!r} does not accept {ABORT!r}: a request aborted there keeps running (and keeps {_held(state.holds)})",
+                f"Add '{state.name}' to the 'from' of the abort transition, or use 'from: \"*\"'.",
+            )
+
+
+def check_error_paths(spec: Spec) -> Iterable[Finding]:
+    """KVF109: wherever an action can raise, the on_error event is accepted and cannot itself raise."""
+    table = _accepts(spec)
+    flagged: set[str] = set()
+    for e in _valid_edges(spec):
+        actions = spec.raising_actions(e)
+        if not actions or e.source in flagged:
+            continue
+        if spec.on_error is None:
+            flagged.add(e.source)
+            yield _finding(
+                "KVF109",
+                e.transition.loc,
+                f"action {actions[0]!r} on {e.event!r} from {e.source!r} can raise, and the spec has no 'on_error' event to fire when it does",
+                "Add 'on_error: fail' (and a 'fail' transition from every state with an action).",
+            )
+            continue
+        handlers = table[e.source].get(spec.on_error)
+        if not handlers:
+            flagged.add(e.source)
+            yield _finding(
+                "KVF109",
+                e.transition.loc,
+                f"action {actions[0]!r} on {e.event!r} from {e.source!r} can raise, but {e.source!r} does not accept the on_error event {spec.on_error!r}",
+                f"Add '{e.source}' to the 'from' of the {spec.on_error!r} transition.",
+            )
+            continue
+        handler = handlers[0]
+        risky = spec.raising_actions(handler)
+        if risky:
+            flagged.add(e.source)
+            yield _finding(
+                "KVF109",
+                handler.transition.loc,
+                f"the on_error path from {e.source!r} runs {risky[0]!r}, which can raise too — an error while handling an error has no handler",
+                "Keep the on_error transition free of 'do' and of resources with 'acquire'; cleanup belongs in release actions.",
+            )
+
+
+def check_ignore_overlap(spec: Spec) -> Iterable[Finding]:
+    """KVF110: an event is never both handled and ignored in the same state."""
+    table = _accepts(spec)
+    for state, event, rule in spec.ignored():
+        if table[state].get(event):
+            yield _finding(
+                "KVF110",
+                rule.loc,
+                f"event {event!r} is ignored in state {state!r}, which also has a transition for it",
+                f"Remove {state!r} from this ignore rule or the transition's 'from'.",
+            )
+
+
+CHECKS: tuple[Check, ...] = (
+    check_initial,
+    check_references,
+    check_reachable,
+    check_can_finish,
+    check_finals,
+    check_deterministic,
+    check_waiting,
+    check_abortable,
+    check_error_paths,
+    check_ignore_overlap,
+)
+
+
+def run_checks(spec: Spec) -> list[Finding]:
+    """Every finding for a parsed spec, in file order."""
+    findings = [f for check in CHECKS for f in check(spec)]
+    return sorted(findings, key=lambda f: (f.line, f.col, f.code))

@@ -1,0 +1,40 @@
+"""Findings: what the loader and the static checks report about a spec."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+Severity = Literal["error", "warning"]
+
+READ_ERROR = "KVF000"
+"""The file could not be read at all (missing, unreadable): a usage/IO error, not a finding."""
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    """One problem in a spec: a stable code, where it is, what is wrong and how to mend it."""
+
+    code: str
+    severity: Severity
+    path: str
+    line: int
+    message: str
+    fix: str = ""
+    col: int = 1
+
+    def __str__(self) -> str:
+        text = f"{self.path}:{self.line}: {self.message} ({self.code})."
+        return f"{text} {self.fix}" if self.fix else text
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class SpecError(Exception):
+    """A spec that cannot be used: carries every error finding, each with file and line."""
+
+    def __init__(self, findings: Iterable[Finding]) -> None:
+        self.findings = tuple(findings)
+        super().__init__("\n".join(str(f) for f in self.findings))

@@ -1,0 +1,450 @@
+"""Read a schema-v1 YAML spec into the immutable model, keeping every line number.
+
+The loader walks PyYAML's node graph rather than plain Python objects so that
+each error (KVF001) names the file, line and column it came from, and says how
+to mend it. It collects every schema error it can before raising.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import yaml
+from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
+
+from .findings import READ_ERROR, Finding, SpecError
+from .model import WILDCARD, IgnoreRule, Loc, Resource, Spec, State, Timeout, Transition
+
+SCHEMA_VERSION = 1
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+T = TypeVar("T")
+
+TOP_KEYS = {
+    "kvfsm": "schema version (required, 1)",
+    "machine": "machine name (required)",
+    "doc": "description",
+    "key": "id space that names instances (required)",
+    "params": "named numbers",
+    "resources": "what an instance can hold",
+    "states": "the states (required)",
+    "transitions": "the transitions (required)",
+    "ignore": "legal no-op events",
+    "on_error": "event fired when an action raises",
+}
+RESOURCE_KEYS = ("release", "acquire", "doc")
+STATE_KEYS = ("initial", "final", "holds", "waits", "timeout", "doc")
+TIMEOUT_KEYS = ("after", "fire")
+TRANSITION_KEYS = ("event", "from", "to", "do", "doc")
+IGNORE_KEYS = ("event", "in")
+
+
+class _Schema:
+    """Walks the node graph, converting values and collecting KVF001 findings."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.errors: list[Finding] = []
+
+    def loc(self, node: Node) -> Loc:
+        mark = node.start_mark
+        return Loc(self.path, mark.line + 1, mark.column + 1)
+
+    def error(self, node: Node | Loc, message: str, fix: str = "") -> None:
+        loc = node if isinstance(node, Loc) else self.loc(node)
+        self.errors.append(Finding("KVF001", "error", self.path, loc.line, message, fix, loc.col))
+
+    # -- typed readers; each returns None after recording an error ---------
+
+    def mapping(
+        self, node: Node, what: str, allowed: tuple[str, ...] | dict[str, str]
+    ) -> dict[str, tuple[Node, Node]] | None:
+        if not isinstance(node, MappingNode):
+            self.error(
+                node,
+                f"{what} must be a mapping, not {_kind(node)}",
+                f"Write it as '{{key: value, ...}}' with keys {', '.join(allowed)}.",
+            )
+            return None
+        out: dict[str, tuple[Node, Node]] = {}
+        for knode, vnode in node.value:
+            if not isinstance(knode, ScalarNode):
+                self.error(knode, f"{what} has a non-text key", "Keys must be plain names.")
+                continue
+            key = knode.value
+            if key in out:
+                self.error(knode, f"{what} repeats key {key!r}", "Each key may appear once; merge the two entries.")
+                continue
+            if allowed and key not in allowed:
+                close = _closest(key, allowed)
+                hint = f"Did you mean {close!r}? " if close else ""
+                self.error(knode, f"{what} has unknown key {key!r}", f"{hint}Allowed keys: {', '.join(allowed)}.")
+                continue
+            out[key] = (knode, vnode)
+        return out
+
+    def named_mapping(self, node: Node, what: str) -> list[tuple[str, Node, Node]]:
+        """A mapping whose keys are user-chosen names (states, resources, params)."""
+        items = self.mapping(node, what, ())
+        if items is None:
+            return []
+        out = []
+        for name, (knode, vnode) in items.items():
+            if self.name(knode, f"{what} name") is not None:
+                out.append((name, knode, vnode))
+        return out
+
+    def scalar(self, node: Node, what: str) -> str | None:
+        if not isinstance(node, ScalarNode):
+            self.error(node, f"{what} must be a single value, not {_kind(node)}")
+            return None
+        return str(node.value)
+
+    def name(self, node: Node, what: str) -> str | None:
+        value = self.scalar(node, what)
+        if value is None:
+            return None
+        if not _NAME.match(value):
+            self.error(
+                node,
+                f"{what} {value!r} is not a valid name",
+                "Use letters, digits and '_', not starting with a digit (names become driver methods and diagram ids).",
+            )
+            return None
+        return value
+
+    def text(self, node: Node, what: str) -> str:
+        value = self.scalar(node, what)
+        return value if value is not None else ""
+
+    def boolean(self, node: Node, what: str) -> bool:
+        value = self.scalar(node, what)
+        if value is None:
+            return False
+        if node.tag != "tag:yaml.org,2002:bool":
+            self.error(node, f"{what} must be true or false, not {value!r}")
+            return False
+        return value.lower() in ("true", "yes", "on")
+
+    def number(self, node: Node, what: str) -> float | None:
+        value = self.scalar(node, what)
+        if value is None:
+            return None
+        if node.tag not in ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float"):
+            self.error(node, f"{what} must be a number, not {value!r}")
+            return None
+        number = float(yaml.safe_load(value))
+        if number < 0 or number != number:
+            self.error(node, f"{what} must be a non-negative number, not {value}")
+            return None
+        return number
+
+    def names(self, node: Node, what: str, *, wildcard: bool = False) -> tuple[str, ...]:
+        """A name or a list of names; ``"*"`` allowed where ``wildcard``."""
+        items = node.value if isinstance(node, SequenceNode) else [node]
+        out: list[str] = []
+        for item in items:
+            if wildcard and isinstance(item, ScalarNode) and item.value == WILDCARD:
+                out.append(WILDCARD)
+                continue
+            name = self.name(item, what)
+            if name is not None:
+                out.append(name)
+        if not out and isinstance(node, SequenceNode) and not node.value:
+            self.error(node, f"{what} is an empty list", "Name at least one.")
+        return tuple(out)
+
+    def require(self, items: dict[str, tuple[Node, Node]], key: str, owner: Node, what: str, fix: str) -> Node | None:
+        if key in items:
+            return items[key][1]
+        self.error(owner, f"{what} is missing required key {key!r}", fix)
+        return None
+
+    def sequence(self, node: Node, what: str, read: Callable[[Node], T | None]) -> tuple[T, ...]:
+        if not isinstance(node, SequenceNode):
+            self.error(node, f"{what} must be a list, not {_kind(node)}", "Write one '- {...}' entry per item.")
+            return ()
+        out = []
+        for item in node.value:
+            value = read(item)
+            if value is not None:
+                out.append(value)
+        return tuple(out)
+
+
+def _kind(node: Node) -> str:
+    if isinstance(node, MappingNode):
+        return "a mapping"
+    if isinstance(node, SequenceNode):
+        return "a list"
+    return f"the value {node.value!r}" if node.value != "" else "an empty value"
+
+
+def _closest(word: str, options: tuple[str, ...] | dict[str, str]) -> str | None:
+    import difflib
+
+    match = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
+    return match[0] if match else None
+
+
+# -- the schema, section by section ------------------------------------------
+
+
+def _resource(s: _Schema, name: str, node: Node) -> Resource | None:
+    what = f"resource {name!r}"
+    items = s.mapping(node, what, RESOURCE_KEYS)
+    if items is None:
+        return None
+    release_node = s.require(
+        items, "release", node, what, "Every resource needs 'release: <driver method>' so that no path can keep it."
+    )
+    release = s.name(release_node, f"{what} release") if release_node is not None else None
+    acquire = s.name(items["acquire"][1], f"{what} acquire") if "acquire" in items else None
+    doc = s.text(items["doc"][1], f"{what} doc") if "doc" in items else ""
+    if release is None:
+        return None
+    return Resource(name, release, acquire, doc, s.loc(node))
+
+
+def _timeout(s: _Schema, owner: str, node: Node) -> Timeout | None:
+    what = f"state {owner!r} timeout"
+    items = s.mapping(node, what, TIMEOUT_KEYS)
+    if items is None:
+        return None
+    fix = "Write 'timeout: {after: <param or seconds>, fire: <event>}'."
+    after_node = s.require(items, "after", node, what, fix)
+    fire_node = s.require(items, "fire", node, what, fix)
+    if after_node is None or fire_node is None:
+        return None
+    after: str | float | None
+    if isinstance(after_node, ScalarNode) and after_node.tag != "tag:yaml.org,2002:str":
+        after = s.number(after_node, f"{what} after")
+    else:
+        after = s.name(after_node, f"{what} after")
+    fire = s.name(fire_node, f"{what} fire")
+    if after is None or fire is None:
+        return None
+    return Timeout(after, fire, s.loc(node))
+
+
+def _state(s: _Schema, name: str, node: Node) -> State | None:
+    what = f"state {name!r}"
+    if isinstance(node, ScalarNode) and node.value in ("", "~", "null"):
+        return State(name, loc=s.loc(node))  # `name: {}` written as `name:`
+    items = s.mapping(node, what, STATE_KEYS)
+    if items is None:
+        return None
+    final = None
+    if "final" in items:
+        fnode = items["final"][1]
+        value = s.scalar(fnode, f"{what} final")
+        if value in ("success", "failure"):
+            final = value
+        elif value is not None:
+            s.error(
+                fnode,
+                f"{what} final must be 'success' or 'failure', not {value!r}",
+                "Final states say how the request ended: 'final: success' or 'final: failure'.",
+            )
+    waits_local = False
+    if "waits" in items:
+        wnode = items["waits"][1]
+        value = s.scalar(wnode, f"{what} waits")
+        if value == "local":
+            waits_local = True
+        elif value is not None:
+            s.error(
+                wnode,
+                f"{what} waits must be 'local', not {value!r}",
+                "'waits: local' marks a state only local code leaves; otherwise give it a timeout.",
+            )
+    return State(
+        name,
+        initial=s.boolean(items["initial"][1], f"{what} initial") if "initial" in items else False,
+        final=final,  # type: ignore[arg-type]
+        holds=s.names(items["holds"][1], f"{what} holds") if "holds" in items else (),
+        waits_local=waits_local,
+        timeout=_timeout(s, name, items["timeout"][1]) if "timeout" in items else None,
+        doc=s.text(items["doc"][1], f"{what} doc") if "doc" in items else "",
+        loc=s.loc(node),
+    )
+
+
+def _transition(s: _Schema, node: Node) -> Transition | None:
+    items = s.mapping(node, "transition", TRANSITION_KEYS)
+    if items is None:
+        return None
+    fix = "Write '- {event: <name>, from: <state or list or \"*\">, to: <state>}'."
+    nodes = [s.require(items, k, node, "transition", fix) for k in ("event", "from", "to")]
+    if None in nodes:
+        return None
+    event_node, from_node, to_node = nodes
+    assert event_node is not None and from_node is not None and to_node is not None
+    event = s.name(event_node, "transition event")
+    sources = s.names(from_node, "transition source", wildcard=True)
+    target = s.name(to_node, "transition target")
+    do = s.name(items["do"][1], "transition do") if "do" in items else None
+    doc = s.text(items["doc"][1], "transition doc") if "doc" in items else ""
+    if event is None or not sources or target is None:
+        return None
+    return Transition(event, sources, target, do, doc, s.loc(node))
+
+
+def _ignore(s: _Schema, node: Node) -> IgnoreRule | None:
+    items = s.mapping(node, "ignore rule", IGNORE_KEYS)
+    if items is None:
+        return None
+    fix = "Write '- {event: [<events>], in: [<states>]}'."
+    event_node = s.require(items, "event", node, "ignore rule", fix)
+    in_node = s.require(items, "in", node, "ignore rule", fix)
+    if event_node is None or in_node is None:
+        return None
+    events = s.names(event_node, "ignored event")
+    states = s.names(in_node, "ignore state", wildcard=True)
+    if not events or not states:
+        return None
+    return IgnoreRule(events, states, s.loc(node))
+
+
+def parse(text: str, path: str = "<string>") -> Spec:
+    """Parse spec text; raises :class:`SpecError` listing every schema error (KVF001)."""
+    s = _Schema(path)
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        line = mark.line + 1 if mark else 1
+        col = mark.column + 1 if mark else 1
+        problem = exc.problem or str(exc)
+        fix = "Fix the YAML syntax at that position."
+        if "alias" in problem or "anchor" in problem:
+            fix = 'A bare * starts a YAML alias: write the wildcard quoted, as "*".'
+        raise SpecError([Finding("KVF001", "error", path, line, f"YAML syntax error: {problem}", fix, col)]) from None
+    except yaml.YAMLError as exc:
+        raise SpecError([Finding("KVF001", "error", path, 1, f"YAML error: {exc}", "Fix the YAML syntax.")]) from None
+    if root is None:
+        raise SpecError(
+            [
+                Finding(
+                    "KVF001",
+                    "error",
+                    path,
+                    1,
+                    "the spec is empty",
+                    "Start with 'kvfsm: 1', 'machine: <name>', 'key: <id space>', 'states:' and 'transitions:'.",
+                )
+            ]
+        )
+    top = s.mapping(root, "the spec", TOP_KEYS)
+    if top is None:
+        raise SpecError(s.errors)
+
+    version_node = s.require(top, "kvfsm", root, "the spec", "Add 'kvfsm: 1' as the first line.")
+    if version_node is not None:
+        version = s.scalar(version_node, "kvfsm")
+        if version is not None and version != str(SCHEMA_VERSION):
+            s.error(
+                version_node,
+                f"unsupported schema version {version!r}",
+                f"This kvfsm reads schema version {SCHEMA_VERSION}: write 'kvfsm: {SCHEMA_VERSION}'.",
+            )
+    name_node = s.require(top, "machine", root, "the spec", "Add 'machine: <name>'.")
+    name = s.name(name_node, "machine") if name_node is not None else None
+    key_node = s.require(top, "key", root, "the spec", "Add 'key: request_id' (the id space that names instances).")
+    key = s.name(key_node, "key") if key_node is not None else None
+    doc = s.text(top["doc"][1], "doc") if "doc" in top else ""
+
+    params: dict[str, float] = {}
+    if "params" in top:
+        for pname, _k, pnode in s.named_mapping(top["params"][1], "params"):
+            value = s.number(pnode, f"param {pname!r}")
+            if value is not None:
+                params[pname] = value
+
+    resources: dict[str, Resource] = {}
+    if "resources" in top:
+        for rname, _k, rnode in s.named_mapping(top["resources"][1], "resources"):
+            resource = _resource(s, rname, rnode)
+            if resource is not None:
+                resources[rname] = resource
+
+    states: dict[str, State] = {}
+    states_node = s.require(
+        top, "states", root, "the spec", "Add 'states:' with at least an initial and a final state."
+    )
+    if states_node is not None:
+        for sname, _k, snode in s.named_mapping(states_node, "states"):
+            state = _state(s, sname, snode)
+            if state is not None:
+                states[sname] = state
+
+    transitions: tuple[Transition, ...] = ()
+    tnode = s.require(
+        top, "transitions", root, "the spec", "Add 'transitions:' with one '- {event, from, to}' entry per transition."
+    )
+    if tnode is not None:
+        transitions = s.sequence(tnode, "transitions", lambda n: _transition(s, n))
+
+    ignore = s.sequence(top["ignore"][1], "ignore", lambda n: _ignore(s, n)) if "ignore" in top else ()
+    on_error = s.name(top["on_error"][1], "on_error") if "on_error" in top else None
+
+    if s.errors or name is None or key is None:
+        raise SpecError(s.errors)
+    locs = {k: s.loc(knode) for k, (knode, _v) in top.items()}
+    return Spec(
+        name=name,
+        key=key,
+        states=states,
+        transitions=transitions,
+        resources=resources,
+        params=params,
+        ignore=ignore,
+        on_error=on_error,
+        doc=doc,
+        path=path,
+        locs=locs,
+    )
+
+
+def read(path: str | Path) -> Spec:
+    """Read and parse a spec file (schema errors only; see :func:`kvfsm.load` for checks)."""
+    shown = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SpecError(
+            [
+                Finding(
+                    READ_ERROR, "error", shown, 0, "no such spec file", "Check the path; bundled specs live in specs/."
+                )
+            ]
+        ) from None
+    except IsADirectoryError:
+        raise SpecError(
+            [
+                Finding(
+                    READ_ERROR,
+                    "error",
+                    shown,
+                    0,
+                    "is a directory, not a spec file",
+                    "Name a .yaml file, or use a shell glob such as specs/*.yaml.",
+                )
+            ]
+        ) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecError(
+            [
+                Finding(
+                    READ_ERROR,
+                    "error",
+                    shown,
+                    0,
+                    f"cannot read the spec file: {exc}",
+                    "Make the file readable UTF-8 text.",
+                )
+            ]
+        ) from None
+    return parse(text, shown)

@@ -1,0 +1,214 @@
+"""The immutable, typed model of one machine spec (schema version 1).
+
+The model is the single source of the semantics every other part shares: the
+engine compiles it, the checks prove things about it, generators draw and test
+it. Derived facts (expanded ``"*"`` sources, which resources a transition
+releases) are computed here once, so no consumer re-derives them its own way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+WILDCARD = "*"
+"""A transition source meaning every non-final state."""
+
+ABORT = "abort"
+"""The event every live state must accept (KVF108)."""
+
+FinalKind = Literal["success", "failure"]
+
+
+@dataclass(frozen=True, slots=True)
+class Loc:
+    """Where something was written: file, 1-based line and column."""
+
+    path: str
+    line: int
+    col: int = 1
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}:{self.col}"
+
+
+NOWHERE = Loc("<memory>", 0, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class Resource:
+    """Something an instance can hold; ``release`` is the driver action that gives it back."""
+
+    name: str
+    release: str
+    acquire: str | None = None
+    doc: str = ""
+    loc: Loc = NOWHERE
+
+
+@dataclass(frozen=True, slots=True)
+class Timeout:
+    """A deadline armed on entering a state: after ``after`` seconds, ``fire`` the event."""
+
+    after: str | float
+    """A param name, or a literal number of seconds."""
+    fire: str
+    loc: Loc = NOWHERE
+
+
+@dataclass(frozen=True, slots=True)
+class State:
+    name: str
+    initial: bool = False
+    final: FinalKind | None = None
+    holds: tuple[str, ...] = ()
+    waits_local: bool = False
+    timeout: Timeout | None = None
+    doc: str = ""
+    loc: Loc = NOWHERE
+
+    @property
+    def is_final(self) -> bool:
+        return self.final is not None
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    """One declared transition line; ``sources`` is as written (may be ``("*",)``)."""
+
+    event: str
+    sources: tuple[str, ...]
+    target: str
+    do: str | None = None
+    doc: str = ""
+    loc: Loc = NOWHERE
+
+    @property
+    def wildcard(self) -> bool:
+        return WILDCARD in self.sources
+
+
+@dataclass(frozen=True, slots=True)
+class IgnoreRule:
+    """Events that are legal no-ops in the listed states (late or duplicate events)."""
+
+    events: tuple[str, ...]
+    states: tuple[str, ...]
+    loc: Loc = NOWHERE
+
+
+@dataclass(frozen=True, slots=True)
+class Edge:
+    """A transition expanded to one concrete source state."""
+
+    source: str
+    event: str
+    target: str
+    do: str | None
+    transition: Transition
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One machine: states, resources, transitions and the rules that join them."""
+
+    name: str
+    key: str
+    states: Mapping[str, State]
+    transitions: tuple[Transition, ...]
+    resources: Mapping[str, Resource] = field(default_factory=dict)
+    params: Mapping[str, float] = field(default_factory=dict)
+    ignore: tuple[IgnoreRule, ...] = ()
+    on_error: str | None = None
+    doc: str = ""
+    path: str = "<memory>"
+    locs: Mapping[str, Loc] = field(default_factory=dict)
+    """Where each top-level key was written (for findings about the spec as a whole)."""
+
+    # -- derived structure -------------------------------------------------
+
+    @property
+    def initial(self) -> State:
+        """The initial state (the first one marked, if a broken spec marks several)."""
+        for state in self.states.values():
+            if state.initial:
+                return state
+        raise LookupError(f"{self.path}: machine {self.name!r} declares no initial state")
+
+    @property
+    def finals(self) -> tuple[str, ...]:
+        return tuple(s.name for s in self.states.values() if s.is_final)
+
+    @property
+    def events(self) -> tuple[str, ...]:
+        """Every event the machine handles, in order of first declaration."""
+        seen: dict[str, None] = {}
+        for t in self.transitions:
+            seen.setdefault(t.event)
+        return tuple(seen)
+
+    def expand(self, sources: tuple[str, ...]) -> tuple[str, ...]:
+        """Sources with ``"*"`` replaced by every non-final state, declaration order kept."""
+        if WILDCARD not in sources:
+            return sources
+        out: dict[str, None] = {}
+        for s in sources:
+            if s == WILDCARD:
+                out.update((n, None) for n, st in self.states.items() if not st.is_final)
+            else:
+                out.setdefault(s)
+        return tuple(out)
+
+    def edges(self) -> Iterator[Edge]:
+        """Every (source, event) → target edge, wildcards expanded, declaration order."""
+        for t in self.transitions:
+            for src in self.expand(t.sources):
+                yield Edge(src, t.event, t.target, t.do, t)
+
+    def ignored(self) -> Iterator[tuple[str, str, IgnoreRule]]:
+        """Every (state, event) pair an ignore rule makes a legal no-op."""
+        for rule in self.ignore:
+            for state in self.expand(rule.states):
+                for event in rule.events:
+                    yield state, event, rule
+
+    def holds(self, state: str) -> tuple[str, ...]:
+        st = self.states.get(state)
+        return st.holds if st is not None else ()
+
+    def releases(self, source: str, target: str) -> tuple[str, ...]:
+        """Resources released moving source → target: holds(source) − holds(target)."""
+        keep = set(self.holds(target))
+        return tuple(r for r in self.holds(source) if r not in keep)
+
+    def acquires(self, source: str | None, target: str) -> tuple[str, ...]:
+        """Resources acquired moving source → target (``None`` source: entering at begin)."""
+        have = set(self.holds(source)) if source is not None else set()
+        return tuple(r for r in self.holds(target) if r not in have)
+
+    def param(self, value: str | float, overrides: Mapping[str, float] | None = None) -> float:
+        """Resolve a timeout's ``after`` (param name or number) to seconds."""
+        if isinstance(value, str):
+            if overrides and value in overrides:
+                return float(overrides[value])
+            return float(self.params[value])
+        return float(value)
+
+    def raising_actions(self, edge: Edge) -> tuple[str, ...]:
+        """Driver actions that run before the state changes on ``edge`` (any can raise)."""
+        acts = [edge.do] if edge.do else []
+        for r in self.acquires(edge.source, edge.target):
+            acquire = self.resources[r].acquire if r in self.resources else None
+            if acquire:
+                acts.append(acquire)
+        return tuple(acts)
+
+    def actions(self) -> tuple[str, ...]:
+        """Every driver method the spec names (do, acquire, release), sorted."""
+        names: set[str] = {t.do for t in self.transitions if t.do}
+        for r in self.resources.values():
+            names.add(r.release)
+            if r.acquire:
+                names.add(r.acquire)
+        return tuple(sorted(names))
