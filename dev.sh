@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Set up a fresh clone (idempotent, quick when nothing changed) and run a job:
+#   ./dev.sh demo     the main job on the bundled specs
+#   ./dev.sh test     lint, types and the test suite (what CI runs)
+#   ./dev.sh bench    the performance comparison
+#   ./dev.sh setup    set up only
+set -euo pipefail
+cd "$(dirname "$0")"
+
+PY=${PYTHON:-python3}
+VENV=.venv
+
+need_apt=()
+command -v dot >/dev/null 2>&1 || need_apt+=(graphviz)
+command -v spin >/dev/null 2>&1 || need_apt+=(spin)
+if [ ${#need_apt[@]} -gt 0 ]; then
+    echo "==> installing Debian packages: ${need_apt[*]}"
+    SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
+fi
+
+if [ ! -x "$VENV/bin/python" ]; then
+    echo "==> creating $VENV"
+    "$PY" -m venv "$VENV"
+fi
+stamp="$VENV/.kvfsm-setup"
+want="$(cat pyproject.toml dev.sh | sha256sum | cut -d' ' -f1)"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+    echo "==> installing Python packages (torch 2.13.0 CPU wheel, kvfsm[dev])"
+    "$VENV/bin/python" -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
+    # torch first, pinned, so the range in [dev] is met by the CPU wheel on disk.
+    "$VENV/bin/python" -m pip install -q torch==2.13.0 2>&1 | grep -v "^WARNING: Location" || true
+    "$VENV/bin/python" -m pip install -q -e ".[dev]" 2>&1 | grep -v "^WARNING: Location" || true
+    "$VENV/bin/python" -c "import kvfsm, torch, yaml, hypothesis" 
+    echo "$want" > "$stamp"
+fi
+export PATH="$PWD/$VENV/bin:$PATH"
+
+case "${1:-demo}" in
+    setup) ;;
+    demo)
+        kvfsm check specs/*.yaml
+        mkdir -p out
+        for spec in specs/*.yaml; do
+            name=$(basename "$spec" .yaml)
+            kvfsm diagram "$spec" -f svg -o "out/$name.svg"
+            kvfsm diagram "$spec" -f mermaid -o "out/$name.mmd"
+        done
+        ;;
+    test)
+        echo "==> ruff"; ruff check kvfsm tests benchmarks
+        echo "==> mypy"; mypy
+        echo "==> pytest"; pytest -q "${@:2}"
+        ;;
+    bench) kvfsm bench "${@:2}" ;;
+    *) echo "usage: ./dev.sh [setup|demo|test|bench]" >&2; exit 2 ;;
+esac

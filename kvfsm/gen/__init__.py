@@ -1,0 +1,1 @@
+"""Artifacts generated from the spec model: diagrams (and, later, tests and Promela)."""

@@ -1,0 +1,210 @@
+"""Draw a spec as Graphviz DOT/SVG or Mermaid, deterministically, for review in diffs.
+
+What the picture must say at a glance: where a request starts, which states
+are success or failure ends, what each state holds, which edges run actions or
+release resources, and which edges are deadlines. A transition from many
+states (``"*"`` or a long source list) is drawn once, from a group node, so
+the diagram never becomes a hairball.
+"""
+
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass
+
+from ..spec.model import Spec, State, Transition
+
+GROUP_AT = 3
+"""A transition with this many sources or more is drawn from one group node."""
+
+COLOURS = {"success": "#d8f3dc", "failure": "#fde2e4", "live": "#ffffff", "group": "#f1f3f5"}
+
+
+@dataclass(frozen=True)
+class _Arrow:
+    source: str
+    target: str
+    label: list[str]
+    timeout: bool
+
+
+def _effects(spec: Spec, source: str | None, target: str, many: bool) -> list[str]:
+    """What an edge does to resources, as short lines ('frees a, b' / 'takes c')."""
+    lines = []
+    taken = spec.acquires(source, target)
+    if taken:
+        lines.append("takes " + ", ".join(taken))
+    if many:
+        if any(spec.holds(s) for s in spec.states if s != target):
+            lines.append("frees what the state holds")
+    elif source is not None:
+        freed = spec.releases(source, target)
+        if freed:
+            lines.append("frees " + ", ".join(freed))
+    return lines
+
+
+def _title(spec: Spec, t: Transition) -> str:
+    text = t.event if t.do is None else f"{t.event} / {t.do}()"
+    return f"{text}  (on_error)" if t.event == spec.on_error else text
+
+
+def _is_timeout(spec: Spec, source: str, event: str) -> bool:
+    st = spec.states.get(source)
+    return st is not None and st.timeout is not None and st.timeout.fire == event
+
+
+def _after(spec: Spec, state: State) -> str:
+    assert state.timeout is not None
+    after = state.timeout.after
+    return f"after {after}" if isinstance(after, str) else f"after {after:g} s"
+
+
+def _layout(spec: Spec) -> tuple[list[tuple[str, list[str]]], list[_Arrow]]:
+    """Group nodes (id, member states) and arrows, in declaration order."""
+    groups: list[tuple[str, list[str]]] = []
+    arrows: list[_Arrow] = []
+    for i, t in enumerate(spec.transitions):
+        sources = [s for s in spec.expand(t.sources) if s in spec.states]
+        if t.target not in spec.states:
+            continue
+        if len(sources) >= GROUP_AT:
+            gid = f"group_{i}"
+            groups.append((gid, sources))
+            arrows.append(_Arrow(gid, t.target, [_title(spec, t), *_effects(spec, None, t.target, many=True)], False))
+            continue
+        for s in sources:
+            timed = _is_timeout(spec, s, t.event)
+            label = [_title(spec, t), *_effects(spec, s, t.target, many=False)]
+            if timed:
+                label.insert(0, _after(spec, spec.states[s]))
+            arrows.append(_Arrow(s, t.target, label, timed))
+    return groups, arrows
+
+
+def _ignored(spec: Spec) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for state, event, _rule in spec.ignored():
+        out.setdefault(state, [])
+        if event not in out[state]:
+            out[state].append(event)
+    return out
+
+
+def _group_label(spec: Spec, members: list[str]) -> str:
+    live = [n for n, s in spec.states.items() if not s.is_final]
+    return "any live state" if members == live else "any of: " + ", ".join(members)
+
+
+# -- DOT -------------------------------------------------------------------
+
+
+def _q(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def to_dot(spec: Spec, *, ignores: bool = False) -> str:
+    groups, arrows = _layout(spec)
+    ignored = _ignored(spec) if ignores else {}
+    lines = [
+        f"digraph {_q(spec.name)} {{",
+        '  graph [rankdir=LR, fontname="Helvetica", fontsize=12, nodesep=0.5, ranksep=0.9, labelloc=t,',
+        f"         label={_q(spec.name + ' — ' + spec.doc if spec.doc else spec.name)}];",
+        '  node [shape=box, style="rounded,filled", fontname="Helvetica", fontsize=11, fillcolor="#ffffff"];',
+        '  edge [fontname="Helvetica", fontsize=9, color="#495057", fontcolor="#212529"];',
+        '  __begin [shape=circle, style=filled, fillcolor="#212529", label="", width=0.18];',
+    ]
+    for st in spec.states.values():
+        rows = [f"<b>{html.escape(st.name)}</b>"]
+        if st.holds:
+            rows.append(f'<font point-size="9">holds: {html.escape(", ".join(st.holds))}</font>')
+        if st.waits_local:
+            rows.append('<font point-size="9" color="#6c757d">waits: local</font>')
+        if st.timeout is not None:
+            rows.append(f'<font point-size="9" color="#6c757d">deadline: {html.escape(_after(spec, st))}</font>')
+        if st.is_final:
+            rows.append(f'<font point-size="9" color="#6c757d">final: {st.final}</font>')
+        if st.name in ignored:
+            rows.append(f'<font point-size="8" color="#adb5bd">ignores: {html.escape(", ".join(ignored[st.name]))}</font>')
+        fill = COLOURS[st.final or "live"]
+        extra = ", peripheries=2" if st.is_final else ""
+        extra += ", penwidth=2" if st.initial else ""
+        lines.append(f'  {_q(st.name)} [label=<{"<br/>".join(rows)}>, fillcolor="{fill}"{extra}];')
+    for gid, members in groups:
+        lines.append(f'  {gid} [label={_q(_group_label(spec, members))}, shape=box, style="dashed,rounded,filled", fillcolor="{COLOURS["group"]}", fontsize=9, color="#868e96"];')
+    initial = next((s.name for s in spec.states.values() if s.initial), None)
+    if initial is not None:
+        taken = spec.acquires(None, initial)
+        begin = "begin" + (f"\\ntakes {', '.join(taken)}" if taken else "")
+        lines.append(f'  __begin -> {_q(initial)} [label="{begin}"];')
+    for a in arrows:
+        style = ', style=dashed, color="#c92a2a", fontcolor="#c92a2a"' if a.timeout else ""
+        label = "\\n".join(part.replace('"', '\\"') for part in a.label)
+        lines.append(f'  {_q(a.source)} -> {_q(a.target)} [label="{label}"{style}];')
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+# -- Mermaid -----------------------------------------------------------------
+
+
+def _m(text: str) -> str:
+    """Mermaid labels cannot hold ':' or ';' safely."""
+    return text.replace(":", "꞉").replace(";", ",")
+
+
+def to_mermaid(spec: Spec, *, ignores: bool = False) -> str:
+    groups, arrows = _layout(spec)
+    ignored = _ignored(spec) if ignores else {}
+    lines = ["---", f"title: {_m(spec.name)}", "---", "stateDiagram-v2", "    direction LR"]
+    for st in spec.states.values():
+        notes = []
+        if st.holds:
+            notes.append("holds " + ", ".join(st.holds))
+        if st.waits_local:
+            notes.append("waits local")
+        if st.timeout is not None:
+            notes.append("deadline " + _after(spec, st))
+        if st.name in ignored:
+            notes.append("ignores " + ", ".join(ignored[st.name]))
+        lines.append(f"    {st.name}" + (f" : {_m(st.name)}<br/>{_m('<br/>'.join(notes))}" if notes else ""))
+    for gid, members in groups:
+        lines.append(f'    state "{_m(_group_label(spec, members))}" as {gid}')
+    initial = next((s.name for s in spec.states.values() if s.initial), None)
+    if initial is not None:
+        lines.append(f"    [*] --> {initial} : begin")
+    for a in arrows:
+        lines.append(f"    {a.source} --> {a.target} : {_m('<br/>'.join(a.label))}")
+    for st in spec.states.values():
+        if st.is_final:
+            lines.append(f"    {st.name} --> [*]")
+    lines.append(f"    classDef success fill:{COLOURS['success']},stroke:#2b8a3e")
+    lines.append(f"    classDef failure fill:{COLOURS['failure']},stroke:#c92a2a")
+    lines.append(f"    classDef group fill:{COLOURS['group']},stroke-dasharray:4 3")
+    for kind in ("success", "failure"):
+        names = [n for n, s in spec.states.items() if s.final == kind]
+        if names:
+            lines.append(f"    class {','.join(names)} {kind}")
+    if groups:
+        lines.append(f"    class {','.join(g for g, _m2 in groups)} group")
+    return "\n".join(lines) + "\n"
+
+
+def to_svg(spec: Spec, *, ignores: bool = False) -> bytes:
+    """SVG through Graphviz ``dot`` (Debian package ``graphviz``)."""
+    import graphviz
+
+    try:
+        return graphviz.Source(to_dot(spec, ignores=ignores)).pipe(format="svg")
+    except graphviz.ExecutableNotFound:
+        raise OSError("graphviz 'dot' is not installed; install the Debian package 'graphviz' (or use -f dot / -f mermaid)") from None
+
+
+def render(spec: Spec, fmt: str, *, ignores: bool = False) -> bytes:
+    if fmt == "svg":
+        return to_svg(spec, ignores=ignores)
+    if fmt == "dot":
+        return to_dot(spec, ignores=ignores).encode()
+    if fmt == "mermaid":
+        return to_mermaid(spec, ignores=ignores).encode()
+    raise ValueError(f"unknown diagram format {fmt!r}; use svg, dot or mermaid")
