@@ -8,7 +8,6 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
@@ -32,7 +31,10 @@ def _cmd_check(args: argparse.Namespace) -> int:
     unreadable = any(f.code == READ_ERROR for f in findings)
     if args.format == "json":
         doc = {
-            "files": [{"path": p, "clean": not any(f.severity == "error" for f in fs), "findings": [f.as_dict() for f in fs]} for p, fs in reports],
+            "files": [
+                {"path": p, "clean": not any(f.severity == "error" for f in fs), "findings": [f.as_dict() for f in fs]}
+                for p, fs in reports
+            ],
             "errors": errors,
             "warnings": warnings,
         }
@@ -94,7 +96,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     for column in ("target", "measured", "threshold", ""):
         targets.add_column(column)
     for t in report.targets:
-        targets.add_row(t.description, f"{t.measured:.2f}", t.threshold, "[green]met[/]" if t.passed else "[red]missed[/]")
+        targets.add_row(
+            t.description, f"{t.measured:.2f}", t.threshold, "[green]met[/]" if t.passed else "[red]missed[/]"
+        )
     out.print(targets)
     return EXIT_OK
 
@@ -102,7 +106,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 def _parser() -> argparse.ArgumentParser:
     from . import __version__
 
-    parser = argparse.ArgumentParser(prog="kvfsm", description="Declared, checked state machines for the KV-cache lifecycle of LLM-serving requests.")
+    parser = argparse.ArgumentParser(
+        prog="kvfsm", description="Declared, checked state machines for the KV-cache lifecycle of LLM-serving requests."
+    )
     parser.add_argument("--version", action="version", version=f"kvfsm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -142,10 +148,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:  # an internal bug: say so plainly; the traceback is opt-in
         if os.environ.get("KVFSM_DEBUG"):
             raise
-        err.print(f"[red]kvfsm {args.command}: internal error {type(exc).__name__}: {escape(str(exc))}[/] (set KVFSM_DEBUG=1 for the traceback, and please report it)")
+        err.print(
+            f"[red]kvfsm {args.command}: internal error {type(exc).__name__}: {escape(str(exc))}[/] (set KVFSM_DEBUG=1 for the traceback, and please report it)"
+        )
         return EXIT_USAGE
-
-
 
 
 if __name__ == "__main__":

@@ -1,76 +1,85 @@
-"""A heap of per-instance deadlines with lazy cancellation.
+"""Deadlines as one FIFO per timed state, with lazy cancellation.
 
-Invariant: an entry ``(due, seq, inst)`` is live iff ``inst.deadline is entry``.
-Disarming only clears ``inst.deadline``; the dead entry is skipped when it
-surfaces, and the heap is rebuilt when dead entries outnumber live ones, so
-``pop_due`` costs O((due + dead) log n), never a scan of everything armed.
+Every deadline a state arms is ``clock() + after`` with that state's single
+``after``, so with a monotonic clock the order of arming is the order of
+expiry: a deque per state is already sorted and ``arm`` is an append, not a
+heap push. Invariant: an entry ``(due, key)`` is live iff ``armed[key] is
+entry``; disarming only forgets the key, and dead entries are dropped when
+they reach the front (or in a sweep once they outnumber the live ones), so
+``pop_due`` costs O(due + dead), never a scan of everything armed.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
-from collections.abc import Iterator
-from typing import Any, Protocol
+from collections import deque
+from collections.abc import Hashable, Iterator
+
+Entry = tuple[float, Hashable]
 
 
-class Armable(Protocol):
-    deadline: Any
+class Deadlines:
+    __slots__ = ("armed", "_queues", "_dead")
 
-
-class DeadlineHeap:
-    __slots__ = ("_dead", "_heap", "_seq")
-
-    def __init__(self) -> None:
-        self._heap: list[tuple[float, int, Any]] = []
-        self._seq = itertools.count()
+    def __init__(self, states: int) -> None:
+        self.armed: dict[Hashable, Entry] = {}
+        self._queues: list[deque[Entry]] = [deque() for _ in range(states)]
         self._dead = 0
 
     def __len__(self) -> int:
-        return len(self._heap) - self._dead
+        return len(self.armed)
 
-    def arm(self, inst: Armable, due: float) -> None:
-        if inst.deadline is not None:
+    def arm(self, key: Hashable, state: int, due: float) -> None:
+        entry = (due, key)
+        if self.armed.get(key) is not None:
             self._dead += 1
-        entry = (due, next(self._seq), inst)
-        inst.deadline = entry
-        heapq.heappush(self._heap, entry)
+        self.armed[key] = entry
+        self._queues[state].append(entry)
 
-    def disarm(self, inst: Armable) -> None:
-        inst.deadline = None
+    def disarm(self, key: Hashable) -> None:
+        """Forget ``key``'s deadline (if it still has one: ``pop_due`` disarms what it yields)."""
+        if self.armed.pop(key, None) is None:
+            return
         self._dead += 1
-        if self._dead > 1024 and self._dead * 2 > len(self._heap):
-            self._heap = [e for e in self._heap if e[2].deadline is e]
-            heapq.heapify(self._heap)
-            self._dead = 0
+        if self._dead > 4096 and self._dead > 2 * len(self.armed):
+            self._sweep()
 
-    def pop_due(self, now: float) -> Iterator[Any]:
-        """Yield (and disarm) each instance whose deadline is at or before ``now``, earliest first.
+    def _sweep(self) -> None:
+        """Drop dead entries, in place (``pop_due`` may be part-way through a queue)."""
+        armed = self.armed
+        for queue in self._queues:
+            live = [e for e in queue if armed.get(e[1]) is e]
+            queue.clear()
+            queue.extend(live)
+        self._dead = 0
+
+    def pop_due(self, now: float) -> Iterator[tuple[Hashable, int]]:
+        """Yield (and disarm) ``(key, state index)`` for each deadline at or before ``now``.
 
         Lazy, so the caller may fire each timeout (and arm new deadlines) before
-        the next is taken. Deadlines armed during this pass wait for the next
-        poll, so a state that times out into itself cannot spin.
+        taking the next. Deadlines armed during this pass wait for the next poll,
+        so a state that times out into itself cannot spin.
         """
-        heap = self._heap
-        fresh = next(self._seq)
-        later: list[tuple[float, int, Any]] = []
-        while heap and heap[0][0] <= now:
-            entry = heapq.heappop(heap)
-            inst = entry[2]
-            if inst.deadline is not entry:
-                self._dead -= 1
-            elif entry[1] > fresh:
-                later.append(entry)
-            else:
-                inst.deadline = None
-                yield inst
-        for entry in later:
-            heapq.heappush(heap, entry)
+        armed = self.armed
+        for index, queue in enumerate(self._queues):
+            for _ in range(len(queue)):  # entries appended meanwhile wait for the next poll
+                if not queue or queue[0][0] > now:
+                    break
+                entry = queue.popleft()
+                key = entry[1]
+                if armed.get(key) is entry:
+                    del armed[key]
+                    yield key, index
+                else:
+                    self._dead -= 1
 
     def next_due(self) -> float | None:
         """The earliest live deadline, or None."""
-        heap = self._heap
-        while heap and heap[0][2].deadline is not heap[0]:
-            heapq.heappop(heap)
-            self._dead -= 1
-        return heap[0][0] if heap else None
+        armed = self.armed
+        best: float | None = None
+        for queue in self._queues:
+            while queue and armed.get(queue[0][1]) is not queue[0]:
+                queue.popleft()
+                self._dead -= 1
+            if queue and (best is None or queue[0][0] < best):
+                best = queue[0][0]
+        return best

@@ -45,7 +45,7 @@ class CEdge:
     ``releases`` holds (action name, release) pairs, in the spec's holds order.
     """
 
-    __slots__ = ("acquires", "do", "do_name", "event", "prepare", "releases", "source", "target")
+    __slots__ = ("acquires", "bare", "do", "do_name", "event", "prepare", "releases", "source", "target")
 
     def __init__(
         self,
@@ -66,6 +66,8 @@ class CEdge:
         self.releases = releases
         self.prepare = do is not None or bool(acquires)
         """Whether anything runs (and can raise) before the state changes."""
+        self.bare = self if not self.prepare else CEdge(event, source, target, None, None, (), releases)
+        """This edge without the actions that can raise: how on_error is taken when its own action fails."""
 
     def __repr__(self) -> str:
         src = self.source.name if self.source else "∅"

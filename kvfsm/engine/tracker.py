@@ -1,45 +1,46 @@
 """The Tracker: every live instance of one machine, moved by checked events.
 
-Per instance it keeps a four-slot record (state, deadline, serial, links);
-resources held are never stored, they are ``state.holds`` by definition, so the
-ledger cannot drift from the state. One re-entrant lock makes every public call
-atomic; an event fired from inside a driver action is queued and runs after the
-current transition (run to completion).
+An instance is nothing but its key's entry in ``_live``, mapping to its
+compiled state. Resources held are never stored: they are ``state.holds`` by
+definition, so the ledger cannot drift from the state. Generations, links and
+deadlines live in side tables that only the instances using them touch.
+
+One re-entrant lock makes every public call atomic. An event fired from inside
+a driver action is queued and runs once the current transition is complete
+(run to completion).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ..errors import ActionError, Anomaly, DuplicateKey, Failure, IllegalTransition, KvfsmError, Phase, TrackerClosed
+from ..errors import (
+    ActionError,
+    Anomaly,
+    AnomalyKind,
+    DuplicateKey,
+    Failure,
+    IllegalTransition,
+    KvfsmError,
+    Phase,
+    TrackerClosed,
+)
 from ..spec import Spec, load
 from ..spec.model import ABORT
-from .deadlines import DeadlineHeap
+from .deadlines import Deadlines
 from .program import IGNORED, CEdge, CState, compile_program
 
 Observer = Callable[[Hashable, int, str, str, str, float], None]
-"""Called after each transition with (key, generation, event, from, to, time)."""
+"""Called after each transition with (key, generation, event, from, to, time); ``begin`` has from ``""``."""
 
 ANOMALY_LIMIT = 10_000
-
-
-class Instance:
-    """One request's place in the machine. ``serial`` is its generation, unique per tracker."""
-
-    __slots__ = ("deadline", "key", "links", "serial", "state")
-
-    def __init__(self, key: Hashable, state: CState, serial: int) -> None:
-        self.key = key
-        self.state = state
-        self.deadline: Any = None
-        self.serial = serial
-        self.links: list[tuple[str, Hashable]] | None = None
+"""Anomaly records kept between drains; older ones are dropped (the counts keep counting)."""
 
 
 class Tracker:
@@ -47,9 +48,25 @@ class Tracker:
 
     >>> tracker = Tracker(kvfsm.load("specs/kv_request.yaml"), driver)
     >>> tracker.begin("req-1")
+    0
     >>> tracker.fire("req-1", "enqueue")
     'queued'
+
+    Invariants, kept by every method below:
+
+    - ``_live[key]`` is the state of key's current instance, from ``begin``
+      until ``finished()`` drains it (final states included until then);
+    - ``_gens[key]`` is that instance's generation when it is not 0, i.e. when
+      the key was begun again before its previous instance was drained;
+    - ``_deadlines.armed`` holds ``key`` iff ``_live[key]`` has a timeout;
+    - ``_links[space][id] == (key, generation)``, and ``_linked[key]`` lists
+      the ``(space, id)`` pairs to forget when key's instance is drained.
     """
+
+    __slots__ = (
+        "spec", "driver", "counts", "_program", "_begin_edge", "_clock", "_observer", "_lock", "_live", "_gens",
+        "_links", "_linked", "_deadlines", "_finished", "_queue", "_busy", "_closed", "_failures", "_anomalies",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -61,29 +78,34 @@ class Tracker:
         spaces: Iterable[str] = (),
         observer: Observer | None = None,
     ) -> None:
+        """Bind ``driver`` to ``spec`` (a model or a path to load and check).
+
+        ``clock`` must be monotonic (deadlines fire in arming order per state);
+        ``params`` override the spec's; ``spaces`` declares the id spaces that
+        :meth:`link` and :meth:`fire_by` accept besides the spec's key.
+        """
         if not isinstance(spec, Spec):
             spec = load(spec)
         self.spec = spec
         self.driver = driver
         self._program = compile_program(spec, driver, params)
-        self._by_name = self._program.by_name
         self._begin_edge = self._program.begin
         self._clock = clock
         self._observer = observer
         self._lock = threading.RLock()
-        self._live: dict[Hashable, Instance] = {}
-        self._links: dict[str, dict[Hashable, Instance]] = {space: {} for space in spaces}
-        self._deadlines = DeadlineHeap()
-        self._finished: list[Instance] = []
-        self._population = [0] * len(self._program.states)
-        self._queue: deque[tuple[Instance | None, Hashable, str, dict[str, Any]]] = deque()
+        self._live: dict[Hashable, CState] = {}
+        self._gens: dict[Hashable, int] = {}
+        self._links: dict[str, dict[Hashable, tuple[Hashable, int]]] = {space: {} for space in spaces}
+        self._linked: dict[Hashable, list[tuple[str, Hashable]]] = {}
+        self._deadlines = Deadlines(len(self._program.states))
+        self._finished: list[tuple[Hashable, CState]] = []
+        self._queue: deque[tuple[Hashable, str, dict[str, Any]]] = deque()
         self._busy = False
         self._closed = False
-        self._serial = 0
         self._failures: list[Failure] = []
         self._anomalies: deque[Anomaly] = deque(maxlen=ANOMALY_LIMIT)
-        self.counts = dict.fromkeys(
-            ("transitions", "ignored", "illegal", "unknown", "stale", "timeouts", "action_errors", "release_errors"), 0
+        self.counts: dict[str, int] = dict.fromkeys(
+            ("ignored", "illegal", "unknown", "stale", "forced", "timeouts", "action_errors", "release_errors"), 0
         )
         """Running totals; ``unknown`` and ``stale`` count events that were dropped, not raised."""
 
@@ -92,36 +114,46 @@ class Tracker:
     def begin(self, key: Hashable, /, **payload: Any) -> int:
         """Start an instance in the initial state, acquiring what it holds; returns its generation.
 
-        A key whose earlier instance has finished may be reused: the new
-        instance is a new generation and late events for the old one are stale.
+        A key whose earlier instance has finished may be begun again: the new
+        instance is the next generation, and ids linked to the old one go stale.
         """
-        with self._lock:
+        lock = self._lock
+        lock.acquire()
+        try:
             if self._closed:
                 raise TrackerClosed(f"tracker for {self.spec.name!r} is closed; begin({key!r}) refused")
-            old = self._live.get(key)
-            if old is not None and not old.state.final:
-                raise DuplicateKey(
-                    f"{key!r} is already live in state {old.state.name!r}; finish it before beginning it again"
-                )
+            live = self._live
+            old = live.get(key)
+            gen = 0
+            if old is not None:
+                if not old.final:
+                    raise DuplicateKey(
+                        f"{key!r} is already live in state {old.name!r}; finish it before beginning it again"
+                    )
+                gen = self._gens.get(key, 0) + 1
             edge = self._begin_edge
-            self._serial += 1
-            inst = Instance(key, edge.target, self._serial)
             if edge.acquires:
                 self._busy = True
                 try:
-                    failed = self._acquire(inst, edge, payload)
+                    for done, (_name, acquire, _undo) in enumerate(edge.acquires):
+                        try:
+                            acquire(key, **payload)
+                        except Exception as exc:
+                            self._acquire_failed(key, edge, payload, done, exc, "(not begun)")
+                            self._raise_failures()
                 finally:
                     self._busy = False
-                if failed >= 0:
-                    self._failures[failed] = replace(self._failures[failed], state="(not begun)")
-                    self._raise_failures()
-            self._live[key] = inst
-            self._population[edge.target.index] += 1
-            if edge.target.after is not None:
-                self._deadlines.arm(inst, self._clock() + edge.target.after)
+            if gen:
+                self._gens[key] = gen
+            target = edge.target
+            live[key] = target
+            if target.after is not None:
+                self._deadlines.arm(key, target.index, self._clock() + target.after)
             if self._observer is not None:
-                self._observer(key, inst.serial, "begin", "", edge.target.name, self._clock())
-            return inst.serial
+                self._observer(key, gen, "begin", "", target.name, self._clock())
+            return gen
+        finally:
+            lock.release()
 
     def fire(self, key: Hashable, event: str, /, **payload: Any) -> str | None:
         """Apply ``event`` to ``key``'s instance; returns its state afterwards.
@@ -133,79 +165,88 @@ class Tracker:
         ``None`` is returned; so is an event fired from inside an action, which
         is queued and runs once the current transition is complete.
         """
-        with self._lock:
+        lock = self._lock
+        lock.acquire()
+        try:
             if self._busy:
-                self._queue.append((None, key, event, payload))
+                self._queue.append((key, event, payload))
                 return None
-            inst = self._live.get(key)
-            if inst is None:
+            state = self._live.get(key)
+            if state is None:
                 self._anomaly("unknown", self.spec.key, key, event)
                 return None
-            return self._dispatch(inst, event, payload)
+            edge = state.row.get(event)
+            if edge is None or edge is IGNORED:
+                return self._refuse(key, state, event, edge)
+            self._busy = True
+            try:
+                state = self._step(key, state, edge, payload)
+                if self._queue:
+                    self._drain()
+                    state = self._live[key]
+            finally:
+                self._busy = False
+            if self._failures:
+                self._raise_failures()
+            return state.name
+        finally:
+            lock.release()
 
     def fire_by(self, space: str, ident: Hashable, event: str, /, **payload: Any) -> str | None:
-        """Like :meth:`fire`, for the instance linked to ``ident`` in id space ``space``.
+        """Like :meth:`fire`, for the instance ``ident`` names in id space ``space``.
 
-        An id of an instance whose key has since been reused is reported as
-        ``stale`` and not applied; an id never linked (or long retired) as
-        ``unknown``.
+        An id linked to an earlier generation of a reused key is reported as
+        ``stale`` and not applied; an id never linked (or retired by a drain)
+        as ``unknown``.
         """
         if space == self.spec.key:
             return self.fire(ident, event, **payload)
         with self._lock:
-            inst = self._space(space).get(ident)
-            if inst is None:
-                self._anomaly("unknown", space, ident, event)
-                return None
-            if self._live.get(inst.key) is not inst:
-                self._anomaly("stale", space, ident, event)
-                return None
-            if self._busy:
-                self._queue.append((inst, inst.key, event, payload))
-                return None
-            return self._dispatch(inst, event, payload)
+            key = self._resolve(space, ident, event)
+            return None if key is None else self.fire(key, event, **payload)
 
     def link(self, key: Hashable, space: str, ident: Hashable) -> None:
         """Let ``ident`` in id space ``space`` name ``key``'s current instance."""
         with self._lock:
-            inst = self._live.get(key)
-            if inst is None:
+            if key not in self._live:
                 raise KvfsmError(f"cannot link {space}={ident!r}: {key!r} has no instance")
             table = self._space(space)
+            gen = self._gens.get(key, 0)
             other = table.get(ident)
-            if other is not None and other is not inst and self._live.get(other.key) is other and not other.state.final:
-                raise KvfsmError(
-                    f"{space}={ident!r} already names live {other.key!r}; an id may name one live instance"
-                )
-            table[ident] = inst
-            if inst.links is None:
-                inst.links = []
-            inst.links.append((space, ident))
+            if other is not None and other != (key, gen) and self._current(*other) and not self._live[other[0]].final:
+                raise KvfsmError(f"{space}={ident!r} already names live {other[0]!r}; an id may name one live instance")
+            table[ident] = (key, gen)
+            self._linked.setdefault(key, []).append((space, ident))
 
     def route(self, space: str, ident: Hashable) -> Hashable | None:
-        """The key ``ident`` names in ``space`` (its current generation only), or None."""
+        """The key ``ident`` names in ``space`` (current generations only), or None."""
         with self._lock:
             if space == self.spec.key:
                 return ident if ident in self._live else None
-            inst = self._space(space).get(ident)
-            return inst.key if inst is not None and self._live.get(inst.key) is inst else None
+            entry = self._space(space).get(ident)
+            return entry[0] if entry is not None and self._current(*entry) else None
 
     def poll(self, now: float | None = None) -> list[tuple[Hashable, str, str]]:
-        """Fire every timeout due at ``now`` (default: the clock); returns (key, event, new state)."""
+        """Fire every timeout due at ``now`` (default: the clock); returns ``(key, event, new state)``.
+
+        Due timeouts fire state by state in declaration order, and in arming
+        order within a state.
+        """
         with self._lock:
             if now is None:
                 now = self._clock()
             fired: list[tuple[Hashable, str, str]] = []
+            states = self._program.states
             self._busy = True
             try:
-                for inst in self._deadlines.pop_due(now):
-                    state = inst.state
+                for key, index in self._deadlines.pop_due(now):
+                    state = states[index]
                     event = state.timeout_event
-                    assert event is not None  # armed only for states with a timeout
+                    assert event is not None, "armed only in states with a timeout"
                     self.counts["timeouts"] += 1
-                    self._step(inst, state.row[event], {})
+                    self._step(key, state, state.row[event], {})
                     self._drain()
-                    fired.append((inst.key, event, inst.state.name))
+                    fired.append((key, event, self._live[key].name))
             finally:
                 self._busy = False
             if self._failures:
@@ -215,22 +256,24 @@ class Tracker:
     def close(self) -> None:
         """Shut down: abort every live instance and release all it holds, then refuse new work.
 
-        An instance that abort cannot finish (its abort leads to a live state,
-        or abort's action fails and on_error keeps it live) has its resources
-        released directly and is reported as a ``forced`` anomaly.
+        An instance that abort cannot finish (no abort edge, or abort's action
+        failed and on_error kept it live) has its resources released directly
+        and is reported as a ``forced`` anomaly.
         """
         with self._lock:
             if self._closed:
                 return
             self._busy = True
             try:
-                for inst in [i for i in self._live.values() if not i.state.final]:
-                    edge = inst.state.row.get(ABORT)
+                for key, state in list(self._live.items()):
+                    if state.final:
+                        continue
+                    edge = state.row.get(ABORT)
                     if isinstance(edge, CEdge):
-                        self._step(inst, edge, {})
+                        self._step(key, state, edge, {})
                         self._drain()
-                    if not inst.state.final:
-                        self._force_release(inst)
+                    if not self._live[key].final:
+                        self._force_release(key)
             finally:
                 self._busy = False
                 self._closed = True
@@ -241,57 +284,63 @@ class Tracker:
 
     def state(self, key: Hashable) -> str | None:
         """The state of ``key``'s current instance, or None if it has none (never begun, or drained)."""
-        inst = self._live.get(key)
-        return inst.state.name if inst is not None else None
+        state = self._live.get(key)
+        return state.name if state is not None else None
 
     def held(self, key: Hashable) -> tuple[str, ...]:
         """Resources the spec says ``key`` holds now (none for finished or unknown keys)."""
-        inst = self._live.get(key)
-        return inst.state.holds if inst is not None else ()
+        state = self._live.get(key)
+        return state.holds if state is not None else ()
 
     def generation(self, key: Hashable) -> int | None:
-        inst = self._live.get(key)
-        return inst.serial if inst is not None else None
+        """The generation of ``key``'s current instance, or None if it has none."""
+        with self._lock:
+            return self._gens.get(key, 0) if key in self._live else None
 
     def finished(self) -> list[tuple[Hashable, str]]:
-        """Drain ``(key, final state)`` for every instance finished since the last call.
+        """Drain ``(key, final state)`` for every instance finished since the last call, in order.
 
         Drained instances are retired: their key and linked ids stop naming them.
         """
         with self._lock:
             done, self._finished = self._finished, []
-            live, links, population = self._live, self._links, self._population
+            live, gens, linked = self._live, self._gens, self._linked
             out = []
-            for inst in done:
-                key = inst.key
-                if live.get(key) is inst:
+            for key, state in done:
+                if live.get(key) is state:
                     del live[key]
-                if inst.links is not None:
-                    for space, ident in inst.links:
-                        table = links[space]
-                        if table.get(ident) is inst:
-                            del table[ident]
-                population[inst.state.index] -= 1
-                out.append((key, inst.state.name))
+                    if gens:
+                        gens.pop(key, None)
+                    if linked and key in linked:
+                        self._unlink(key, keep_from=None)
+                elif linked and key in linked:
+                    self._unlink(key, keep_from=gens.get(key, 0))
+                out.append((key, state.name))
             return out
 
     def census(self) -> dict[str, int]:
-        """Instances per state (finished ones count until drained)."""
-        return {s.name: self._population[s.index] for s in self._program.states}
+        """Current instances per state; finished ones count until drained. O(instances)."""
+        with self._lock:
+            counts = Counter(self._live.values())
+        return {s.name: counts[s] for s in self._program.states}
 
     def holding(self) -> dict[str, int]:
-        """How many instances hold each resource now — the ledger, derived from the census."""
+        """How many instances hold each resource now: the ledger, derived from the census."""
         out = dict.fromkeys(self.spec.resources, 0)
-        for s in self._program.states:
-            for r in s.holds:
-                out[r] += self._population[s.index]
+        with self._lock:
+            counts = Counter(self._live.values())
+        for state, count in counts.items():
+            for r in state.holds:
+                out[r] += count
         return out
 
     def live(self) -> int:
-        """Instances not yet in a final state."""
-        return sum(self._population[s.index] for s in self._program.states if not s.final)
+        """Instances not yet in a final state. O(instances)."""
+        with self._lock:
+            return sum(not state.final for state in self._live.values())
 
     def next_deadline(self) -> float | None:
+        """When the earliest armed deadline is due, or None: how long a caller may sleep before ``poll``."""
         with self._lock:
             return self._deadlines.next_due()
 
@@ -304,57 +353,36 @@ class Tracker:
 
     # -- the transition itself ----------------------------------------------
 
-    def _dispatch(self, inst: Instance, event: str, payload: dict[str, Any]) -> str:
-        """Check and apply one external event, then everything it queued."""
-        edge = inst.state.row.get(event)
-        if edge is None:
-            self.counts["illegal"] += 1
-            raise IllegalTransition(inst.key, event, inst.state.name, list(inst.state.row))
-        if edge is IGNORED:
-            self.counts["ignored"] += 1
-            return inst.state.name
-        self._busy = True
-        try:
-            self._step(inst, edge, payload)
-            if self._queue:
-                self._drain()
-        finally:
-            self._busy = False
-        if self._failures:
-            self._raise_failures()
-        return inst.state.name
+    def _step(self, key: Hashable, source: CState, edge: CEdge, payload: dict[str, Any]) -> CState:
+        """do → acquires → state change → releases (each on its own); returns the state it ends in.
 
-    def _step(self, inst: Instance, edge: CEdge, payload: dict[str, Any]) -> None:
-        """do → acquires → state change → releases; on a raise before the change, on_error instead."""
-        key = inst.key
+        A raise before the state change fires on_error from ``source`` instead.
+        Deliberately one flat function: it is the per-event path.
+        """
         if edge.prepare:
-            try:
-                if edge.do is not None:
-                    edge.do(key, **payload)
-            except Exception as exc:
-                self._on_error(inst, edge, self._record(inst, edge.event, edge.do_name or "", "do", exc))
-                return
+            do = edge.do
+            if do is not None:
+                try:
+                    do(key, **payload)
+                except Exception as exc:
+                    return self._on_error(
+                        key, source, edge, self._record(key, edge.event, edge.do_name or "", "do", exc, source.name)
+                    )
             if edge.acquires:
-                failed = self._acquire(inst, edge, payload)
-                if failed >= 0:
-                    self._on_error(inst, edge, failed)
-                    return
-        self._commit(inst, edge, payload)
-
-    def _commit(self, inst: Instance, edge: CEdge, payload: dict[str, Any]) -> None:
-        source, target = inst.state, edge.target
-        inst.state = target
-        population = self._population
-        population[source.index] -= 1
-        population[target.index] += 1
-        self.counts["transitions"] += 1
-        if inst.deadline is not None:
-            self._deadlines.disarm(inst)
+                for done, (_name, acquire, _undo) in enumerate(edge.acquires):
+                    try:
+                        acquire(key, **payload)
+                    except Exception as exc:
+                        return self._on_error(
+                            key, source, edge, self._acquire_failed(key, edge, payload, done, exc, source.name)
+                        )
+        target = self._live[key] = edge.target
+        if source.after is not None:
+            self._deadlines.disarm(key)
         if target.after is not None:
-            self._deadlines.arm(inst, self._clock() + target.after)
+            self._deadlines.arm(key, target.index, self._clock() + target.after)
         if target.final:
-            self._finished.append(inst)
-        key = inst.key
+            self._finished.append((key, target))
         for name, release in edge.releases:
             try:
                 release(key, **payload)
@@ -362,102 +390,134 @@ class Tracker:
                 self.counts["release_errors"] += 1
                 self._failures.append(Failure(key, edge.event, name, "release", exc, target.name))
         if self._observer is not None:
-            self._observer(key, inst.serial, edge.event, source.name, target.name, self._clock())
+            self._observer(key, self._gens.get(key, 0), edge.event, source.name, target.name, self._clock())
+        return target
 
-    def _acquire(self, inst: Instance, edge: CEdge, payload: dict[str, Any]) -> int:
-        """Run the edge's acquires; if one raises, undo those done. Returns the failure's index, or -1."""
-        key = inst.key
-        for done, (name, acquire, _undo) in enumerate(edge.acquires):
+    def _acquire_failed(
+        self, key: Hashable, edge: CEdge, payload: dict[str, Any], done: int, exc: Exception, where: str
+    ) -> int:
+        """Acquire number ``done`` raised: record it and undo the ones before. Returns the failure's index."""
+        index = self._record(key, edge.event, edge.acquires[done][0], "acquire", exc, where)
+        for name, _acquire, undo in edge.acquires[:done]:
             try:
-                acquire(key, **payload)
-            except Exception as exc:
-                index = self._record(inst, edge.event, name, "acquire", exc)
-                for uname, _a, undo in edge.acquires[:done]:
-                    try:
-                        undo(key, **payload)
-                    except Exception as uexc:
-                        self.counts["release_errors"] += 1
-                        self._failures.append(Failure(key, edge.event, uname, "release", uexc, inst.state.name))
-                return index
-        return -1
+                undo(key, **payload)
+            except Exception as uexc:
+                self.counts["release_errors"] += 1
+                self._failures.append(Failure(key, edge.event, name, "release", uexc, where))
+        return index
 
-    def _record(self, inst: Instance, event: str, action: str, phase: Phase, exc: BaseException) -> int:
+    def _record(self, key: Hashable, event: str, action: str, phase: Phase, exc: BaseException, where: str) -> int:
         """Keep a failure for the caller; returns its index so its end state can be filled in."""
         self.counts["action_errors"] += 1
-        self._failures.append(Failure(inst.key, event, action, phase, exc, inst.state.name))
+        self._failures.append(Failure(key, event, action, phase, exc, where))
         return len(self._failures) - 1
 
-    def _on_error(self, inst: Instance, edge: CEdge, failure: int) -> None:
-        """An action on ``edge`` raised before the state changed: fire on_error from the source.
+    def _on_error(self, key: Hashable, source: CState, edge: CEdge, failure: int) -> CState:
+        """An action on ``edge`` raised before the state changed: fire on_error from ``source``.
 
-        If the failing edge is the on_error path itself, it is committed without
+        If the failing edge is the on_error path itself, it is taken without
         its actions, so an error while handling an error still ends in the
         state the spec names for it, with its resources released.
         """
-        handler = inst.state.error_edge
+        handler = source.error_edge
         if handler is edge:
-            self._commit(inst, edge, {})
-        elif handler is not None:
-            self._step(inst, handler, {})
-        self._failures[failure] = replace(self._failures[failure], state=inst.state.name)
+            handler = edge.bare
+        state = self._step(key, source, handler, {}) if handler is not None else source
+        self._failures[failure] = replace(self._failures[failure], state=state.name)
+        return state
+
+    def _refuse(self, key: Hashable, state: CState, event: str, edge: CEdge | None) -> str:
+        """An event with no transition: a legal no-op if ignored, else IllegalTransition."""
+        if edge is None:
+            self.counts["illegal"] += 1
+            raise IllegalTransition(key, event, state.name, list(state.row))
+        self.counts["ignored"] += 1
+        return state.name
 
     def _drain(self) -> None:
         """Run events queued from inside actions, oldest first, until none remain."""
         queue = self._queue
         while queue:
-            target, key, event, payload = queue.popleft()
-            inst = target if target is not None else self._live.get(key)
-            if inst is None:
+            key, event, payload = queue.popleft()
+            state = self._live.get(key)
+            if state is None:
                 self._anomaly("unknown", self.spec.key, key, event)
                 continue
-            edge = inst.state.row.get(event)
-            if edge is None:
-                self.counts["illegal"] += 1
-                self._record(
-                    inst,
-                    event,
-                    "<queued event>",
-                    "do",
-                    IllegalTransition(key, event, inst.state.name, list(inst.state.row)),
-                )
-            elif edge is IGNORED:
-                self.counts["ignored"] += 1
+            edge = state.row.get(event)
+            if edge is None or edge is IGNORED:
+                try:
+                    self._refuse(key, state, event, edge)
+                except IllegalTransition as exc:
+                    self._record(key, event, "<queued event>", "do", exc, state.name)
             else:
-                self._step(inst, edge, payload)
+                self._step(key, state, edge, payload)
 
-    def _force_release(self, inst: Instance) -> None:
-        """Release everything ``inst`` holds without a transition (close() of an unfinishable instance)."""
-        self._anomaly("forced", self.spec.key, inst.key, ABORT)
-        for r in inst.state.holds:
-            res = self.spec.resources[r]
+    def _force_release(self, key: Hashable) -> None:
+        """Release everything ``key`` holds without a transition (close() of an unfinishable instance)."""
+        state = self._live.pop(key)
+        self._anomaly("forced", self.spec.key, key, ABORT)
+        for r in state.holds:
+            action = self.spec.resources[r].release
             try:
-                getattr(self.driver, res.release)(inst.key)
+                getattr(self.driver, action)(key)
             except Exception as exc:
                 self.counts["release_errors"] += 1
-                self._failures.append(Failure(inst.key, ABORT, res.release, "release", exc, inst.state.name))
-        self._population[inst.state.index] -= 1
-        if inst.deadline is not None:
-            self._deadlines.disarm(inst)
-        if self._live.get(inst.key) is inst:
-            del self._live[inst.key]
+                self._failures.append(Failure(key, ABORT, action, "release", exc, state.name))
+        if state.after is not None:
+            self._deadlines.disarm(key)
+        self._gens.pop(key, None)
+        self._unlink(key, keep_from=None)
 
-    # -- reporting -------------------------------------------------------------
+    # -- ids -------------------------------------------------------------------
 
-    def _space(self, space: str) -> dict[Hashable, Instance]:
+    def _space(self, space: str) -> dict[Hashable, tuple[Hashable, int]]:
         table = self._links.get(space)
         if table is None:
-            known = ", ".join([self.spec.key, *self._links]) or "none"
+            known = ", ".join([self.spec.key, *self._links])
             raise KvfsmError(
                 f"id space {space!r} is not declared for this tracker (declared: {known}); pass spaces=[{space!r}, ...] to Tracker()"
             )
         return table
 
-    def _anomaly(self, kind: Any, space: str, ident: Hashable, event: str) -> None:
-        self.counts[kind] = self.counts.get(kind, 0) + 1
+    def _current(self, key: Hashable, gen: int) -> bool:
+        return key in self._live and self._gens.get(key, 0) == gen
+
+    def _resolve(self, space: str, ident: Hashable, event: str) -> Hashable | None:
+        entry = self._space(space).get(ident)
+        if entry is None:
+            self._anomaly("unknown", space, ident, event)
+            return None
+        if not self._current(*entry):
+            self._anomaly("stale", space, ident, event)
+            return None
+        return entry[0]
+
+    def _unlink(self, key: Hashable, keep_from: int | None) -> None:
+        """Forget key's linked ids (only those of generations before ``keep_from``, if given)."""
+        pairs = self._linked.get(key)
+        if not pairs:
+            return
+        kept = []
+        for space, ident in pairs:
+            table = self._links[space]
+            entry = table.get(ident)
+            if entry is None or entry[0] != key:
+                continue
+            if keep_from is not None and entry[1] >= keep_from:
+                kept.append((space, ident))
+            else:
+                del table[ident]
+        if kept:
+            self._linked[key] = kept
+        else:
+            del self._linked[key]
+
+    # -- reporting -------------------------------------------------------------
+
+    def _anomaly(self, kind: AnomalyKind, space: str, ident: Hashable, event: str) -> None:
+        self.counts[kind] += 1
         self._anomalies.append(Anomaly(kind, space, ident, event))
 
     def _raise_failures(self) -> None:
         failures, self._failures = self._failures, []
-        if len(failures) == 1 and isinstance(failures[0].error, IllegalTransition):
-            raise failures[0].error
         raise ActionError(failures)

@@ -125,13 +125,17 @@ def to_dot(spec: Spec, *, ignores: bool = False) -> str:
         if st.is_final:
             rows.append(f'<font point-size="9" color="#6c757d">final: {st.final}</font>')
         if st.name in ignored:
-            rows.append(f'<font point-size="8" color="#adb5bd">ignores: {html.escape(", ".join(ignored[st.name]))}</font>')
+            rows.append(
+                f'<font point-size="8" color="#adb5bd">ignores: {html.escape(", ".join(ignored[st.name]))}</font>'
+            )
         fill = COLOURS[st.final or "live"]
         extra = ", peripheries=2" if st.is_final else ""
         extra += ", penwidth=2" if st.initial else ""
         lines.append(f'  {_q(st.name)} [label=<{"<br/>".join(rows)}>, fillcolor="{fill}"{extra}];')
     for gid, members in groups:
-        lines.append(f'  {gid} [label={_q(_group_label(spec, members))}, shape=box, style="dashed,rounded,filled", fillcolor="{COLOURS["group"]}", fontsize=9, color="#868e96"];')
+        lines.append(
+            f'  {gid} [label={_q(_group_label(spec, members))}, shape=box, style="dashed,rounded,filled", fillcolor="{COLOURS["group"]}", fontsize=9, color="#868e96"];'
+        )
     initial = next((s.name for s in spec.states.values() if s.initial), None)
     if initial is not None:
         taken = spec.acquires(None, initial)
@@ -195,9 +199,12 @@ def to_svg(spec: Spec, *, ignores: bool = False) -> bytes:
     import graphviz
 
     try:
-        return graphviz.Source(to_dot(spec, ignores=ignores)).pipe(format="svg")
+        svg: bytes = graphviz.Source(to_dot(spec, ignores=ignores)).pipe(format="svg")
+        return svg
     except graphviz.ExecutableNotFound:
-        raise OSError("graphviz 'dot' is not installed; install the Debian package 'graphviz' (or use -f dot / -f mermaid)") from None
+        raise OSError(
+            "graphviz 'dot' is not installed; install the Debian package 'graphviz' (or use -f dot / -f mermaid)"
+        ) from None
 
 
 def render(spec: Spec, fmt: str, *, ignores: bool = False) -> bytes:
