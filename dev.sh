@@ -3,6 +3,7 @@
 #   ./dev.sh demo     the main job on the bundled specs
 #   ./dev.sh test     lint, types and the test suite (what CI runs)
 #   ./dev.sh bench    the performance comparison
+#   ./dev.sh diagrams regenerate docs/diagrams/ from specs/
 #   ./dev.sh setup    set up only
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -54,5 +55,12 @@ case "${1:-demo}" in
         echo "==> pytest"; pytest -q "${@:2}"
         ;;
     bench) kvfsm bench "${@:2}" ;;
-    *) echo "usage: ./dev.sh [setup|demo|test|bench]" >&2; exit 2 ;;
+    diagrams)
+        for spec in specs/*.yaml; do
+            name=$(basename "$spec" .yaml)
+            kvfsm diagram "$spec" -f svg -o "docs/diagrams/$name.svg"
+            kvfsm diagram "$spec" -f mermaid -o "docs/diagrams/$name.mmd"
+        done
+        ;;
+    *) echo "usage: ./dev.sh [setup|demo|test|bench|diagrams]" >&2; exit 2 ;;
 esac
