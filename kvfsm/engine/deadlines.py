@@ -18,12 +18,13 @@ Entry = tuple[float, Hashable]
 
 
 class Deadlines:
-    __slots__ = ("armed", "_queues", "_dead")
+    __slots__ = ("_dead", "_polling", "_queues", "armed")
 
     def __init__(self, states: int) -> None:
         self.armed: dict[Hashable, Entry] = {}
         self._queues: list[deque[Entry]] = [deque() for _ in range(states)]
         self._dead = 0
+        self._polling = False
 
     def __len__(self) -> int:
         return len(self.armed)
@@ -40,7 +41,7 @@ class Deadlines:
         if self.armed.pop(key, None) is None:
             return
         self._dead += 1
-        if self._dead > 4096 and self._dead > 2 * len(self.armed):
+        if self._dead > 4096 and self._dead > 2 * len(self.armed) and not self._polling:
             self._sweep()
 
     def _sweep(self) -> None:
@@ -56,21 +57,26 @@ class Deadlines:
         """Yield (and disarm) ``(key, state index)`` for each deadline at or before ``now``.
 
         Lazy, so the caller may fire each timeout (and arm new deadlines) before
-        taking the next. Deadlines armed during this pass wait for the next poll,
-        so a state that times out into itself cannot spin.
+        taking the next. Deadlines armed during this pass, in any state, wait
+        for the next poll, so timeouts cannot chain or spin within one poll.
         """
-        armed = self.armed
-        for index, queue in enumerate(self._queues):
-            for _ in range(len(queue)):  # entries appended meanwhile wait for the next poll
-                if not queue or queue[0][0] > now:
-                    break
-                entry = queue.popleft()
-                key = entry[1]
-                if armed.get(key) is entry:
-                    del armed[key]
-                    yield key, index
-                else:
-                    self._dead -= 1
+        armed, queues = self.armed, self._queues
+        ends = [len(q) for q in queues]  # entries past these were armed during this pass
+        self._polling = True
+        try:
+            for index, queue in enumerate(queues):
+                for _ in range(ends[index]):
+                    if not queue or queue[0][0] > now:
+                        break
+                    entry = queue.popleft()
+                    key = entry[1]
+                    if armed.get(key) is entry:
+                        del armed[key]
+                        yield key, index
+                    else:
+                        self._dead -= 1
+        finally:
+            self._polling = False
 
     def next_due(self) -> float | None:
         """The earliest live deadline, or None."""

@@ -48,7 +48,6 @@ class Tracker:
 
     >>> tracker = Tracker(kvfsm.load("specs/kv_request.yaml"), driver)
     >>> tracker.begin("req-1")
-    0
     >>> tracker.fire("req-1", "enqueue")
     'queued'
 
@@ -56,8 +55,9 @@ class Tracker:
 
     - ``_live[key]`` is the state of key's current instance, from ``begin``
       until ``finished()`` drains it (final states included until then);
-    - ``_gens[key]`` is that instance's generation when it is not 0, i.e. when
-      the key was begun again before its previous instance was drained;
+    - ``_gens[key]`` is that instance's generation, a number unique in this
+      tracker, assigned on first need (a link, the observer, ``generation()``,
+      or the key being begun again before its previous instance was drained);
     - ``_deadlines.armed`` holds ``key`` iff ``_live[key]`` has a timeout;
     - ``_links[space][id] == (key, generation)``, and ``_linked[key]`` lists
       the ``(space, id)`` pairs to forget when key's instance is drained.
@@ -66,6 +66,7 @@ class Tracker:
     __slots__ = (
         "spec", "driver", "counts", "_program", "_begin_edge", "_clock", "_observer", "_lock", "_live", "_gens",
         "_links", "_linked", "_deadlines", "_finished", "_queue", "_busy", "_closed", "_failures", "_anomalies",
+        "_serial",
     )  # fmt: skip
 
     def __init__(
@@ -102,6 +103,7 @@ class Tracker:
         self._queue: deque[tuple[Hashable, str, dict[str, Any]]] = deque()
         self._busy = False
         self._closed = False
+        self._serial = 0
         self._failures: list[Failure] = []
         self._anomalies: deque[Anomaly] = deque(maxlen=ANOMALY_LIMIT)
         self.counts: dict[str, int] = dict.fromkeys(
@@ -111,11 +113,13 @@ class Tracker:
 
     # -- lifecycle ---------------------------------------------------------
 
-    def begin(self, key: Hashable, /, **payload: Any) -> int:
-        """Start an instance in the initial state, acquiring what it holds; returns its generation.
+    def begin(self, key: Hashable, /, **payload: Any) -> None:
+        """Start an instance in the initial state, acquiring what it holds.
 
         A key whose earlier instance has finished may be begun again: the new
-        instance is the next generation, and ids linked to the old one go stale.
+        instance is a new generation, and ids linked to the old one go stale.
+        Raises :class:`DuplicateKey` while the earlier instance is still live,
+        and :class:`ActionError` if an acquire raised (nothing is then held).
         """
         lock = self._lock
         lock.acquire()
@@ -124,14 +128,10 @@ class Tracker:
                 raise TrackerClosed(f"tracker for {self.spec.name!r} is closed; begin({key!r}) refused")
             live = self._live
             old = live.get(key)
-            gen = 0
-            if old is not None:
-                if not old.final:
-                    raise DuplicateKey(
-                        f"{key!r} is already live in state {old.name!r}; finish it before beginning it again"
-                    )
-                gen = self._gens.get(key, 0) + 1
+            if old is not None and not old.final:
+                raise DuplicateKey(f"{key!r} is already live in state {old.name!r}; finish it before beginning it again")
             edge = self._begin_edge
+            outer = self._busy
             if edge.acquires:
                 self._busy = True
                 try:
@@ -140,18 +140,26 @@ class Tracker:
                             acquire(key, **payload)
                         except Exception as exc:
                             self._acquire_failed(key, edge, payload, done, exc, "(not begun)")
-                            self._raise_failures()
+                            if not outer:
+                                self._raise_failures()
+                            return
                 finally:
-                    self._busy = False
-            if gen:
-                self._gens[key] = gen
-            target = edge.target
-            live[key] = target
+                    self._busy = outer
+            target = live[key] = edge.target
+            if old is not None and key in self._gens or self._observer is not None:
+                self._gens[key] = self._serial = self._serial + 1
             if target.after is not None:
                 self._deadlines.arm(key, target.index, self._clock() + target.after)
             if self._observer is not None:
-                self._observer(key, gen, "begin", "", target.name, self._clock())
-            return gen
+                self._observer(key, self._gens[key], "begin", "", target.name, self._clock())
+            if self._queue and not outer:
+                self._busy = True
+                try:
+                    self._drain()
+                finally:
+                    self._busy = False
+                if self._failures:
+                    self._raise_failures()
         finally:
             lock.release()
 
@@ -173,10 +181,14 @@ class Tracker:
                 return None
             state = self._live.get(key)
             if state is None:
+                if self._closed:
+                    raise TrackerClosed(f"tracker for {self.spec.name!r} is closed; {event!r} for {key!r} refused")
                 self._anomaly("unknown", self.spec.key, key, event)
                 return None
             edge = state.row.get(event)
             if edge is None or edge is IGNORED:
+                if self._closed:  # after close() every instance is final, so only this path sees it
+                    raise TrackerClosed(f"tracker for {self.spec.name!r} is closed; {event!r} for {key!r} refused")
                 return self._refuse(key, state, event, edge)
             self._busy = True
             try:
@@ -211,7 +223,7 @@ class Tracker:
             if key not in self._live:
                 raise KvfsmError(f"cannot link {space}={ident!r}: {key!r} has no instance")
             table = self._space(space)
-            gen = self._gens.get(key, 0)
+            gen = self._generation(key)
             other = table.get(ident)
             if other is not None and other != (key, gen) and self._current(*other) and not self._live[other[0]].final:
                 raise KvfsmError(f"{space}={ident!r} already names live {other[0]!r}; an id may name one live instance")
@@ -237,6 +249,7 @@ class Tracker:
                 now = self._clock()
             fired: list[tuple[Hashable, str, str]] = []
             states = self._program.states
+            outer = self._busy
             self._busy = True
             try:
                 for key, index in self._deadlines.pop_due(now):
@@ -245,11 +258,12 @@ class Tracker:
                     assert event is not None, "armed only in states with a timeout"
                     self.counts["timeouts"] += 1
                     self._step(key, state, state.row[event], {})
-                    self._drain()
+                    if not outer:
+                        self._drain()
                     fired.append((key, event, self._live[key].name))
             finally:
-                self._busy = False
-            if self._failures:
+                self._busy = outer
+            if self._failures and not outer:
                 self._raise_failures()
             return fired
 
@@ -263,6 +277,8 @@ class Tracker:
         with self._lock:
             if self._closed:
                 return
+            if self._busy:
+                raise KvfsmError("close() called from inside a driver action; close the tracker from the thread that owns it")
             self._busy = True
             try:
                 for key, state in list(self._live.items()):
@@ -293,9 +309,9 @@ class Tracker:
         return state.holds if state is not None else ()
 
     def generation(self, key: Hashable) -> int | None:
-        """The generation of ``key``'s current instance, or None if it has none."""
+        """The generation of ``key``'s current instance (unique in this tracker), or None if it has none."""
         with self._lock:
-            return self._gens.get(key, 0) if key in self._live else None
+            return self._generation(key) if key in self._live else None
 
     def finished(self) -> list[tuple[Hashable, str]]:
         """Drain ``(key, final state)`` for every instance finished since the last call, in order.
@@ -314,7 +330,7 @@ class Tracker:
                     if linked and key in linked:
                         self._unlink(key, keep_from=None)
                 elif linked and key in linked:
-                    self._unlink(key, keep_from=gens.get(key, 0))
+                    self._unlink(key, keep_from=gens.get(key))
                 out.append((key, state.name))
             return out
 
@@ -390,7 +406,7 @@ class Tracker:
                 self.counts["release_errors"] += 1
                 self._failures.append(Failure(key, edge.event, name, "release", exc, target.name))
         if self._observer is not None:
-            self._observer(key, self._gens.get(key, 0), edge.event, source.name, target.name, self._clock())
+            self._observer(key, self._gens[key], edge.event, source.name, target.name, self._clock())
         return target
 
     def _acquire_failed(
@@ -479,8 +495,14 @@ class Tracker:
             )
         return table
 
+    def _generation(self, key: Hashable) -> int:
+        gen = self._gens.get(key)
+        if gen is None:
+            gen = self._gens[key] = self._serial = self._serial + 1
+        return gen
+
     def _current(self, key: Hashable, gen: int) -> bool:
-        return key in self._live and self._gens.get(key, 0) == gen
+        return key in self._live and self._gens.get(key) == gen
 
     def _resolve(self, space: str, ident: Hashable, event: str) -> Hashable | None:
         entry = self._space(space).get(ident)
