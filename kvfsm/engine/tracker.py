@@ -146,7 +146,7 @@ class Tracker:
                 finally:
                     self._busy = outer
             target = live[key] = edge.target
-            if old is not None and key in self._gens or self._observer is not None:
+            if (old is not None and key in self._gens) or self._observer is not None:
                 self._gens[key] = self._serial = self._serial + 1
             if target.after is not None:
                 self._deadlines.arm(key, target.index, self._clock() + target.after)
