@@ -12,7 +12,7 @@ from collections import defaultdict, deque
 from collections.abc import Callable, Iterable
 
 from .findings import Finding, Severity
-from .model import ABORT, Edge, Loc, Spec
+from .model import ABORT, Edge, Loc, Spec, Transition
 
 Check = Callable[[Spec], Iterable[Finding]]
 
@@ -90,11 +90,17 @@ def check_references(spec: Spec) -> Iterable[Finding]:
                 )
             fire = state.timeout.fire
             accepting = [e for e in spec.edges() if e.source == state.name and e.event == fire]
-            if not accepting:
+            if not accepting and not state.is_final:  # a final state's timeout is KVF111 already
+                only_ignored = any(st == state.name and ev == fire for st, ev, _ in spec.ignored())
+                how = (
+                    "only ignores: the deadline would pass and nothing would happen"
+                    if only_ignored
+                    else "does not accept"
+                )
                 yield _finding(
                     "KVF106",
                     state.timeout.loc,
-                    f"state {state.name!r} times out by firing {fire!r}, which it does not accept",
+                    f"state {state.name!r} times out by firing {fire!r}, which it {how}",
                     f"Add a transition '{{event: {fire}, from: {state.name}, to: <state>}}' or fire an event it accepts.",
                 )
     if spec.on_error is not None and spec.on_error not in events:
@@ -165,13 +171,14 @@ def check_can_finish(spec: Spec) -> Iterable[Finding]:
             yield _finding(
                 "KVF103",
                 state.loc,
-                f"no final state can be reached from state {state.name!r}: a request there never finishes and never releases {_held(state.holds)}",
+                f"no final state can be reached from state {state.name!r}: a request there never finishes{_keeping(state.holds, ' and never releases ')}",
                 "Add a way out (abort, fail or a timeout) that leads to a final state.",
             )
 
 
-def _held(holds: tuple[str, ...]) -> str:
-    return ", ".join(holds) if holds else "its slot"
+def _keeping(holds: tuple[str, ...], lead: str) -> str:
+    """``lead`` + the held resources, or nothing for a state that holds none."""
+    return f"{lead}{', '.join(holds)}" if holds else ""
 
 
 def check_finals(spec: Spec) -> Iterable[Finding]:
@@ -232,7 +239,7 @@ def check_waiting(spec: Spec) -> Iterable[Finding]:
             yield _finding(
                 "KVF107",
                 state.loc,
-                f"state {state.name!r} holds {_held(state.holds)} but has no timeout and is not 'waits: local' — a remote peer that never answers would pin it forever",
+                f"state {state.name!r} has no timeout and is not 'waits: local' — a remote peer that never answers would pin it there forever{_keeping(state.holds, ', holding ')}",
                 "Add 'timeout: {after: <param>, fire: expire}' or mark it 'waits: local'.",
             )
 
@@ -245,7 +252,7 @@ def check_abortable(spec: Spec) -> Iterable[Finding]:
             yield _finding(
                 "KVF108",
                 state.loc,
-                f"state {state.name!r} does not accept {ABORT!r}: a request aborted there keeps running (and keeps {_held(state.holds)})",
+                f"state {state.name!r} does not accept {ABORT!r}: a request aborted there keeps running{_keeping(state.holds, ' and keeps ')}",
                 f"Add '{state.name}' to the 'from' of the abort transition, or use 'from: \"*\"'.",
             )
 
@@ -254,12 +261,15 @@ def check_error_paths(spec: Spec) -> Iterable[Finding]:
     """KVF109: wherever an action can raise, the on_error event is accepted and cannot itself raise."""
     table = _accepts(spec)
     flagged: set[str] = set()
+    unhandled: set[Transition] = set()
     for e in _valid_edges(spec):
         actions = spec.raising_actions(e)
         if not actions or e.source in flagged:
             continue
-        if spec.on_error is None:
-            flagged.add(e.source)
+        if spec.on_error is None:  # one finding per transition: the fix is the same for all its sources
+            if e.transition in unhandled:
+                continue
+            unhandled.add(e.transition)
             yield _finding(
                 "KVF109",
                 e.transition.loc,

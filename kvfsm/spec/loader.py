@@ -7,12 +7,15 @@ to mend it. It collects every schema error it can before raising.
 
 from __future__ import annotations
 
+import difflib
+import math
 import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
 import yaml
+from yaml.constructor import SafeConstructor
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from .findings import READ_ERROR, Finding, SpecError
@@ -21,6 +24,10 @@ from .model import WILDCARD, IgnoreRule, Loc, Resource, Spec, State, Timeout, Tr
 SCHEMA_VERSION = 1
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 T = TypeVar("T")
+_NULL = "tag:yaml.org,2002:null"
+_BOOL = "tag:yaml.org,2002:bool"
+_INT = "tag:yaml.org,2002:int"
+_FLOAT = "tag:yaml.org,2002:float"
 
 TOP_KEYS = {
     "kvfsm": "schema version (required, 1)",
@@ -62,10 +69,9 @@ class _Schema:
         self, node: Node, what: str, allowed: tuple[str, ...] | dict[str, str]
     ) -> dict[str, tuple[Node, Node]] | None:
         if not isinstance(node, MappingNode):
+            keys = f"with keys {', '.join(allowed)}" if allowed else "one entry per name"
             self.error(
-                node,
-                f"{what} must be a mapping, not {_kind(node)}",
-                f"Write it as '{{key: value, ...}}' with keys {', '.join(allowed)}.",
+                node, f"{what} must be a mapping, not {_kind(node)}", f"Write it as '{{key: value, ...}}', {keys}."
             )
             return None
         out: dict[str, tuple[Node, Node]] = {}
@@ -85,14 +91,14 @@ class _Schema:
             out[key] = (knode, vnode)
         return out
 
-    def named_mapping(self, node: Node, what: str) -> list[tuple[str, Node, Node]]:
+    def named_mapping(self, node: Node, what: str, one: str) -> list[tuple[str, Node, Node]]:
         """A mapping whose keys are user-chosen names (states, resources, params)."""
         items = self.mapping(node, what, ())
         if items is None:
             return []
         out = []
         for name, (knode, vnode) in items.items():
-            if self.name(knode, f"{what} name") is not None:
+            if self.name(knode, f"{one} name") is not None:
                 out.append((name, knode, vnode))
         return out
 
@@ -105,6 +111,9 @@ class _Schema:
     def name(self, node: Node, what: str) -> str | None:
         value = self.scalar(node, what)
         if value is None:
+            return None
+        if node.tag in (_INT, _FLOAT, _NULL):
+            self.error(node, f"{what} must be a name, not {_kind(node)}", "Write a name: letters, digits and '_'.")
             return None
         if not _NAME.match(value):
             self.error(
@@ -123,36 +132,48 @@ class _Schema:
         value = self.scalar(node, what)
         if value is None:
             return False
-        if node.tag != "tag:yaml.org,2002:bool":
-            self.error(node, f"{what} must be true or false, not {value!r}")
+        flag = value.lower()
+        if node.tag != _BOOL or flag not in _TRUE + _FALSE:
+            self.error(node, f"{what} must be true or false, not {value!r}", "Write it unquoted: true or false.")
             return False
-        return value.lower() in ("true", "yes", "on")
+        return flag in _TRUE
 
     def number(self, node: Node, what: str) -> float | None:
         value = self.scalar(node, what)
         if value is None:
             return None
-        if node.tag not in ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float"):
-            self.error(node, f"{what} must be a number, not {value!r}")
+        number = _to_number(node)
+        if number is None:
+            self.error(node, f"{what} must be a number, not {_kind(node)}", "Write plain seconds, unquoted, e.g. 30.0.")
             return None
-        number = float(yaml.safe_load(value))
-        if number < 0 or number != number:
-            self.error(node, f"{what} must be a non-negative number, not {value}")
+        if number < 0 or not math.isfinite(number):
+            self.error(
+                node,
+                f"{what} must be a finite, non-negative number of seconds, not {value}",
+                "Write seconds such as 30.0 (a negative, .inf or .nan deadline is no deadline).",
+            )
             return None
         return number
 
-    def names(self, node: Node, what: str, *, wildcard: bool = False) -> tuple[str, ...]:
-        """A name or a list of names; ``"*"`` allowed where ``wildcard``."""
+    def names(self, node: Node, what: str, *, wildcard: bool = False, empty: bool = False) -> tuple[str, ...]:
+        """A name or a list of names, each once; ``"*"`` allowed where ``wildcard``, ``[]`` where ``empty``."""
+        if isinstance(node, MappingNode):
+            self.error(node, f"{what} must be a name or a list of names, not a mapping", "Write 'a' or '[a, b]'.")
+            return ()
         items = node.value if isinstance(node, SequenceNode) else [node]
         out: list[str] = []
         for item in items:
             if wildcard and isinstance(item, ScalarNode) and item.value == WILDCARD:
-                out.append(WILDCARD)
+                name: str | None = WILDCARD
+            else:
+                name = self.name(item, what)
+            if name is None:
                 continue
-            name = self.name(item, what)
-            if name is not None:
-                out.append(name)
-        if not out and isinstance(node, SequenceNode) and not node.value:
+            if name in out:
+                self.error(item, f"{what} lists {name!r} twice", f"Name {name!r} once.")
+                continue
+            out.append(name)
+        if not empty and isinstance(node, SequenceNode) and not node.value:
             self.error(node, f"{what} is an empty list", "Name at least one.")
         return tuple(out)
 
@@ -174,101 +195,122 @@ class _Schema:
         return tuple(out)
 
 
+_TRUE = ("true", "yes", "on")
+_FALSE = ("false", "no", "off")
+
+
 def _kind(node: Node) -> str:
     if isinstance(node, MappingNode):
         return "a mapping"
     if isinstance(node, SequenceNode):
         return "a list"
-    return f"the value {node.value!r}" if node.value != "" else "an empty value"
+    if node.tag == _NULL:
+        return "an empty value" if node.value in ("", "~") else f"the null value {node.value!r}"
+    if node.tag in (_INT, _FLOAT) and _to_number(node) is not None:
+        return f"the number {node.value}"
+    return f"the value {node.value!r}"
+
+
+def _to_number(node: Node) -> float | None:
+    """The value of an int- or float-tagged scalar (``!!int abc`` is not a number)."""
+    if node.tag not in (_INT, _FLOAT):
+        return None
+    try:
+        return float(SafeConstructor().construct_object(node))
+    except (yaml.YAMLError, TypeError, ValueError):
+        return None
 
 
 def _closest(word: str, options: tuple[str, ...] | dict[str, str]) -> str | None:
-    import difflib
-
-    match = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
-    return match[0] if match else None
+    """The known key ``word`` was most likely meant to be (case does not count against it)."""
+    lowered = {o.lower(): o for o in options}
+    match = difflib.get_close_matches(word.lower(), list(lowered), n=1, cutoff=0.6)
+    return lowered[match[0]] if match else None
 
 
 # -- the schema, section by section ------------------------------------------
 
 
-def _resource(s: _Schema, name: str, node: Node) -> Resource | None:
+def _resource(s: _Schema, name: str, knode: Node, node: Node) -> Resource | None:
+    """``knode`` is the resource's name: findings about the whole resource point there."""
     what = f"resource {name!r}"
     items = s.mapping(node, what, RESOURCE_KEYS)
     if items is None:
         return None
     release_node = s.require(
-        items, "release", node, what, "Every resource needs 'release: <driver method>' so that no path can keep it."
+        items, "release", knode, what, "Every resource needs 'release: <driver method>' so that no path can keep it."
     )
-    release = s.name(release_node, f"{what} release") if release_node is not None else None
-    acquire = s.name(items["acquire"][1], f"{what} acquire") if "acquire" in items else None
-    doc = s.text(items["doc"][1], f"{what} doc") if "doc" in items else ""
+    release = s.name(release_node, f"{what}: release") if release_node is not None else None
+    acquire = s.name(items["acquire"][1], f"{what}: acquire") if "acquire" in items else None
+    doc = s.text(items["doc"][1], f"{what}: doc") if "doc" in items else ""
     if release is None:
         return None
-    return Resource(name, release, acquire, doc, s.loc(node))
+    return Resource(name, release, acquire, doc, s.loc(knode))
 
 
-def _timeout(s: _Schema, owner: str, node: Node) -> Timeout | None:
+def _timeout(s: _Schema, owner: str, knode: Node, node: Node) -> Timeout | None:
+    """``knode`` is the ``timeout:`` key: findings about the timeout point there."""
     what = f"state {owner!r} timeout"
     items = s.mapping(node, what, TIMEOUT_KEYS)
     if items is None:
         return None
     fix = "Write 'timeout: {after: <param or seconds>, fire: <event>}'."
-    after_node = s.require(items, "after", node, what, fix)
-    fire_node = s.require(items, "fire", node, what, fix)
+    after_node = s.require(items, "after", knode, what, fix)
+    fire_node = s.require(items, "fire", knode, what, fix)
     if after_node is None or fire_node is None:
         return None
     after: str | float | None
-    if isinstance(after_node, ScalarNode) and after_node.tag != "tag:yaml.org,2002:str":
-        after = s.number(after_node, f"{what} after")
+    if isinstance(after_node, ScalarNode) and after_node.tag != "tag:yaml.org,2002:str":  # seconds, not a param
+        after = s.number(after_node, f"{what}: after")
     else:
-        after = s.name(after_node, f"{what} after")
-    fire = s.name(fire_node, f"{what} fire")
+        after = s.name(after_node, f"{what}: after")
+    fire = s.name(fire_node, f"{what}: fire")
     if after is None or fire is None:
         return None
-    return Timeout(after, fire, s.loc(node))
+    return Timeout(after, fire, s.loc(knode))
 
 
-def _state(s: _Schema, name: str, node: Node) -> State | None:
+def _state(s: _Schema, name: str, knode: Node, node: Node) -> State | None:
+    """``knode`` is the state's name: findings about the state point there, not at its first key."""
     what = f"state {name!r}"
-    if isinstance(node, ScalarNode) and node.value in ("", "~", "null"):
-        return State(name, loc=s.loc(node))  # `name: {}` written as `name:`
+    if isinstance(node, ScalarNode) and node.tag == _NULL:
+        return State(name, loc=s.loc(knode))  # `name: {}` written as `name:`
     items = s.mapping(node, what, STATE_KEYS)
     if items is None:
         return None
     final = None
     if "final" in items:
         fnode = items["final"][1]
-        value = s.scalar(fnode, f"{what} final")
+        value = s.scalar(fnode, f"{what}: final")
         if value in ("success", "failure"):
             final = value
         elif value is not None:
             s.error(
                 fnode,
-                f"{what} final must be 'success' or 'failure', not {value!r}",
+                f"{what}: final must be 'success' or 'failure', not {value!r}",
                 "Final states say how the request ended: 'final: success' or 'final: failure'.",
             )
     waits_local = False
     if "waits" in items:
         wnode = items["waits"][1]
-        value = s.scalar(wnode, f"{what} waits")
+        value = s.scalar(wnode, f"{what}: waits")
         if value == "local":
             waits_local = True
         elif value is not None:
             s.error(
                 wnode,
-                f"{what} waits must be 'local', not {value!r}",
+                f"{what}: waits must be 'local', not {value!r}",
                 "'waits: local' marks a state only local code leaves; otherwise give it a timeout.",
             )
     return State(
         name,
-        initial=s.boolean(items["initial"][1], f"{what} initial") if "initial" in items else False,
+        initial=s.boolean(items["initial"][1], f"{what}: initial") if "initial" in items else False,
         final=final,  # type: ignore[arg-type]
-        holds=s.names(items["holds"][1], f"{what} holds") if "holds" in items else (),
+        holds=s.names(items["holds"][1], f"{what}: holds", empty=True) if "holds" in items else (),
         waits_local=waits_local,
-        timeout=_timeout(s, name, items["timeout"][1]) if "timeout" in items else None,
-        doc=s.text(items["doc"][1], f"{what} doc") if "doc" in items else "",
-        loc=s.loc(node),
+        timeout=_timeout(s, name, *items["timeout"]) if "timeout" in items else None,
+        doc=s.text(items["doc"][1], f"{what}: doc") if "doc" in items else "",
+        loc=s.loc(knode),
     )
 
 
@@ -308,23 +350,33 @@ def _ignore(s: _Schema, node: Node) -> IgnoreRule | None:
     return IgnoreRule(events, states, s.loc(node))
 
 
+def _syntax_error(exc: yaml.MarkedYAMLError, path: str) -> Finding:
+    """A YAML syntax error as KVF001; a bare ``*`` (an alias to PyYAML) gets told to quote it."""
+    problem = exc.problem or str(exc)
+    about_alias = "alias" in f"{exc.context or ''} {problem}"
+    # An alias error's context mark is where the `*` stands; otherwise the problem mark is the spot.
+    mark = (exc.context_mark if about_alias else None) or exc.problem_mark or exc.context_mark
+    line = mark.line + 1 if mark else 1
+    col = mark.column + 1 if mark else 1
+    if about_alias:
+        message = f"YAML syntax error: a bare * starts a YAML alias ({problem})"
+        fix = 'The wildcard (every non-final state) must be quoted: write "*", e.g. from: "*".'
+    else:
+        message = f"YAML syntax error: {exc.context + ': ' if exc.context else ''}{problem}"
+        fix = "Fix the YAML syntax at that position."
+    return Finding("KVF001", "error", path, line, message, fix, col)
+
+
 def parse(text: str, path: str = "<string>") -> Spec:
     """Parse spec text; raises :class:`SpecError` listing every schema error (KVF001)."""
     s = _Schema(path)
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        line = mark.line + 1 if mark else 1
-        col = mark.column + 1 if mark else 1
-        problem = exc.problem or str(exc)
-        fix = "Fix the YAML syntax at that position."
-        if "alias" in problem or "anchor" in problem:
-            fix = 'A bare * starts a YAML alias: write the wildcard quoted, as "*".'
-        raise SpecError([Finding("KVF001", "error", path, line, f"YAML syntax error: {problem}", fix, col)]) from None
+        raise SpecError([_syntax_error(exc, path)]) from None
     except yaml.YAMLError as exc:
         raise SpecError([Finding("KVF001", "error", path, 1, f"YAML error: {exc}", "Fix the YAML syntax.")]) from None
-    if root is None:
+    if root is None or (isinstance(root, ScalarNode) and root.tag == _NULL):  # nothing, or a bare `---`
         raise SpecError(
             [
                 Finding(
@@ -344,10 +396,10 @@ def parse(text: str, path: str = "<string>") -> Spec:
     version_node = s.require(top, "kvfsm", root, "the spec", "Add 'kvfsm: 1' as the first line.")
     if version_node is not None:
         version = s.scalar(version_node, "kvfsm")
-        if version is not None and version != str(SCHEMA_VERSION):
+        if version is not None and (version_node.tag != _INT or version != str(SCHEMA_VERSION)):
             s.error(
                 version_node,
-                f"unsupported schema version {version!r}",
+                f"unsupported schema version: kvfsm is {_kind(version_node)}",
                 f"This kvfsm reads schema version {SCHEMA_VERSION}: write 'kvfsm: {SCHEMA_VERSION}'.",
             )
     name_node = s.require(top, "machine", root, "the spec", "Add 'machine: <name>'.")
@@ -358,15 +410,15 @@ def parse(text: str, path: str = "<string>") -> Spec:
 
     params: dict[str, float] = {}
     if "params" in top:
-        for pname, _k, pnode in s.named_mapping(top["params"][1], "params"):
+        for pname, _k, pnode in s.named_mapping(top["params"][1], "params", "param"):
             value = s.number(pnode, f"param {pname!r}")
             if value is not None:
                 params[pname] = value
 
     resources: dict[str, Resource] = {}
     if "resources" in top:
-        for rname, _k, rnode in s.named_mapping(top["resources"][1], "resources"):
-            resource = _resource(s, rname, rnode)
+        for rname, rknode, rnode in s.named_mapping(top["resources"][1], "resources", "resource"):
+            resource = _resource(s, rname, rknode, rnode)
             if resource is not None:
                 resources[rname] = resource
 
@@ -375,8 +427,8 @@ def parse(text: str, path: str = "<string>") -> Spec:
         top, "states", root, "the spec", "Add 'states:' with at least an initial and a final state."
     )
     if states_node is not None:
-        for sname, _k, snode in s.named_mapping(states_node, "states"):
-            state = _state(s, sname, snode)
+        for sname, sknode, snode in s.named_mapping(states_node, "states", "state"):
+            state = _state(s, sname, sknode, snode)
             if state is not None:
                 states[sname] = state
 
@@ -391,7 +443,7 @@ def parse(text: str, path: str = "<string>") -> Spec:
     on_error = s.name(top["on_error"][1], "on_error") if "on_error" in top else None
 
     if s.errors or name is None or key is None:
-        raise SpecError(s.errors)
+        raise SpecError(sorted(s.errors, key=lambda f: (f.line, f.col)))
     locs = {k: s.loc(knode) for k, (knode, _v) in top.items()}
     return Spec(
         name=name,

@@ -167,11 +167,22 @@ class Spec:
                 yield Edge(src, t.event, t.target, t.do, t)
 
     def ignored(self) -> Iterator[tuple[str, str, IgnoreRule]]:
-        """Every (state, event) pair an ignore rule makes a legal no-op."""
+        """Every (state, event) pair an ignore rule makes a legal no-op.
+
+        In an ignore rule ``"*"`` means every state, final ones included, that
+        has no transition for the event: "a late ``complete`` is harmless
+        wherever it is not handled".
+        """
+        handled = {(e.source, e.event) for e in self.edges()}
         for rule in self.ignore:
-            for state in self.expand(rule.states):
-                for event in rule.events:
-                    yield state, event, rule
+            for event in rule.events:
+                for state in rule.states:
+                    if state != WILDCARD:
+                        yield state, event, rule
+                    else:
+                        for name in self.states:
+                            if (name, event) not in handled and name not in rule.states:
+                                yield name, event, rule
 
     def holds(self, state: str) -> tuple[str, ...]:
         st = self.states.get(state)
