@@ -85,22 +85,39 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         report = bench.run(quick=args.quick, progress=step)
     if args.format == "json":
         out.print_json(json.dumps(report.as_dict()))
-        return EXIT_OK
-    table = Table(title="kvfsm benchmarks (one run, this machine)")
-    for column in ("measure", "value", "unit", "ratio"):
-        table.add_column(column, justify="left" if column == "measure" else "right")
+        return EXIT_OK if report.passed or report.quick else EXIT_FINDINGS
+    from .bench.report import fmt_number
+
+    section = None
+    table = None
     for row in report.rows:
-        table.add_row(row.name, f"{row.value:,.1f}", row.unit, f"{row.ratio:.2f}×" if row.ratio is not None else "")
-    out.print(table)
-    targets = Table(title="targets")
-    for column in ("target", "measured", "threshold", ""):
+        if row.section != section:
+            if table is not None:
+                out.print(table)
+            section = row.section
+            table = Table(title=escape(section), title_justify="left")
+            for column in ("", "value", "unit", "ratio"):
+                table.add_column(column, justify="left" if column in ("", "unit") else "right")
+        assert table is not None
+        ratio = f"{fmt_number(row.ratio)}× {row.baseline}" if row.ratio is not None and row.baseline else ""
+        table.add_row(escape(row.name), fmt_number(row.value), row.unit, escape(ratio))
+    if table is not None:
+        out.print(table)
+    targets = Table(title="targets", title_justify="left")
+    for column in ("", "target", "measured"):
         targets.add_column(column)
     for t in report.targets:
         targets.add_row(
-            t.description, f"{t.measured:.2f}", t.threshold, "[green]met[/]" if t.passed else "[red]missed[/]"
+            "[green]met[/]" if t.passed else "[red]missed[/]", escape(t.description), fmt_number(t.measured)
         )
     out.print(targets)
-    return EXIT_OK
+    for note in report.notes:
+        out.print(f"[dim]- {escape(note)}[/]")
+    env = ", ".join(f"{k} {v}" for k, v in report.environment.items())
+    out.print(
+        f"[dim]{'quick (figures not meaningful)' if report.quick else 'full'} run, {report.seconds:.0f} s; {escape(env)}[/]"
+    )
+    return EXIT_OK if report.passed or report.quick else EXIT_FINDINGS
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -124,7 +141,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ignores", action="store_true", help="also draw ignore rules (late events that are legal no-ops)")
     p.set_defaults(run=_cmd_diagram)
 
-    p = sub.add_parser("bench", help="the performance comparison (one run, ratios against baselines)")
+    p = sub.add_parser(
+        "bench", help="the performance comparison (one run, ratios against baselines; exit 1 if a target is missed)"
+    )
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke run, not a measurement")
     p.add_argument("--format", choices=("text", "json"), default="text")
     p.set_defaults(run=_cmd_bench)
