@@ -41,11 +41,16 @@ class CState:
 class CEdge:
     """One (source, event) → target step with its bound actions.
 
-    ``acquires`` holds (action name, acquire, release-to-undo) triples;
-    ``releases`` holds (action name, release) pairs, in the spec's holds order.
+    ``acquires`` holds (action name, acquire, release-to-undo) triples and
+    ``releases`` (action name, release) pairs, in the spec's holds order;
+    ``acquire_fns`` and ``release_fns`` are the same callables alone, which is
+    all the per-event loops read (names are looked up only when one raises).
     """
 
-    __slots__ = ("acquires", "bare", "do", "do_name", "event", "prepare", "releases", "source", "target")
+    __slots__ = (
+        "acquire_fns", "acquires", "bare", "do", "do_name", "event", "prepare", "release_fns", "releases", "source",
+        "target",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -64,6 +69,8 @@ class CEdge:
         self.do_name = do_name
         self.acquires = acquires
         self.releases = releases
+        self.acquire_fns = tuple(fn for _name, fn, _undo in acquires)
+        self.release_fns = tuple(fn for _name, fn in releases)
         self.prepare = do is not None or bool(acquires)
         """Whether anything runs (and can raise) before the state changes."""
         self.bare = self if not self.prepare else CEdge(event, source, target, None, None, (), releases)

@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import replace
 from functools import partial
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 from transitions import Machine, MachineError, State
 from transitions.core import EventData
@@ -60,11 +60,22 @@ if TYPE_CHECKING:
 NEW = "kvfsm:new"
 """Pseudo-state an instance sits in between ``add_model`` and a successful begin."""
 BEGIN = "kvfsm:begin"
-"""Pseudo-event moving an instance from :data:`NEW` into the initial state."""
+"""Pseudo-event moving an instance from :data:`NEW` into the initial state.
+
+Failures at begin name the event ``"begin"``, as the Tracker's observer does."""
 NOT_BEGUN = "(not begun)"
 """``Failure.state`` of an action that failed at begin: no instance was created."""
 STATE_ATTR = "kvfsm_state"
 """The model attribute ``transitions`` keeps the state name in."""
+
+
+class Deadline(NamedTuple):
+    """One armed timeout: when, in which (declaration-ordered) state, armed when, firing what."""
+
+    due: float
+    state: int
+    seq: int
+    event: str
 
 
 class _ActionRaised(Exception):
@@ -86,8 +97,7 @@ class Instance:
         self.key = key
         self.generation = generation
         self.held: list[str] = []
-        self.deadline: tuple[float, int, str] | None = None
-        """(due, arming order, event to fire), or None when unarmed."""
+        self.deadline: Deadline | None = None
         self.acquired: list[str] = []
         """Acquire actions run in the current step, undone if a later action raises."""
         self.bare = False
@@ -149,11 +159,11 @@ class Reference:
     def _build(self) -> Machine:
         spec = self.spec
         states = [State(NEW)]
-        for s in spec.states.values():
+        for order, s in enumerate(spec.states.values()):
             on_enter: CallbackList = []
             on_exit: CallbackList = []
             if s.timeout is not None:
-                on_enter.append(partial(self._arm, spec.param(s.timeout.after, self._params), s.timeout.fire))
+                on_enter.append(partial(self._arm, spec.param(s.timeout.after, self._params), order, s.timeout.fire))
                 on_exit.append(self._disarm)
             states.append(State(s.name, on_enter=on_enter, on_exit=on_exit, final=s.is_final))
         machine = Machine(
@@ -236,8 +246,8 @@ class Reference:
         except Exception as exc:
             self._failures.append(Failure(inst.key, event, action, "release", exc, state))
 
-    def _arm(self, after: float, event: str, event_data: EventData) -> None:
-        _model(event_data).deadline = (self._clock() + after, next(self._seq), event)
+    def _arm(self, after: float, state: int, event: str, event_data: EventData) -> None:
+        _model(event_data).deadline = Deadline(self._clock() + after, state, next(self._seq), event)
 
     @staticmethod
     def _disarm(event_data: EventData) -> None:
@@ -257,11 +267,12 @@ class Reference:
             raise IllegalTransition(inst.key, event, source, accepted) from None
         if not isinstance(err, _ActionRaised):
             raise err if err is not None else AssertionError("on_exception without an error")
+        reported = "begin" if event == BEGIN else event
         first = len(self._failures)
-        self._failures.append(Failure(inst.key, event, err.action, err.phase, err.error, source))
+        self._failures.append(Failure(inst.key, reported, err.action, err.phase, err.error, source))
         undo, inst.acquired = inst.acquired, []
         for r in undo:
-            self._release(inst, r, event, event_data.kwargs, source)
+            self._release(inst, r, reported, event_data.kwargs, source)
         mine = len(self._failures)
         if event == BEGIN:
             ended = NOT_BEGUN
@@ -298,7 +309,7 @@ class Reference:
 
     # -- the Tracker's API -------------------------------------------------------
 
-    def begin(self, key: Hashable, /, **payload: Any) -> int:
+    def begin(self, key: Hashable, /, **payload: Any) -> None:
         """Start an instance; on a raising acquire, undo and raise with nothing begun."""
         if self._closed:
             raise TrackerClosed(f"reference for {self.spec.name!r} is closed")
@@ -312,9 +323,11 @@ class Reference:
             self._machine.remove_model(inst)
             self._raise_failures()
         self._live[key] = inst
-        return inst.generation
 
     def fire(self, key: Hashable, event: str, /, **payload: Any) -> str | None:
+        """Apply ``event``; after :meth:`close` no event is accepted at all."""
+        if self._closed:
+            raise TrackerClosed(f"reference for {self.spec.name!r} is closed; {event!r} for {key!r} refused")
         inst = self._live.get(key)
         if inst is None:
             self._anomalies.append(Anomaly("unknown", self.spec.key, key, event))
@@ -325,20 +338,29 @@ class Reference:
         return inst.state
 
     def poll(self, now: float | None = None) -> list[tuple[Hashable, str, str]]:
-        """Fire every deadline due at ``now``, earliest first; those armed meanwhile wait for the next poll."""
+        """Fire every timeout due at ``now``; deadlines armed during this poll wait for the next one.
+
+        DESIGN.md leaves the order open; this follows the Tracker's documented
+        one (state by state in declaration order, in arming order within a
+        state) so that both call the driver in the same order.
+        """
         if now is None:
             now = self._clock()
         armed_before = next(self._seq)
         due = sorted(
-            ((inst.deadline, inst) for inst in self._live.values() if inst.deadline is not None),
-            key=lambda pair: pair[0],
+            (
+                (inst.deadline, inst)
+                for inst in self._live.values()
+                if inst.deadline is not None and inst.deadline.due <= now and inst.deadline.seq < armed_before
+            ),
+            key=lambda pair: (pair[0].state, pair[0].seq),
         )
         fired: list[tuple[Hashable, str, str]] = []
         for deadline, inst in due:
-            if deadline[0] > now or deadline[1] > armed_before or inst.deadline != deadline:
-                continue
-            self._trigger(inst, deadline[2], {})
-            fired.append((inst.key, deadline[2], inst.state))
+            if inst.deadline != deadline:
+                continue  # moved meanwhile (only events fired from actions could do that)
+            self._trigger(inst, deadline.event, {})
+            fired.append((inst.key, deadline.event, inst.state))
         if self._failures:
             self._raise_failures()
         return fired

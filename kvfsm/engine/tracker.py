@@ -36,7 +36,7 @@ from ..errors import (
 from ..spec import Spec, load
 from ..spec.model import ABORT
 from .deadlines import Deadlines
-from .program import IGNORED, CEdge, CState, compile_program
+from .program import IGNORED, Action, CEdge, CState, compile_program
 
 Observer = Callable[[Hashable, int, str, str, str, float], None]
 """Called after each transition with (key, generation, event, from, to, time); ``begin`` has from ``""``."""
@@ -262,6 +262,7 @@ class Tracker:
                 now = self._clock()
             fired: list[tuple[Hashable, str, str]] = []
             states = self._program.states
+            self._deadlines.sweep()
             outer = self._busy
             self._busy = True
             try:
@@ -336,18 +337,19 @@ class Tracker:
         with self._guard:
             done, self._finished = self._finished, []
             live, gens, linked = self._live, self._gens, self._linked
-            out = []
             for key, state in done:
-                if live.get(key) is state:
-                    del live[key]
+                current = live.pop(key, None)
+                if current is state:
                     if gens:
                         gens.pop(key, None)
                     if linked and key in linked:
                         self._unlink(key, keep_from=None)
-                elif linked and key in linked:
+                    continue
+                if current is not None:  # key begun again since: its new instance stays
+                    live[key] = current
+                if linked and key in linked:
                     self._unlink(key, keep_from=gens.get(key))
-                out.append((key, state.name))
-            return out
+            return [(key, state.name) for key, state in done]
 
     def census(self) -> dict[str, int]:
         """Current instances per state; finished ones count until drained. O(instances)."""
@@ -399,30 +401,36 @@ class Tracker:
                     return self._on_error(
                         key, source, edge, self._record(key, edge.event, edge.do_name or "", "do", exc, source.name)
                     )
-            if edge.acquires:
-                for done, (_name, acquire, _undo) in enumerate(edge.acquires):
-                    try:
-                        acquire(key, **payload) if payload else acquire(key)
-                    except Exception as exc:
-                        return self._on_error(
-                            key, source, edge, self._acquire_failed(key, edge, payload, done, exc, source.name)
-                        )
+            done = 0
+            for acquire in edge.acquire_fns:
+                try:
+                    acquire(key, **payload) if payload else acquire(key)
+                except Exception as exc:
+                    failure = self._acquire_failed(key, edge, payload, done, exc, source.name)
+                    return self._on_error(key, source, edge, failure)
+                done += 1  # noqa: SIM113 - enumerate() costs an object per event here
         target = self._live[key] = edge.target
         if source.after is not None:
-            self._deadlines.disarm(key)
-        if target.after is not None:
-            self._deadlines.arm(key, target.index, self._clock() + target.after)
+            self._deadlines.armed.pop(key, None)  # disarm (poll may have already)
+        if target.after is not None:  # arm, inlined: see Deadlines
+            entry = (self._clock() + target.after, key)
+            self._deadlines.armed[key] = entry
+            self._deadlines.queues[target.index].append(entry)
         if target.final:
             self._finished.append((key, target))
-        for name, release in edge.releases:
+        for release in edge.release_fns:
             try:
                 release(key, **payload) if payload else release(key)
             except Exception as exc:
-                self.counts["release_errors"] += 1
-                self._failures.append(Failure(key, edge.event, name, "release", exc, target.name))
+                self._release_failed(key, edge, release, exc, target)
         if self._observer is not None:
             self._observer(key, self._gens[key], edge.event, source.name, target.name, self._clock())
         return target
+
+    def _release_failed(self, key: Hashable, edge: CEdge, release: Action, exc: Exception, target: CState) -> None:
+        name = next(n for n, fn in edge.releases if fn is release)
+        self.counts["release_errors"] += 1
+        self._failures.append(Failure(key, edge.event, name, "release", exc, target.name))
 
     def _acquire_failed(
         self, key: Hashable, edge: CEdge, payload: dict[str, Any], done: int, exc: Exception, where: str
@@ -495,7 +503,7 @@ class Tracker:
                 self.counts["release_errors"] += 1
                 self._failures.append(Failure(key, ABORT, action, "release", exc, state.name))
         if state.after is not None:
-            self._deadlines.disarm(key)
+            self._deadlines.armed.pop(key, None)
         self._gens.pop(key, None)
         self._unlink(key, keep_from=None)
 
