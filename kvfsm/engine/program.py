@@ -41,8 +41,8 @@ class CState:
 class CEdge:
     """One (source, event) → target step with its bound actions.
 
-    ``acquires`` holds (action name, acquire, release-to-undo) triples and
-    ``releases`` (action name, release) pairs, in the spec's holds order;
+    ``acquires`` holds (acquire name, acquire, release name, release-to-undo)
+    and ``releases`` (release name, release), in the spec's holds order;
     ``acquire_fns`` and ``release_fns`` are the same callables alone, which is
     all the per-event loops read (names are looked up only when one raises).
     """
@@ -59,7 +59,7 @@ class CEdge:
         target: CState,
         do: Action | None,
         do_name: str | None,
-        acquires: tuple[tuple[str, Action, Action], ...],
+        acquires: tuple[tuple[str, Action, str, Action], ...],
         releases: tuple[tuple[str, Action], ...],
     ) -> None:
         self.event = event
@@ -69,7 +69,7 @@ class CEdge:
         self.do_name = do_name
         self.acquires = acquires
         self.releases = releases
-        self.acquire_fns = tuple(fn for _name, fn, _undo in acquires)
+        self.acquire_fns = tuple(acquire[1] for acquire in acquires)
         self.release_fns = tuple(fn for _name, fn in releases)
         self.prepare = do is not None or bool(acquires)
         """Whether anything runs (and can raise) before the state changes."""
@@ -91,7 +91,9 @@ class Program:
     states: tuple[CState, ...]
     by_name: Mapping[str, CState]
     begin: CEdge
-    """Pseudo-edge entering the initial state: its acquires run at ``begin``."""
+    """Pseudo-edge entering the initial state: its acquires run at ``begin``. Its
+    ``releases`` are the initial resources with no acquire action: held from the
+    moment ``begin`` is called, so released if an acquire of ``begin`` fails."""
 
 
 def _bind(driver: object, name: str, missing: list[str]) -> Action:
@@ -130,11 +132,14 @@ def compile_program(spec: Spec, driver: object, params: Mapping[str, float] | No
 
     def edge(event: str, source: str | None, target: str, do_name: str | None) -> CEdge:
         acq = tuple(
-            (spec.resources[r].acquire or "", acquire[r], release[r])
+            (spec.resources[r].acquire or "", acquire[r], spec.resources[r].release, release[r])
             for r in spec.acquires(source, target)
             if r in acquire
         )
-        rel = tuple((spec.resources[r].release, release[r]) for r in spec.releases(source, target)) if source else ()
+        if source is not None:
+            rel = tuple((spec.resources[r].release, release[r]) for r in spec.releases(source, target))
+        else:  # begin: what is held without an acquire action, released only if begin fails
+            rel = tuple((spec.resources[r].release, release[r]) for r in spec.holds(target) if r not in acquire)
         return CEdge(
             event,
             by_name[source] if source else None,

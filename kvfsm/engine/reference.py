@@ -18,16 +18,17 @@ The mapping onto ``transitions`` is direct, so the semantics can be read off it:
   ``MachineError``, turned into :class:`~kvfsm.IllegalTransition`;
 * a raising action is routed by the machine's ``on_exception`` hook, which
   undoes the step's acquires and fires ``on_error`` from the source state; if
-  the ``on_error`` edge's own action raises, a twin transition guarded by the
-  ``bare`` condition commits that edge without its actions;
+  the ``on_error`` edge's own action raises (a spec KVF109 rejects, but the
+  engine still defines), a twin transition guarded by the ``bare`` condition
+  commits that edge without its actions;
 * deadlines are armed by the timed states' ``on_enter`` and disarmed by their
   ``on_exit``; final states are collected by ``on_final``;
 * ``begin`` is a transition out of a pseudo-state, so the initial state's
   acquires run like any other edge's.
 
-It is slow (``add_model`` per instance, tens of µs per event) and belongs off
-the hot path. Events fired from inside driver actions (run to completion) are
-not modelled: the differential test's driver never fires.
+It is slow (``add_model`` per instance, a ``transitions`` event per step) and
+belongs off the hot path. Not modelled: events fired from inside driver
+actions (run to completion) and id spaces (``link``/``fire_by``).
 """
 
 from __future__ import annotations
@@ -117,7 +118,8 @@ class Reference:
 
     Same calls, same results, same driver calls in the same order: ``begin``,
     ``fire``, ``poll``, ``state``, ``held``, ``holding``, ``finished``,
-    ``anomalies``, ``close``. Not thread-safe; one instance per test.
+    ``anomalies``, ``close`` (which visits keys in an order DESIGN.md leaves
+    open). Not thread-safe; one instance per test.
     """
 
     def __init__(
@@ -271,6 +273,9 @@ class Reference:
         first = len(self._failures)
         self._failures.append(Failure(inst.key, reported, err.action, err.phase, err.error, source))
         undo, inst.acquired = inst.acquired, []
+        if event == BEGIN:  # what the initial state holds with no acquire action was held since begin
+            initial = self.spec.initial
+            undo += [r for r in initial.holds if r not in undo and not self.spec.resources[r].acquire]
         for r in undo:
             self._release(inst, r, reported, event_data.kwargs, source)
         mine = len(self._failures)

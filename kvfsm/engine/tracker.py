@@ -145,7 +145,7 @@ class Tracker:
             if edge.acquires:
                 self._busy = True
                 try:
-                    for done, (_name, acquire, _undo) in enumerate(edge.acquires):
+                    for done, acquire in enumerate(edge.acquire_fns):
                         try:
                             acquire(key, **payload) if payload else acquire(key)
                         except Exception as exc:
@@ -435,11 +435,15 @@ class Tracker:
     def _acquire_failed(
         self, key: Hashable, edge: CEdge, payload: dict[str, Any], done: int, exc: Exception, where: str
     ) -> int:
-        """Acquire number ``done`` raised: record it and undo the ones before. Returns the failure's index."""
+        """Acquire number ``done`` raised: record it, undo the ones before (and, at begin, release
+        what the initial state holds without an acquire). Returns the failure's index."""
         index = self._record(key, edge.event, edge.acquires[done][0], "acquire", exc, where)
-        for name, _acquire, undo in edge.acquires[:done]:
+        undo = [(name, fn) for _a, _fn, name, fn in edge.acquires[:done]]
+        if edge.source is None:
+            undo.extend(edge.releases)
+        for name, release in undo:
             try:
-                undo(key, **payload) if payload else undo(key)
+                release(key, **payload) if payload else release(key)
             except Exception as uexc:
                 self.counts["release_errors"] += 1
                 self._failures.append(Failure(key, edge.event, name, "release", uexc, where))
@@ -461,8 +465,10 @@ class Tracker:
         handler = source.error_edge
         if handler is edge:
             handler = edge.bare
+        handled = len(self._failures)  # the failure and its undo failures come before this
         state = self._step(key, source, handler, {}) if handler is not None else source
-        self._failures[failure] = replace(self._failures[failure], state=state.name)
+        for i in range(failure, handled):
+            self._failures[i] = replace(self._failures[i], state=state.name)
         return state
 
     def _refuse(self, key: Hashable, state: CState, event: str, edge: CEdge | None) -> str:
