@@ -28,12 +28,19 @@ fi
 stamp="$VENV/.kvfsm-setup"
 want="$(cat pyproject.toml dev.sh | sha256sum | cut -d' ' -f1)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-    echo "==> installing Python packages (torch 2.13.0 CPU wheel, kvfsm[dev])"
-    "$VENV/bin/python" -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
+    echo "==> installing Python packages (torch 2.13.0 CPU wheel, kvfsm[dev]); log in $VENV/setup.log"
+    pip_install() {
+        "$VENV/bin/python" -m pip install -q "$@" >>"$VENV/setup.log" 2>&1 || {
+            echo "pip install $* failed; last lines of $VENV/setup.log:" >&2
+            tail -20 "$VENV/setup.log" >&2
+            exit 1
+        }
+    }
+    pip_install --upgrade pip
     # torch first, pinned, so the range in [dev] is met by the CPU wheel on disk.
-    "$VENV/bin/python" -m pip install -q torch==2.13.0 2>&1 | grep -v "^WARNING: Location" || true
-    "$VENV/bin/python" -m pip install -q -e ".[dev]" 2>&1 | grep -v "^WARNING: Location" || true
-    "$VENV/bin/python" -c "import kvfsm, torch, yaml, hypothesis" 
+    pip_install torch==2.13.0
+    pip_install -e ".[dev]"
+    "$VENV/bin/python" -c "import kvfsm, torch, yaml, hypothesis, graphviz"
     echo "$want" > "$stamp"
 fi
 export PATH="$PWD/$VENV/bin:$PATH"
