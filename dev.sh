@@ -14,6 +14,8 @@ VENV=.venv
 need_apt=()
 command -v dot >/dev/null 2>&1 || need_apt+=(graphviz)
 command -v spin >/dev/null 2>&1 || need_apt+=(spin)
+# Mooncake's wheel links libibverbs; without recommends, so ibverbs-providers (which breaks NIXL's UCX) stays out.
+ldconfig -p 2>/dev/null | grep -q "libibverbs.so.1 " || need_apt+=(libibverbs1)
 if [ ${#need_apt[@]} -gt 0 ]; then
     echo "==> installing Debian packages: ${need_apt[*]}"
     SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
@@ -40,7 +42,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     # torch first, pinned, so the range in [dev] is met by the CPU wheel on disk.
     pip_install torch==2.13.0
     pip_install -e ".[dev]"
-    "$VENV/bin/python" -c "import kvfsm, torch, yaml, hypothesis, graphviz"
+    "$VENV/bin/python" -c "import kvfsm, torch, yaml, hypothesis, graphviz, zmq, msgspec"
     echo "$want" > "$stamp"
 fi
 export PATH="$PWD/$VENV/bin:$PATH"

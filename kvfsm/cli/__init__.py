@@ -1,0 +1,60 @@
+"""The ``kvfsm`` command: renders what the library returns; never shows a traceback for bad input.
+
+Each command is a module of this package with a ``register(sub)`` function;
+they are found by name, so a command is added by adding its module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import pkgutil
+from collections.abc import Sequence
+
+from rich.markup import escape
+
+from ..errors import KvfsmError
+from ..spec import SpecError
+from ..spec.findings import READ_ERROR
+from .common import EXIT_FINDINGS, EXIT_USAGE, Command, err
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    from .. import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="kvfsm", description="Declared, checked state machines for the KV-cache lifecycle of LLM-serving requests."
+    )
+    parser.add_argument("--version", action="version", version=f"kvfsm {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        if not info.name.startswith("_") and info.name != "common":
+            importlib.import_module(f"{__name__}.{info.name}").register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    run: Command = args.run
+    try:
+        return run(args)
+    except SpecError as exc:
+        for f in exc.findings:
+            err.print(f"[red]{escape(str(f))}[/]")
+        return EXIT_USAGE if any(f.code == READ_ERROR for f in exc.findings) else EXIT_FINDINGS
+    except (KvfsmError, OSError) as exc:
+        err.print(f"[red]kvfsm {args.command}: {escape(str(exc))}[/]")
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # an internal bug: say so plainly; the traceback is opt-in
+        if os.environ.get("KVFSM_DEBUG"):
+            raise
+        err.print(
+            f"[red]kvfsm {args.command}: internal error {type(exc).__name__}: {escape(str(exc))}[/] "
+            "(set KVFSM_DEBUG=1 for the traceback, and please report it)"
+        )
+        return EXIT_USAGE

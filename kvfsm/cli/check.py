@@ -1,0 +1,54 @@
+"""``kvfsm check``: static checks of spec files."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from rich.markup import escape
+
+from ..spec import Finding, check
+from ..spec.findings import READ_ERROR
+from .common import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, Subparsers, out
+
+
+def register(sub: Subparsers) -> None:
+    p = sub.add_parser("check", help="static checks of spec files (exit 0 clean, 1 findings, 2 unreadable)")
+    p.add_argument("specs", nargs="+", type=Path, metavar="SPEC")
+    p.add_argument("--format", choices=("text", "json"), default="text")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    reports: list[tuple[str, list[Finding]]] = [(str(p), check(p)) for p in args.specs]
+    findings = [f for _p, fs in reports for f in fs]
+    errors = sum(f.severity == "error" for f in findings)
+    warnings = len(findings) - errors
+    unreadable = any(f.code == READ_ERROR for f in findings)
+    if args.format == "json":
+        doc = {
+            "files": [
+                {"path": p, "clean": not any(f.severity == "error" for f in fs), "findings": [f.as_dict() for f in fs]}
+                for p, fs in reports
+            ],
+            "errors": errors,
+            "warnings": warnings,
+        }
+        out.print_json(json.dumps(doc))
+    else:
+        for path, fs in reports:
+            if not fs:
+                out.print(f"[green]✓[/] {escape(path)}: clean")
+                continue
+            for f in fs:
+                colour = "red" if f.severity == "error" else "yellow"
+                where = f"{f.path}:{f.line}" if f.line else f.path
+                out.print(f"[bold]{escape(where)}[/]: [{colour}]{f.severity} {f.code}[/] {escape(f.message)}")
+                if f.fix:
+                    out.print(f"    [dim]fix:[/] {escape(f.fix)}")
+        summary = f"{len(reports)} spec(s): {errors} error(s), {warnings} warning(s)"
+        out.print(f"[red]{summary}[/]" if errors else f"[green]{summary}[/]")
+    if unreadable:
+        return EXIT_USAGE
+    return EXIT_FINDINGS if errors else EXIT_OK
