@@ -33,6 +33,21 @@ def _accepts(spec: Spec) -> dict[str, dict[str, list[Edge]]]:
     return table
 
 
+def _closure(start: set[str], arcs: Iterable[tuple[str, str]]) -> set[str]:
+    """Every node reachable from ``start`` along ``arcs`` (breadth-first)."""
+    succ: dict[str, set[str]] = defaultdict(set)
+    for a, b in arcs:
+        succ[a].add(b)
+    seen = set(start)
+    todo = deque(start)
+    while todo:
+        for nxt in succ[todo.popleft()]:
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
 def check_initial(spec: Spec) -> Iterable[Finding]:
     """KVF101: exactly one initial state."""
     initial = [s for s in spec.states.values() if s.initial]
@@ -133,16 +148,7 @@ def check_reachable(spec: Spec) -> Iterable[Finding]:
         start = spec.initial.name
     except LookupError:
         return
-    succ: dict[str, set[str]] = defaultdict(set)
-    for e in _valid_edges(spec):
-        succ[e.source].add(e.target)
-    seen = {start}
-    todo = deque([start])
-    while todo:
-        for nxt in succ[todo.popleft()]:
-            if nxt not in seen:
-                seen.add(nxt)
-                todo.append(nxt)
+    seen = _closure({start}, [(e.source, e.target) for e in _valid_edges(spec)])
     for state in spec.states.values():
         if state.name not in seen:
             yield _finding(
@@ -156,16 +162,7 @@ def check_reachable(spec: Spec) -> Iterable[Finding]:
 
 def check_can_finish(spec: Spec) -> Iterable[Finding]:
     """KVF103: from every state some final state is reachable (no trap, no closed cycle)."""
-    pred: dict[str, set[str]] = defaultdict(set)
-    for e in _valid_edges(spec):
-        pred[e.target].add(e.source)
-    finishing = set(spec.finals)
-    todo = deque(finishing)
-    while todo:
-        for prev in pred[todo.popleft()]:
-            if prev not in finishing:
-                finishing.add(prev)
-                todo.append(prev)
+    finishing = _closure(set(spec.finals), [(e.target, e.source) for e in _valid_edges(spec)])
     for state in spec.states.values():
         if state.name not in finishing:
             yield _finding(
