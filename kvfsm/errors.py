@@ -37,7 +37,7 @@ class IllegalTransition(KvfsmError):
         )
 
 
-Phase = Literal["do", "acquire", "release"]
+Phase = Literal["do", "acquire", "release", "observer"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -1113,3 +1113,33 @@ def test_tracker_accepts_a_spec_file_path() -> None:
     tracker.begin("r1")
     assert tracker.fire("r1", "enqueue") == "queued"
     assert driver.log == ["enqueue_job"]
+
+
+def test_a_raising_observer_is_reported_and_queued_events_still_run() -> None:
+    """An observer that raises must not strand events queued by the transition's actions."""
+    spec = kvfsm.load(Path(__file__).resolve().parent.parent / "specs" / "kv_request.yaml")
+
+    class Chaining:
+        tracker: Tracker
+
+        def enqueue_job(self, key: str, **payload: object) -> None:
+            if key == "a":
+                self.tracker.fire("b", "enqueue")
+
+        def start_transfer(self, key: str, **payload: object) -> None: ...
+        def free_gpu_blocks(self, key: str, **payload: object) -> None: ...
+        def task_done(self, key: str, **payload: object) -> None: ...
+
+    def observer(key: object, gen: int, event: str, source: str, target: str, now: float) -> None:
+        if key == "a" and event == "enqueue":
+            raise RuntimeError("log disk full")
+
+    driver = Chaining()
+    tracker = driver.tracker = Tracker(spec, driver, observer=observer)
+    tracker.begin("a")
+    tracker.begin("b")
+    with pytest.raises(ActionError) as info:
+        tracker.fire("a", "enqueue")
+    assert [f.phase for f in info.value.failures] == ["observer"]
+    assert (tracker.state("a"), tracker.state("b")) == ("queued", "queued")
+    assert tracker.counts["observer_errors"] == 1

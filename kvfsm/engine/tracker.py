@@ -114,7 +114,18 @@ class Tracker:
         self._failures: list[Failure] = []
         self._anomalies: deque[Anomaly] = deque(maxlen=ANOMALY_LIMIT)
         self.counts: dict[str, int] = dict.fromkeys(
-            ("ignored", "illegal", "unknown", "stale", "forced", "timeouts", "action_errors", "release_errors"), 0
+            (
+                "ignored",
+                "illegal",
+                "unknown",
+                "stale",
+                "forced",
+                "timeouts",
+                "action_errors",
+                "release_errors",
+                "observer_errors",
+            ),
+            0,
         )
         """Running totals; ``unknown`` and ``stale`` count events that were dropped, not raised."""
 
@@ -161,13 +172,14 @@ class Tracker:
             if target.after is not None:
                 self._deadlines.arm(key, target.index, self._clock() + target.after)
             if self._observer is not None:
-                self._observer(key, self._gens[key], "begin", "", target.name, self._clock())
-            if self._queue and not outer:
-                self._busy = True
-                try:
-                    self._drain()
-                finally:
-                    self._busy = False
+                self._notify(key, "begin", "", target.name)
+            if not outer:
+                if self._queue:
+                    self._busy = True
+                    try:
+                        self._drain()
+                    finally:
+                        self._busy = False
                 if self._failures:
                     self._raise_failures()
         finally:
@@ -424,8 +436,19 @@ class Tracker:
             except Exception as exc:
                 self._release_failed(key, edge, release, exc, target)
         if self._observer is not None:
-            self._observer(key, self._gens[key], edge.event, source.name, target.name, self._clock())
+            self._notify(key, edge.event, source.name, target.name)
         return target
+
+    def _notify(self, key: Hashable, event: str, source: str, target: str) -> None:
+        """Tell the observer; one that raises is reported like a failed action and changes nothing."""
+        assert self._observer is not None
+        try:
+            self._observer(key, self._gens[key], event, source, target, self._clock())
+        except Exception as exc:
+            self.counts["observer_errors"] += 1
+            self._failures.append(
+                Failure(key, event, getattr(self._observer, "__name__", "observer"), "observer", exc, target)
+            )
 
     def _release_failed(self, key: Hashable, edge: CEdge, release: Action, exc: Exception, target: CState) -> None:
         name = next(n for n, fn in edge.releases if fn is release)
