@@ -10,6 +10,7 @@ the diagram never becomes a hairball.
 from __future__ import annotations
 
 import html
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..spec.model import Spec, State, Transition
@@ -26,6 +27,8 @@ class _Arrow:
     target: str
     label: list[str]
     timeout: bool
+    pairs: tuple[tuple[str, str], ...] = ()
+    """The (source state, event) edges of the spec this arrow draws."""
 
 
 def _effects(spec: Spec, source: str | None, target: str, many: bool) -> list[str]:
@@ -71,14 +74,15 @@ def _layout(spec: Spec) -> tuple[list[tuple[str, list[str]]], list[_Arrow]]:
         if len(sources) >= GROUP_AT:
             gid = f"group_{i}"
             groups.append((gid, sources))
-            arrows.append(_Arrow(gid, t.target, [_title(spec, t), *_effects(spec, None, t.target, many=True)], False))
+            label = [_title(spec, t), *_effects(spec, None, t.target, many=True)]
+            arrows.append(_Arrow(gid, t.target, label, False, tuple((s, t.event) for s in sources)))
             continue
         for s in sources:
             timed = _is_timeout(spec, s, t.event)
             label = [_title(spec, t), *_effects(spec, s, t.target, many=False)]
             if timed:
                 label.insert(0, _after(spec, spec.states[s]))
-            arrows.append(_Arrow(s, t.target, label, timed))
+            arrows.append(_Arrow(s, t.target, label, timed, ((s, t.event),)))
     return groups, arrows
 
 
@@ -103,13 +107,37 @@ def _q(text: str) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def to_dot(spec: Spec, *, ignores: bool = False) -> str:
+Coverage = Mapping[tuple[str, str], int]
+"""``(source state, event) → times taken``, as a model-based run counts it (see kvfsm.testing)."""
+
+UNTAKEN = ', style=dotted, color="#adb5bd", fontcolor="#868e96"'
+
+
+def _covered(a: _Arrow, coverage: Coverage) -> tuple[str, str]:
+    """Extra label line and style of an arrow in a coverage overlay: grey and dotted when never taken."""
+    counts = [coverage.get(pair, 0) for pair in a.pairs]
+    total = sum(counts)
+    if total == 0:
+        return "never taken", UNTAKEN
+    if len(counts) > 1 and 0 in counts:
+        missed = ", ".join(src for (src, _e), n in zip(a.pairs, counts, strict=True) if n == 0)
+        return f"taken {total}× (never from {missed})", ', color="#e67700", fontcolor="#e67700"'
+    return f"taken {total}×", ", penwidth=2"
+
+
+def to_dot(spec: Spec, *, ignores: bool = False, coverage: Coverage | None = None) -> str:
+    """The spec as DOT. With ``coverage``, every edge says how often a test took it; untaken ones are grey and dotted."""
     groups, arrows = _layout(spec)
     ignored = _ignored(spec) if ignores else {}
+    title = spec.name + " — " + spec.doc if spec.doc else spec.name
+    if coverage is not None:
+        pairs = [p for a in arrows for p in a.pairs]
+        exercised = sum(coverage.get(p, 0) > 0 for p in pairs)
+        title += f"\ntransition coverage: {exercised} of {len(pairs)} edges taken (grey dotted: never; orange: from some sources only)"
     lines = [
         f"digraph {_q(spec.name)} {{",
         '  graph [rankdir=LR, fontname="Helvetica", fontsize=12, nodesep=0.5, ranksep=0.9, labelloc=t,',
-        f"         label={_q(spec.name + ' — ' + spec.doc if spec.doc else spec.name)}];",
+        f"         label={_q(title)}];",
         '  node [shape=box, style="rounded,filled", fontname="Helvetica", fontsize=11, fillcolor="#ffffff"];',
         '  edge [fontname="Helvetica", fontsize=9, color="#495057", fontcolor="#212529"];',
         '  __begin [shape=circle, style=filled, fillcolor="#212529", label="", width=0.18];',
@@ -143,7 +171,12 @@ def to_dot(spec: Spec, *, ignores: bool = False) -> str:
         lines.append(f'  __begin -> {_q(initial)} [label="{begin}"];')
     for a in arrows:
         style = ', style=dashed, color="#c92a2a", fontcolor="#c92a2a"' if a.timeout else ""
-        label = "\\n".join(part.replace('"', '\\"') for part in a.label)
+        parts = a.label
+        if coverage is not None:
+            times, covered_style = _covered(a, coverage)
+            parts = [*parts, times]
+            style = covered_style if covered_style == UNTAKEN else style + covered_style
+        label = "\\n".join(part.replace('"', '\\"') for part in parts)
         lines.append(f'  {_q(a.source)} -> {_q(a.target)} [label="{label}"{style}];')
     lines.append("}")
     return "\n".join(lines) + "\n"
@@ -194,12 +227,12 @@ def to_mermaid(spec: Spec, *, ignores: bool = False) -> str:
     return "\n".join(lines) + "\n"
 
 
-def to_svg(spec: Spec, *, ignores: bool = False) -> bytes:
-    """SVG through Graphviz ``dot`` (Debian package ``graphviz``)."""
+def to_svg(spec: Spec, *, ignores: bool = False, coverage: Coverage | None = None) -> bytes:
+    """SVG through Graphviz ``dot`` (Debian package ``graphviz``); ``coverage`` as for :func:`to_dot`."""
     import graphviz
 
     try:
-        svg: bytes = graphviz.Source(to_dot(spec, ignores=ignores)).pipe(format="svg")
+        svg: bytes = graphviz.Source(to_dot(spec, ignores=ignores, coverage=coverage)).pipe(format="svg")
         return svg
     except graphviz.ExecutableNotFound:
         raise OSError(

@@ -1,0 +1,142 @@
+"""Transition coverage of a model-based run: which edges, timeouts and refusals the examples exercised.
+
+Counted from the model's outcomes (which the Tracker was checked to agree
+with), summed over every example of a run, shrinking included. An edge is a
+``(source, event)`` pair of :meth:`Spec.edges`; a timeout counts only when the
+deadline fired it, not when the test fired the same event by hand.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from ..spec.model import Spec
+from .model import How, Outcome
+
+HOWS: tuple[How, ...] = ("fire", "timeout", "on_error", "close")
+
+
+@dataclass(frozen=True)
+class EdgeCount:
+    """One spec edge and how often each way of taking it happened."""
+
+    source: str
+    event: str
+    target: str
+    timeout: bool
+    """Whether the source's deadline fires this event."""
+    by: dict[How, int]
+
+    @property
+    def taken(self) -> int:
+        return sum(self.by.values())
+
+
+class Coverage:
+    """Counts per spec edge, timed state, ignored pair and injected fault."""
+
+    def __init__(self, spec: Spec) -> None:
+        self.spec = spec
+        self.edges: Counter[tuple[str, str, How]] = Counter()
+        self.ignored: Counter[tuple[str, str]] = Counter()
+        self.illegal: Counter[tuple[str, str]] = Counter()
+        self.unknown = 0
+        self.begins = 0
+        self.faults: Counter[str] = Counter()
+        """Injected faults that made an action raise, per action."""
+        self.closes = 0
+        self.forced = 0
+        """Instances close() had to release without a transition (abort could not finish them)."""
+        self.examples = 0
+        self.steps = 0
+
+    def record(self, outcome: Outcome) -> None:
+        for step in outcome.steps:
+            if step.how == "begin":
+                self.begins += 1
+            else:
+                self.edges[step.source, step.event, step.how] += 1
+        self.forced += len(outcome.forced)
+        for failure in outcome.failures:
+            self.faults[failure.action] += 1
+        if outcome.refused == "unknown":
+            self.unknown += 1
+        elif outcome.refused in ("ignored", "illegal") and outcome.state is not None:
+            table = self.ignored if outcome.refused == "ignored" else self.illegal
+            table[outcome.state, outcome.event] += 1
+
+    # -- views -------------------------------------------------------------------
+
+    def edge_counts(self) -> list[EdgeCount]:
+        """Every spec edge in declaration order, with its counts (zero when never taken)."""
+        rows = []
+        for e in self.spec.edges():
+            st = self.spec.states[e.source]
+            timed = st.timeout is not None and st.timeout.fire == e.event
+            by: dict[How, int] = {how: self.edges[e.source, e.event, how] for how in HOWS}
+            rows.append(EdgeCount(e.source, e.event, e.target, timed, by))
+        return rows
+
+    def taken(self) -> dict[tuple[str, str], int]:
+        """``(source, event) → times taken``, every spec edge present: what the diagram overlay reads."""
+        return {(r.source, r.event): r.taken for r in self.edge_counts()}
+
+    def timeouts(self) -> list[tuple[str, str, int]]:
+        """``(state, event, times its deadline fired)`` for every state with a timeout."""
+        return [
+            (name, st.timeout.fire, self.edges[name, st.timeout.fire, "timeout"])
+            for name, st in self.spec.states.items()
+            if st.timeout is not None
+        ]
+
+    def ignored_pairs(self) -> list[tuple[str, str, int]]:
+        pairs = sorted({(s, e) for s, e, _r in self.spec.ignored()}, key=self._order)
+        return [(s, e, self.ignored[s, e]) for s, e in pairs]
+
+    def summary(self) -> dict[str, tuple[int, int]]:
+        """``name → (exercised, total)`` for edges, timeouts and ignored pairs."""
+        edges = self.edge_counts()
+        timeouts = self.timeouts()
+        ignored = self.ignored_pairs()
+        return {
+            "edges": (sum(r.taken > 0 for r in edges), len(edges)),
+            "timeouts": (sum(n > 0 for _s, _e, n in timeouts), len(timeouts)),
+            "ignored": (sum(n > 0 for _s, _e, n in ignored), len(ignored)),
+        }
+
+    def as_dict(self) -> dict[str, Any]:
+        """Everything, for ``--format json``."""
+        return {
+            "summary": {k: {"exercised": a, "total": b} for k, (a, b) in self.summary().items()},
+            "examples": self.examples,
+            "steps": self.steps,
+            "begins": self.begins,
+            "closes": self.closes,
+            "forced": self.forced,
+            "edges": [
+                {
+                    "source": r.source,
+                    "event": r.event,
+                    "target": r.target,
+                    "timeout": r.timeout,
+                    "taken": r.taken,
+                    "by": dict(r.by),
+                }
+                for r in self.edge_counts()
+            ],
+            "timeouts": [{"state": s, "event": e, "fired": n} for s, e, n in self.timeouts()],
+            "ignored": [{"state": s, "event": e, "hit": n} for s, e, n in self.ignored_pairs()],
+            "illegal": [
+                {"state": s, "event": e, "tried": n} for (s, e), n in sorted(self.illegal.items(), key=self._by_key)
+            ],
+            "unknown_key_events": self.unknown,
+            "faults": dict(sorted(self.faults.items())),
+        }
+
+    def _order(self, pair: tuple[str, str]) -> tuple[int, str]:
+        return (list(self.spec.states).index(pair[0]), pair[1])
+
+    def _by_key(self, item: tuple[tuple[str, str], int]) -> tuple[int, str]:
+        return self._order(item[0])

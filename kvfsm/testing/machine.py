@@ -1,0 +1,453 @@
+"""Hypothesis state machines generated from a spec: a Tracker and a real driver, held to the spec's model.
+
+:func:`spec_machine` builds a :class:`~hypothesis.stateful.RuleBasedStateMachine`
+whose rules begin keys (new, finished ones again, live ones for DuplicateKey),
+fire every event at every key (legal, ignored, illegal, unknown), take the
+transitions the spec handles (some with a do or acquire action made to raise),
+move a virtual clock and ``poll()`` (some timeouts with a raising action) and
+drain ``finished()``; every example ends with ``close()``. After every step it
+checks that the Tracker agrees with :class:`~kvfsm.testing.model.SpecModel` and
+that the driver's ``observe(key)`` (its real resources) equals what the spec
+says each key holds. A disagreement raises :class:`Divergence` with the story
+of the example.
+
+The driver protocol beyond the spec's actions:
+
+- ``observe(key) -> Iterable[str]`` (required): the resources the driver
+  really holds for ``key``, read from the real system.
+- ``before_begin(key, resources)`` (required when the initial state holds a
+  resource that no acquire action takes): do what your code does before
+  ``Tracker.begin`` (pin the request's blocks), so that ``observe`` sees it.
+- ``inject_fault(action)`` (optional): make the next call of ``action``, for
+  whichever key comes first, raise. The machine calls it just before the step
+  that will make that call. Drivers without it are tested without faults.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import ClassVar, NoReturn, TypeVar
+
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from ..engine import Tracker
+from ..errors import ActionError, BindingError, DuplicateKey, Failure, IllegalTransition
+from ..spec import Spec, load
+from .coverage import Coverage
+from .model import Outcome, SpecModel
+from .story import Divergence, begin_line, clock, close_line, drain_line, fire_line, poll_line
+
+DriverFactory = Callable[[], object]
+"""Called with no arguments; must return a fresh driver each time (one per example)."""
+
+KEYS = 3
+"""Distinct keys one example uses: enough for instances to interfere through shared resources."""
+
+T = TypeVar("T")
+
+
+class VirtualClock:
+    """The clock the Tracker reads: time moves only when the test says so."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def fault_targets(spec: Spec) -> tuple[str, ...]:
+    """Actions an injected fault may hit: those that run before a state changes (do, acquire).
+
+    Releases are left out: what a failed release leaves behind in the real
+    system is the driver's to define, so no spec can say what ``observe``
+    must show after one.
+    """
+    releases = {r.release for r in spec.resources.values()}
+    before = {t.do for t in spec.transitions if t.do} | {r.acquire for r in spec.resources.values() if r.acquire}
+    return tuple(sorted(before - releases))
+
+
+def begin_resources(spec: Spec) -> frozenset[str]:
+    """What the initial state holds that no acquire action takes: the caller holds it before ``begin``."""
+    return frozenset(r for r in spec.holds(spec.initial.name) if not spec.resources[r].acquire)
+
+
+def check_driver(spec: Spec, driver: object) -> None:
+    """Raise :class:`BindingError` if ``driver`` cannot be model-tested against ``spec``."""
+    name = type(driver).__name__
+    if not callable(getattr(driver, "observe", None)):
+        raise BindingError(
+            f"driver {name} has no observe(key) method; model-based tests compare what the driver really holds "
+            f"with what spec {spec.name!r} says, so add observe(key) returning the names of the resources held "
+            f"for key ({', '.join(spec.resources) or 'none declared'}), read from the real system"
+        )
+    given = begin_resources(spec)
+    if given and not callable(getattr(driver, "before_begin", None)):
+        raise BindingError(
+            f"spec {spec.name!r}: initial state {spec.initial.name!r} holds {', '.join(sorted(given))} with no "
+            f"acquire action, so your code takes it before calling begin(); give driver {name} a "
+            "before_begin(key, resources) method that does the same, so observe() can see it"
+        )
+
+
+def _failure(f: Failure) -> str:
+    return f"{f.action}() raised {type(f.error).__name__}: {f.error} ({f.phase} on {f.event} {f.key})"
+
+
+class SpecMachine(RuleBasedStateMachine):
+    """Base of the machines :func:`spec_machine` builds: state, checks and the invariant.
+
+    Subclass a built machine to add rules or invariants of your own; ``self.tracker``,
+    ``self.driver``, ``self.model`` and ``self.clock`` are there to use.
+    """
+
+    spec: ClassVar[Spec]
+    driver_factory: ClassVar[DriverFactory]
+    params: ClassVar[Mapping[str, float] | None] = None
+    keys: ClassVar[tuple[str, ...]]
+    coverage: ClassVar[Coverage]
+    """Summed over every example this class runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        cls = type(self)
+        self.clock = VirtualClock()
+        self.driver = cls.driver_factory()
+        check_driver(cls.spec, self.driver)
+        self.tracker = Tracker(cls.spec, self.driver, clock=self.clock, params=cls.params, threadsafe=False)
+        self.model = SpecModel(cls.spec, cls.params)
+        self.story: list[str] = []
+        self.given = begin_resources(cls.spec)
+        self.can_fault = callable(getattr(self.driver, "inject_fault", None))
+        self.faultable = frozenset(fault_targets(cls.spec))
+        self._busy = False
+        """Set while a step runs: a step that never finished leaves it set, and teardown then stays away."""
+        self._diverged = False
+        self.trace: list[tuple[str, tuple[object, ...]]] = []
+        """Each step as (method, arguments): replaying it on a fresh machine repeats the example."""
+        cls.coverage.examples += 1
+
+    # -- the steps -------------------------------------------------------------------
+
+    def begin(self, key: str, fault: int | None = None) -> None:
+        """``begin(key)``; ``fault``: make the fault-th action begin runs raise (see :meth:`arm`)."""
+        with self._step("begin", key, fault):
+            if self.given and not (self.model.state(key) and not self.model.is_final(key)):
+                try:
+                    self.driver.before_begin(key, self.given)  # type: ignore[attr-defined]
+                except Exception as exc:
+                    self._tell(f"begin {key}", Outcome())
+                    self._diverge([f"before_begin({key!r}) raised {type(exc).__name__}: {exc}"])
+            self.arm(self.model.begin_actions(key), fault)
+            outcome = self.model.begin(key)
+            self._tell(begin_line(key, outcome), outcome)
+            self._call(outcome, lambda: self.tracker.begin(key))
+
+    def fire(self, key: str, event: str, fault: int | None = None) -> None:
+        """``fire(key, event)``; ``fault``: make the fault-th action the transition runs raise."""
+        with self._step("fire", key, event, fault):
+            self.arm(self.model.fire_actions(key, event), fault)
+            outcome = self.model.fire(key, event)
+            self._tell(fire_line(key, event, outcome), outcome)
+            before = self._observe_all() if outcome.refused else None
+            got = self._call(outcome, lambda: self.tracker.fire(key, event))
+            if outcome.refused != "illegal" and not outcome.failures and got != outcome.state:
+                self._diverge([f"fire() returned {got!r}, the spec says {outcome.state!r}"])
+            if before is not None:
+                after = self._observe_all()
+                changed = [f"{k}: {sorted(before[k])} → {sorted(after[k])}" for k in before if before[k] != after[k]]
+                if changed:
+                    self._diverge([f"a refused event changed what observe says ({'; '.join(changed)})"])
+
+    def advance(self, dt: float, fault: int | None = None) -> None:
+        """Move the clock by ``dt`` and ``poll()``; ``fault``: make the fault-th action of a due timeout raise."""
+        with self._step("advance", dt, fault):
+            self.clock.now += dt
+            self.model.now = self.clock.now
+            self.arm(self.model.poll_actions(), fault)
+            outcome = self.model.poll()
+            self._tell(poll_line(dt, outcome), outcome)
+            got = self._call(outcome, self.tracker.poll)
+            if not outcome.failures and got != outcome.fired:
+                self._diverge([f"poll() fired {got}, the spec says {outcome.fired}"])
+
+    def arm(self, actions: Sequence[str], fault: int | None) -> None:
+        """Tell the driver to make ``actions[fault]`` raise (the step about to run calls it).
+
+        A fault is armed only for the step that consumes it, so a rarely
+        called action is not left failing for the rest of the example.
+        """
+        candidates = [a for a in actions if a in self.faultable]
+        if fault is None or not candidates or not self.can_fault:
+            return
+        action = candidates[fault % len(candidates)]
+        self.model.faults.add(action)
+        try:
+            self.driver.inject_fault(action)  # type: ignore[attr-defined]
+        except Exception as exc:
+            self._tell(f"inject_fault({action!r})", Outcome())
+            self._diverge([f"inject_fault({action!r}) raised {type(exc).__name__}: {exc}"])
+
+    def drain(self) -> None:
+        with self._step("drain"):
+            outcome = self.model.drain()
+            self._tell(drain_line(outcome), outcome)
+            got = self._call(outcome, self.tracker.finished)
+            if got != outcome.drained:
+                self._diverge([f"finished() returned {got}, the spec says {outcome.drained}"])
+
+    def teardown(self) -> None:
+        """Every example ends with ``close()``: it must abort what is live and leave nothing held."""
+        if self._busy or self._diverged or self.model.closed:
+            return  # a step was cut short (a failure, or Hypothesis stopping it): leave its story as it is
+        with self._step("teardown"):
+            outcome = self.model.close()
+            self.coverage.closes += 1
+            self._tell(close_line(outcome), outcome)
+            self._call(outcome, self.tracker.close)
+        self.agrees_with_spec()
+
+    @contextmanager
+    def _step(self, name: str, *args: object) -> Iterator[None]:
+        """Records the step (for replay) and marks it in progress; an exception leaves the mark."""
+        self.trace.append((name, args))
+        self._busy = True
+        yield
+        self._busy = False
+
+    # -- the checks --------------------------------------------------------------------
+
+    @invariant()
+    def agrees_with_spec(self) -> None:
+        """The Tracker's view equals the model's; every key's real resources equal what the spec says it holds."""
+        problems: list[str] = []
+        model, tracker = self.model, self.tracker
+        for key in self.keys:
+            state, got = model.state(key), tracker.state(key)
+            if got != state:
+                problems.append(f"Tracker says {key} is in {got!r}, the spec says {state!r}")
+            if tracker.held(key) != model.held(key):
+                problems.append(
+                    f"Tracker says {key} holds {list(tracker.held(key))}, the spec says {list(model.held(key))}"
+                )
+            problems += self._reality(key, state)
+        diff = {k: (tracker.counts.get(k), v) for k, v in model.counts.items() if tracker.counts.get(k) != v}
+        if diff:
+            problems.append(f"Tracker counts (got, spec) differ: {diff}")
+        anomalies = [(a.kind, a.space, a.id, a.event) for a in tracker.anomalies()]
+        expected, model.anomalies = model.anomalies, []
+        if Counter(anomalies) != Counter(expected):  # close() visits keys in an order the spec leaves open
+            problems.append(f"Tracker reported anomalies {anomalies}, the spec says {expected}")
+        if tracker.live() != model.live_count():
+            problems.append(f"Tracker says {tracker.live()} live, the spec says {model.live_count()}")
+        if tracker.next_deadline() != model.next_deadline():
+            problems.append(f"next deadline is {tracker.next_deadline()}, the spec says {model.next_deadline()}")
+        if problems:
+            self._diverge(problems)
+
+    def _reality(self, key: str, state: str | None) -> list[str]:
+        """What observe(key) says against what the spec says ``key`` holds in ``state``."""
+        try:
+            seen = set(self.driver.observe(key))  # type: ignore[attr-defined]
+        except Exception as exc:
+            return [f"observe({key!r}) raised {type(exc).__name__}: {exc}"]
+        want = set(self.model.held(key))
+        where = f"{key} is {state}" if state is not None else f"{key} has no instance"
+        says = f"{where}, which holds {', '.join(sorted(want))}" if want else f"{where}, which holds nothing"
+        out = []
+        extra, missing = sorted(seen - want), sorted(want - seen)
+        if extra:
+            out.append(f"observe says {', '.join(extra)} still held by {key} ({says})")
+        if missing:
+            out.append(f"observe says {', '.join(missing)} not held by {key} ({says})")
+        return out
+
+    def _observe_all(self) -> dict[str, frozenset[str]]:
+        try:
+            return {k: frozenset(self.driver.observe(k)) for k in self.keys}  # type: ignore[attr-defined]
+        except Exception:
+            return {}  # the invariant reports observe() raising
+
+    def _tell(self, line: str, outcome: Outcome) -> None:
+        self.story.append(f"{clock(self.clock.now)} {line}")
+        self.coverage.record(outcome)
+        self.coverage.steps += 1
+
+    def _call(self, outcome: Outcome, call: Callable[[], T]) -> T | None:
+        """Run one Tracker call; only what the spec predicts may come out of it."""
+        try:
+            result = call()
+        except DuplicateKey as exc:
+            if outcome.refused != "duplicate":
+                self._diverge([f"DuplicateKey escaped: {exc}"])
+            return None
+        except IllegalTransition as exc:
+            if outcome.refused != "illegal":
+                self._diverge([f"IllegalTransition escaped: {exc}"])
+            if (exc.state, set(exc.accepted)) != (outcome.state, self.model.accepted(exc.state)):
+                self._diverge([f"IllegalTransition names state {exc.state!r} accepting {sorted(exc.accepted)}"])
+            return None
+        except ActionError as exc:
+            want = [f.as_tuple() for f in outcome.failures]
+            if not want:
+                told = "; ".join(map(_failure, exc.failures))
+                self._diverge([f"ActionError escaped though no fault was injected: {told}"])
+            got = [(str(f.key), f.event, f.action, f.phase, f.state) for f in exc.failures]
+            if got != want:
+                unexplained = [_failure(f) for f, g in zip(exc.failures, got, strict=True) if g not in want]
+                missing = [w for w in want if w not in got]
+                problem = "ActionError carried " + (
+                    f"what no injected fault explains: {'; '.join(unexplained)}"
+                    if unexplained
+                    else "; ".join(map(_failure, exc.failures))
+                )
+                self._diverge([problem + (f"; the spec expects {missing}" if missing else "")])
+            return None
+        except Divergence:
+            raise
+        except Exception as exc:
+            self._diverge([f"{type(exc).__name__} escaped: {exc}"])
+        if outcome.failures:
+            faults = ", ".join(f"{f.action}() on {f.event} {f.key}" for f in outcome.failures)
+            self._diverge([f"no ActionError, but the injected fault should have made {faults} raise"])
+        if outcome.refused == "illegal":
+            self._diverge(["no IllegalTransition, but the spec neither handles nor ignores this event here"])
+        if outcome.refused == "duplicate":
+            self._diverge(["no DuplicateKey, but the key's instance is live"])
+        return result
+
+    def _diverge(self, problems: list[str]) -> NoReturn:
+        self._diverged = True
+        story = list(self.story) or ["(before any step)"]
+        story[-1] = f"{story[-1]}; " + "; ".join(problems)
+        raise Divergence(self.spec.name, story, problems, self.trace)
+
+
+def _events(spec: Spec) -> tuple[str, ...]:
+    """Every event the spec names, in transitions and in ignore rules."""
+    return tuple(dict.fromkeys([*spec.events, *(e for rule in spec.ignore for e in rule.events)]))
+
+
+def _ticks(spec: Spec, params: Mapping[str, float] | None) -> tuple[float, ...]:
+    """Clock steps that land on deadlines, halfway to them and past them."""
+    afters = {spec.param(s.timeout.after, params) for s in spec.states.values() if s.timeout is not None}
+    if not afters:
+        return (1.0,)
+    return tuple(sorted(afters | {a / 2 for a in afters}))
+
+
+def _pick(movable: list[tuple[str, list[str]]], which: int, choice: int) -> tuple[str, str]:
+    key, events = movable[which % len(movable)]
+    return key, events[choice % len(events)]
+
+
+def spec_machine(
+    spec: Spec | str | Path,
+    driver_factory: DriverFactory,
+    *,
+    params: Mapping[str, float] | None = None,
+    keys: int = KEYS,
+) -> type[SpecMachine]:
+    """A Hypothesis state machine testing the drivers ``driver_factory`` makes against ``spec``.
+
+    >>> TestMyDriver = spec_machine("specs/kv_request.yaml", MyDriver).TestCase
+
+    ``spec`` is a :class:`Spec` or a path (loaded and checked); ``params``
+    override the spec's (the clock is virtual, so the spec's own are fine);
+    ``keys`` is how many distinct keys one example uses.
+    """
+    if not isinstance(spec, Spec):
+        spec = load(spec)
+    events = _events(spec)
+    faults = fault_targets(spec)
+    ticks = _ticks(spec, params)
+    unknown = sorted(set(params or ()) - set(spec.params))
+    if unknown:
+        raise BindingError(
+            f"params {', '.join(map(repr, unknown))} are not declared by machine {spec.name!r} "
+            f"(declared: {', '.join(spec.params) or 'none'})"
+        )
+
+    names = tuple(f"req-{i}" for i in range(1, keys + 1))
+    key = st.sampled_from(names)
+
+    begin_faults = bool(SpecModel(spec, params).begin_acquires) and bool(faults)
+    timeout_faults = any(
+        a in faults
+        for st_ in spec.states.values()
+        if st_.timeout is not None
+        for a in SpecModel(spec, params).edges[st_.name, st_.timeout.fire].prepare_actions
+    )
+
+    class Machine(SpecMachine):
+        @rule(key=key, fault=st.integers(0, 7) if begin_faults else st.just(0))
+        def begin_key(self, key: str, fault: int) -> None:
+            """A new key, a finished one again (drained or not), or a live one (DuplicateKey).
+
+            One begin in eight has an acquire action made to raise (when the initial state has one).
+            """
+            self.begin(key, fault if fault == 7 else None)
+
+        @rule(key=key, event=st.sampled_from(events))
+        def fire_event(self, key: str, event: str) -> None:
+            """Any event at any key: legal, ignored, illegal, or for no instance at all."""
+            self.fire(key, event)
+
+        @precondition(lambda self: bool(self.model.movable()))
+        @rule(which=st.integers(0, 15), choice=st.integers(0, 15))
+        def take_a_transition(self, which: int, choice: int) -> None:
+            """An event the spec handles, at a live instance: how examples get deep into the machine."""
+            key, event = _pick(self.model.movable(), which, choice)
+            self.fire(key, event)
+
+        if faults:
+
+            @precondition(lambda self: self.can_fault and bool(self.model.movable(self.faultable)))
+            @rule(which=st.integers(0, 15), choice=st.integers(0, 15), nth=st.integers(0, 3))
+            def take_a_transition_whose_action_raises(self, which: int, choice: int, nth: int) -> None:
+                """A handled event whose do or acquire action is made to raise: the on_error path."""
+                key, event = _pick(self.model.movable(self.faultable), which, choice)
+                self.fire(key, event, fault=nth)
+
+        @rule(dt=st.sampled_from(ticks))
+        def advance_clock_and_poll(self, dt: float) -> None:
+            self.advance(dt)
+
+        if timeout_faults:
+
+            @precondition(lambda self: self.can_fault)
+            @rule(dt=st.sampled_from(ticks), nth=st.integers(0, 3))
+            def advance_clock_and_poll_with_a_raising_action(self, dt: float, nth: int) -> None:
+                self.advance(dt, fault=nth)
+
+        @rule()
+        def drain_finished(self) -> None:
+            self.drain()
+
+    name = "".join(part.title() for part in re.split(r"[^0-9A-Za-z]+", spec.name) if part) or "Spec"
+    Machine.__name__ = Machine.__qualname__ = f"{name}Machine"
+    Machine.spec = spec
+    Machine.driver_factory = staticmethod(driver_factory)
+    Machine.params = dict(params) if params else None
+    Machine.keys = names
+    Machine.coverage = Coverage(spec)
+    return Machine
+
+
+__all__ = [
+    "KEYS",
+    "Divergence",
+    "DriverFactory",
+    "SpecMachine",
+    "VirtualClock",
+    "begin_resources",
+    "check_driver",
+    "fault_targets",
+    "spec_machine",
+]

@@ -1,0 +1,236 @@
+"""Run a generated state machine once, as ``kvfsm test`` and the pytest helpers do, and report.
+
+One implementation for every front end: :func:`run` checks the driver once up
+front (so a missing method is an error, not a hundred failing examples), runs
+Hypothesis with a known seed and no example database (so a run is reproduced
+by its seed alone), and returns a :class:`Report` that the CLI renders and the
+pytest helpers turn into a failure.
+"""
+
+from __future__ import annotations
+
+import importlib
+import random
+import re
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hypothesis import HealthCheck, Phase, Verbosity, reporting
+from hypothesis import seed as use_seed
+from hypothesis import settings as Settings
+from hypothesis.stateful import run_state_machine_as_test
+
+from ..engine import Tracker
+from ..errors import KvfsmError
+from ..spec import Spec, load
+from .coverage import Coverage
+from .machine import KEYS, DriverFactory, SpecMachine, check_driver, spec_machine
+from .story import Divergence
+
+STEPS = 50
+"""Steps per example (Hypothesis' own default for stateful tests)."""
+
+
+class FactoryError(KvfsmError):
+    """A ``MODULE:FACTORY`` that does not name a callable, or a factory that fails."""
+
+
+@dataclass(frozen=True)
+class Report:
+    """The result of one run: passed or the failing story, the seed that reproduces it, the coverage."""
+
+    spec: Spec
+    passed: bool
+    seed: int
+    examples: int
+    """The example budget (Hypothesis stops early only on a failure)."""
+    steps: int
+    coverage: Coverage
+    story: tuple[str, ...] = ()
+    """The shrunk failing example, one line per step; the last ends with what went wrong."""
+    problems: tuple[str, ...] = ()
+    """What went wrong, alone (the end of the story's last line)."""
+    error: str = ""
+    """Why it failed, when that is not a divergence with a story (e.g. a flaky driver)."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "spec": self.spec.path,
+            "machine": self.spec.name,
+            "passed": self.passed,
+            "seed": self.seed,
+            "examples": self.examples,
+            "steps": self.steps,
+            "failure": None
+            if self.passed
+            else {"story": list(self.story), "problems": list(self.problems), "error": self.error},
+            "coverage": self.coverage.as_dict(),
+        }
+
+
+def load_factory(ref: str, search: Path | None = None) -> DriverFactory:
+    """Resolve ``MODULE:FACTORY`` (``FACTORY`` may be dotted), importing from ``search`` (default: the current directory)."""
+    module_name, sep, attr = ref.partition(":")
+    if not sep or not module_name or not attr:
+        raise FactoryError(
+            f"--driver {ref!r} is not MODULE:FACTORY; write e.g. --driver my_drivers:make_driver, where "
+            "my_drivers.py is importable from the current directory and make_driver() returns a fresh driver"
+        )
+    cwd = str(search if search is not None else Path.cwd())
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise FactoryError(
+            f"cannot import driver module {module_name!r} (searched {cwd} and sys.path): {exc}"
+        ) from None
+    except Exception as exc:
+        raise FactoryError(f"importing driver module {module_name!r} raised {type(exc).__name__}: {exc}") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise FactoryError(f"module {module_name!r} has no {attr!r} (looked for {part!r}); check --driver {ref}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise FactoryError(f"{ref} is a {type(obj).__name__}, not a callable that returns a driver")
+    factory: DriverFactory = obj
+    return factory
+
+
+def probe(spec: Spec, factory: DriverFactory, params: Mapping[str, float] | None = None) -> None:
+    """Make one driver and bind it, so a bad driver fails once, clearly, before any example runs."""
+    try:
+        driver = factory()
+    except Exception as exc:
+        name = getattr(factory, "__qualname__", repr(factory))
+        raise FactoryError(f"driver factory {name}() raised {type(exc).__name__}: {exc}") from None
+    Tracker(spec, driver, params=params).close()  # BindingError names every missing action
+    check_driver(spec, driver)
+
+
+def run(
+    spec: Spec | str | Path,
+    factory: DriverFactory,
+    *,
+    examples: int | None = None,
+    seed: int | None = None,
+    steps: int = STEPS,
+    params: Mapping[str, float] | None = None,
+    keys: int = KEYS,
+) -> Report:
+    """Model-test the drivers ``factory`` makes against ``spec``; returns a :class:`Report`.
+
+    ``examples`` defaults to the current Hypothesis profile's ``max_examples``
+    (100 unless a profile says otherwise); ``seed`` defaults to a random one,
+    reported so the run can be repeated exactly.
+    """
+    if not isinstance(spec, Spec):
+        spec = load(spec)
+    probe(spec, factory, params)
+    machine = spec_machine(spec, factory, params=params, keys=keys)
+    budget = examples if examples is not None else Settings().max_examples
+    chosen = seed if seed is not None else random.SystemRandom().randrange(2**32)
+    config = Settings(
+        max_examples=budget,
+        stateful_step_count=steps,
+        deadline=None,
+        database=None,
+        derandomize=False,
+        report_multiple_bugs=False,
+        suppress_health_check=list(HealthCheck),
+        verbosity=Verbosity.quiet,
+        print_blob=False,
+        phases=(Phase.explicit, Phase.generate),
+    )
+    report = Report(spec, True, chosen, budget, steps, machine.coverage)
+    try:
+        with reporting.with_reporter(_silent):
+            run_state_machine_as_test(use_seed(chosen)(machine), settings=config)
+    except Divergence as exc:
+        exc = tidy(machine, exc)
+        return Report(spec, False, chosen, budget, steps, machine.coverage, exc.story, exc.problems, str(exc))
+    except Exception as exc:  # Hypothesis' own verdicts (e.g. a driver that does not repeat itself)
+        return Report(spec, False, chosen, budget, steps, machine.coverage, error=f"{type(exc).__name__}: {exc}")
+    return report
+
+
+TraceStep = tuple[str, tuple[object, ...]]
+"""One step of :attr:`SpecMachine.trace`: the machine method and its arguments."""
+
+
+def replay(machine: type[SpecMachine], trace: Sequence[TraceStep]) -> Divergence | None:
+    """Run ``trace`` on a fresh machine, checking after each step as Hypothesis does; the divergence, if any."""
+    quiet = type(machine.__name__, (machine,), {"coverage": Coverage(machine.spec)})
+    m = quiet()
+    try:
+        for name, args in trace:
+            if name != "teardown":
+                getattr(m, name)(*args)
+                m.agrees_with_spec()
+        m.teardown()
+    except Divergence as exc:
+        return exc
+    return None
+
+
+def tidy(machine: type[SpecMachine], found: Divergence) -> Divergence:
+    """The shortest story that still shows the same problem.
+
+    Drops steps one at a time, merges consecutive clock moves, then renames
+    the keys to ``req-1``, ``req-2``… in order of use, keeping each change
+    that replays to the same first problem (numbers aside: block ids, key
+    suffixes, times). Replays take milliseconds, so this runs instead of
+    Hypothesis' own shrinker, which is slow on long stateful examples and
+    cannot delete a step that holds an example's first choice of rules.
+    """
+    want = _signature(found)
+    best = found
+    shorter = True
+    while shorter:
+        shorter = False
+        i = 0
+        while i < len(best.trace):
+            for candidate in _without(best.trace, i):
+                got = replay(machine, candidate)
+                if got is not None and _signature(got) == want and len(got.trace) < len(best.trace):
+                    best, shorter = got, True
+                    break
+            else:
+                i += 1
+    renamed = replay(machine, _first_keys(machine.keys, best.trace))
+    return renamed if renamed is not None and _signature(renamed) == want else best
+
+
+def _without(trace: Sequence[TraceStep], i: int) -> Iterator[list[TraceStep]]:
+    """Simpler traces around step ``i``: without it, or with it merged into the next clock move."""
+    yield [*trace[:i], *trace[i + 1 :]]
+    here, after = trace[i], trace[i + 1] if i + 1 < len(trace) else None
+    if after is not None and here[0] == after[0] == "advance" and here[1][1] is None:
+        dt = float(here[1][0]) + float(after[1][0])  # type: ignore[arg-type]
+        yield [*trace[:i], ("advance", (dt, after[1][1])), *trace[i + 2 :]]
+
+
+def _signature(d: Divergence) -> str:
+    """The first problem's first clause, numbers blanked: what "the same failure" means to :func:`tidy`."""
+    first = d.problems[0].split("; ")[0] if d.problems else ""
+    return _NUMBER.sub("#", first)
+
+
+_NUMBER = re.compile(r"\d+(\.\d+)?")
+
+
+def _first_keys(keys: Sequence[str], trace: Sequence[TraceStep]) -> list[TraceStep]:
+    """The trace with its keys renamed to the first ones, in order of first use."""
+    names: dict[object, str] = {}
+    for _name, args in trace:
+        for a in args:
+            if a in keys and a not in names:
+                names[a] = keys[len(names)]
+    return [(name, tuple(names.get(a, a) if a in names else a for a in args)) for name, args in trace]
+
+
+def _silent(_text: object) -> None:
+    """Hypothesis prints the failing example as Python calls; the Report tells it as a story instead."""

@@ -1,0 +1,110 @@
+"""The story of a model-based run: one readable line per step, and the error that carries it.
+
+A failing example is told as what happened, in the spec's words, with the
+broken promise appended to the step that broke it::
+
+    t=0.0 begin req-1 → pinned
+    t=0.0 abort req-1: pinned → aborted; observe says gpu_blocks still held
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .model import Outcome, Step
+
+
+def clock(now: float) -> str:
+    """``t=3.0``: one decimal when that is exact, else as many as it takes."""
+    return f"t={now:.1f}" if round(now, 1) == now else f"t={now:g}"
+
+
+def _step(step: Step) -> str:
+    return f"{step.event} {step.key}: {step.source} → {step.target}"
+
+
+def _after_faults(outcome: Outcome) -> str:
+    """The failures (injected faults that fired) and the transitions that handled them."""
+    raised = ", ".join(f"{f.action}() raised (injected fault)" for f in outcome.failures)
+    moved = "; ".join(_step(s) for s in outcome.steps)
+    if moved:
+        return f"{raised}, so {moved}"
+    return f"{raised}; no on_error transition, state unchanged"
+
+
+def begin_line(key: str, outcome: Outcome) -> str:
+    if outcome.refused == "duplicate":
+        return f"begin {key}: already live in {outcome.state} (DuplicateKey, nothing may change)"
+    if outcome.failures:
+        raised = ", ".join(f"{f.action}() raised (injected fault)" for f in outcome.failures)
+        return f"begin {key}: {raised}; not begun"
+    return f"begin {key} → {outcome.steps[0].target}"
+
+
+def fire_line(key: str, event: str, outcome: Outcome) -> str:
+    if outcome.refused == "unknown":
+        return f"{event} {key}: no such instance (counted as unknown, not applied)"
+    if outcome.refused == "ignored":
+        return f"{event} {key}: ignored in {outcome.state}"
+    if outcome.refused == "illegal":
+        return f"{event} {key}: illegal in {outcome.state} (IllegalTransition, nothing may change)"
+    if outcome.failures:
+        return f"{event} {key}: {_after_faults(outcome)}"
+    return _step(outcome.steps[0])
+
+
+def poll_line(dt: float, outcome: Outcome) -> str:
+    parts = _steps_and_faults(outcome)
+    return f"clock +{dt:g}, poll() → " + ("; ".join(parts) if parts else "nothing due")
+
+
+def drain_line(outcome: Outcome) -> str:
+    if not outcome.drained:
+        return "finished() → nothing"
+    return "finished() → " + ", ".join(f"{k} {s}" for k, s in outcome.drained)
+
+
+def close_line(outcome: Outcome) -> str:
+    parts = _steps_and_faults(outcome)
+    parts += [f"{k} released by force (abort cannot finish it)" for k in outcome.forced]
+    return "close() → " + ("; ".join(parts) if parts else "nothing live")
+
+
+def _steps_and_faults(outcome: Outcome) -> list[str]:
+    """Each transition in order; an on_error one told after the injected fault that caused it."""
+    pending = list(outcome.failures)
+    parts = []
+    for step in outcome.steps:
+        caused = [f for f in pending if f.key == step.key] if step.how == "on_error" else []
+        if caused:
+            pending = [f for f in pending if f not in caused]
+            raised = ", ".join(f"{f.action}() raised (injected fault)" for f in caused)
+            parts.append(f"{caused[0].event} {step.key}: {raised}, so {_step(step)}")
+        else:
+            parts.append(_step(step))
+    parts += [f"{f.event} {f.key}: {f.action}() raised (injected fault); state unchanged" for f in pending]
+    return parts
+
+
+class Divergence(AssertionError):
+    """The Tracker or the driver did not do what the spec says.
+
+    ``story`` holds one line per step of the (shrunk) example; the last line
+    ends with what went wrong. ``problems`` lists those findings alone;
+    ``trace`` the steps as (method, arguments) of :class:`SpecMachine`.
+    """
+
+    def __init__(
+        self,
+        machine: str,
+        story: Sequence[str],
+        problems: Sequence[str],
+        trace: Sequence[tuple[str, tuple[object, ...]]] = (),
+    ) -> None:
+        self.machine = machine
+        self.story = tuple(story)
+        self.problems = tuple(problems)
+        self.trace = tuple(trace)
+        """The steps as (machine method, arguments), to replay the example."""
+        steps = "\n  ".join(self.story)
+        super().__init__(f"the driver diverged from spec {machine!r}:\n  {steps}")
