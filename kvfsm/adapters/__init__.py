@@ -1,0 +1,1 @@
+"""Adapters: kvfsm Trackers behind the connector interfaces of serving engines (vLLM)."""
