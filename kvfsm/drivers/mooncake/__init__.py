@@ -1,0 +1,48 @@
+"""Mooncake store drivers: the store jobs and loads of a Mooncake store connector, run by kvfsm.
+
+- :class:`MooncakeStoreWorker`: a vLLM-shaped worker (sending thread, load
+  threads, ``get_finished``) over the two specs ``mooncake_store_send`` and
+  ``mooncake_store_load``;
+- :class:`StoreSender` / :class:`StoreLoader`: those specs' drivers;
+- :func:`connect`: the real ``MooncakeDistributedStore``, set up with bounds;
+  :class:`EmbeddedMaster` / :class:`EmbeddedStore`: the in-process stand-in;
+  :class:`FaultyStore`: fault injection in front of either;
+- :class:`MasterProcess`: a real ``mooncake_master`` on loopback;
+- :class:`BlockPool`: KV blocks in one registered tensor, with holder sets.
+"""
+
+from .codes import StoreClosed, StoreError, StoreUnavailable
+from .driver import NotHeld, StoreLoader, StoreSender, block_key
+from .embedded import EmbeddedMaster, EmbeddedStore, connect_embedded
+from .faults import FaultyStore, InjectedStoreFault, raising, returning
+from .master import MasterProcess
+from .pool import BlockError, BlockPool
+from .store import KVStore, MooncakeStore, ObjectStore, connect
+from .worker import Finished, MooncakeStoreWorker, bundled_spec
+
+__all__ = [
+    "BlockError",
+    "BlockPool",
+    "EmbeddedMaster",
+    "EmbeddedStore",
+    "FaultyStore",
+    "Finished",
+    "InjectedStoreFault",
+    "KVStore",
+    "MasterProcess",
+    "MooncakeStore",
+    "MooncakeStoreWorker",
+    "NotHeld",
+    "ObjectStore",
+    "StoreClosed",
+    "StoreError",
+    "StoreLoader",
+    "StoreSender",
+    "StoreUnavailable",
+    "block_key",
+    "bundled_spec",
+    "connect",
+    "connect_embedded",
+    "raising",
+    "returning",
+]

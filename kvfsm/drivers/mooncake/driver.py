@@ -1,0 +1,354 @@
+"""The drivers of the Mooncake store specs: the actions that really pin blocks, queue jobs and call the store.
+
+:class:`StoreSender` drives ``specs/mooncake_store_send.yaml`` (one instance
+per store job) and :class:`StoreLoader` drives ``specs/mooncake_store_load.yaml``
+(one instance per load). Every resource the specs name is held somewhere
+real: a pin is a holder entry in the :class:`~.pool.BlockPool`, a queue task is
+an unfinished task of a :class:`queue.Queue`. ``observe(key)`` reads those
+back, so a model-based test compares the spec's ledger with reality.
+
+Actions raise on any failure, including negative store codes; the Tracker
+then fires the spec's ``on_error`` event and the derived releases run. No
+action releases anything by hand, and no action counts jobs: the jobs of a
+request are the store jobs that hold a pin, recorded when the pin is taken and
+forgotten when it is released.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import Counter
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+from . import codes as C
+from .codes import StoreError, check_codes
+from .pool import BlockPool
+from .store import KVStore
+
+BlockHash = bytes | int | str
+
+
+def block_key(prefix: str, block_hash: BlockHash) -> str:
+    """The store key of a block: ``prefix@hash``, the hash in hex (vLLM keys blocks by their chained hash).
+
+    ``prefix`` names what makes equal hashes different KV (model, TP rank, dtype).
+    """
+    if isinstance(block_hash, bytes):
+        text = block_hash.hex()
+    elif isinstance(block_hash, int):
+        text = f"{block_hash:x}" if block_hash >= 0 else f"n{-block_hash:x}"
+    else:
+        text = block_hash
+    return f"{prefix}@{text}"
+
+
+class NotHeld(RuntimeError):
+    """A release for something the driver does not hold: the engine released twice, or a driver bug."""
+
+
+def _exists_codes(keys: list[str], answer: Sequence[int]) -> list[int]:
+    """``batch_is_exist``'s answer, checked: 1 or 0 per key, anything else raises."""
+    codes = check_codes("batch_is_exist", keys, answer)
+    odd = [c for c in codes if c not in (0, 1)]
+    if odd:
+        raise StoreError(
+            "batch_is_exist",
+            keys,
+            [c if c in (0, 1) else C.INTERNAL_ERROR for c in codes],
+            f"answers {odd} are neither 0 nor 1",
+        )
+    return codes
+
+
+@dataclass
+class SaveJob:
+    """What a store job stores: its request, the blocks it pinned and their keys."""
+
+    request_id: Hashable
+    blocks: tuple[int, ...]
+    keys: tuple[str, ...]
+    missing: tuple[int, ...] | None = None
+    """Indexes of the keys the existence check found missing; None until it ran."""
+
+
+class StoreSender:
+    """Actions of ``mooncake_store_send``: pin, queue, check, put, and their releases.
+
+    Thread-safe: the scheduler thread begins jobs while the sending thread runs
+    them; the bookkeeping below is guarded by one leaf lock (no call out while held).
+    """
+
+    def __init__(self, store: KVStore, pool: BlockPool, *, prefix: str = "kv") -> None:
+        self.store = store
+        self.pool = pool
+        self.prefix = prefix
+        self.queue: queue.Queue[Hashable] = queue.Queue()
+        """The sending thread's queue; one task per job holding ``queue_task``."""
+        self.stats: Counter[str] = Counter()
+        self._lock = threading.Lock()
+        self._jobs: dict[Hashable, SaveJob] = {}
+        self._by_request: dict[Hashable, set[Hashable]] = {}
+        self._tasks: set[Hashable] = set()
+
+    @staticmethod
+    def holder(job: Hashable) -> tuple[str, Hashable]:
+        """The pool holder of ``job``'s pin."""
+        return ("store", job)
+
+    # -- block_pin -----------------------------------------------------------
+
+    def pin_blocks(
+        self,
+        job: Hashable,
+        /,
+        *,
+        request_id: Hashable = None,
+        block_ids: Sequence[int] = (),
+        block_hashes: Sequence[BlockHash] = (),
+        **_: object,
+    ) -> None:
+        """Add ``job`` as a holder of the request's blocks (each must already be held by the request)."""
+        if request_id is None:
+            raise TypeError(
+                f"store job {job!r} begun without a plan: begin(job, request_id=..., block_ids=[...], block_hashes=[...])"
+            )
+        if len(block_ids) != len(block_hashes):
+            raise ValueError(f"store job {job!r}: {len(block_ids)} blocks but {len(block_hashes)} hashes")
+        keys = tuple(block_key(self.prefix, h) for h in block_hashes)
+        self.pool.pin(self.holder(job), block_ids)
+        with self._lock:
+            self._jobs[job] = SaveJob(request_id, tuple(block_ids), keys)
+            self._by_request.setdefault(request_id, set()).add(job)
+
+    def unpin_blocks(self, job: Hashable, /, **_: object) -> None:
+        with self._lock:
+            rec = self._jobs.pop(job, None)
+            if rec is None:
+                raise NotHeld(f"store job {job!r} holds no pin")
+            jobs = self._by_request[rec.request_id]
+            jobs.discard(job)
+            if not jobs:
+                del self._by_request[rec.request_id]
+        self.pool.release(self.holder(job), rec.blocks)
+
+    # -- queue_task ------------------------------------------------------------
+
+    def enqueue_job(self, job: Hashable, /, **_: object) -> None:
+        with self._lock:
+            if job in self._tasks:
+                raise RuntimeError(f"store job {job!r} is already queued")
+            self._tasks.add(job)
+        self.queue.put(job)
+
+    def task_done(self, job: Hashable, /, **_: object) -> None:
+        with self._lock:
+            if job not in self._tasks:
+                raise NotHeld(f"store job {job!r} has no queue task")
+            self._tasks.discard(job)
+        self.queue.task_done()
+
+    # -- the work ----------------------------------------------------------------
+
+    def check_exists(self, job: Hashable, /, **_: object) -> None:
+        """Dedup: ask the store which of the job's keys it already has (``batch_is_exist``)."""
+        rec = self._job(job)
+        keys = list(rec.keys)
+        codes = _exists_codes(keys, self.store.batch_is_exist(keys)) if keys else []
+        rec.missing = tuple(i for i, c in enumerate(codes) if c == 0)
+        self.stats["blocks_deduped"] += len(keys) - len(rec.missing)
+
+    def put_blocks(self, job: Hashable, /, **_: object) -> None:
+        """Put the missing blocks straight from the pool's registered tensor (``batch_put_from``).
+
+        A key another writer put meanwhile answers 0 and keeps that writer's
+        value, which is the same KV: keys are content hashes.
+        """
+        rec = self._job(job)
+        if rec.missing is None:
+            raise RuntimeError(f"store job {job!r}: put before the existence check")
+        if not rec.missing:
+            return
+        keys = [rec.keys[i] for i in rec.missing]
+        ptrs = [self.pool.ptr(rec.blocks[i]) for i in rec.missing]
+        sizes = [self.pool.block_bytes] * len(keys)
+        check_codes("batch_put_from", keys, self.store.batch_put_from(keys, ptrs, sizes))
+        self.stats["blocks_put"] += len(keys)
+
+    # -- reading back ------------------------------------------------------------
+
+    def _job(self, job: Hashable) -> SaveJob:
+        with self._lock:
+            rec = self._jobs.get(job)
+        if rec is None:
+            raise NotHeld(f"store job {job!r} holds no pin; it cannot be run")
+        return rec
+
+    def observe(self, job: Hashable) -> set[str]:
+        """What ``job`` really holds: a pin in the block pool, a task of the queue."""
+        held = set()
+        if self.pool.held_by(self.holder(job)):
+            held.add("block_pin")
+        with self._lock:
+            if job in self._tasks:
+                held.add("queue_task")
+        return held
+
+    def live_jobs(self, request_id: Hashable) -> frozenset[Hashable]:
+        """The request's store jobs that still pin its blocks."""
+        with self._lock:
+            return frozenset(self._by_request.get(request_id, ()))
+
+    def requests_pinned(self) -> int:
+        with self._lock:
+            return len(self._by_request)
+
+    def outstanding_tasks(self) -> int:
+        """Queue tasks the driver holds; always equal to ``queue.unfinished_tasks``."""
+        with self._lock:
+            return len(self._tasks)
+
+
+@dataclass
+class _Hit:
+    request_id: Hashable
+    keys: tuple[str, ...]
+    hits: int
+
+
+@dataclass
+class _LoadPin:
+    blocks: tuple[int, ...]
+    filled: set[int] = field(default_factory=set)
+
+
+class StoreLoader:
+    """Actions of ``mooncake_store_load``: look up, pin the allocated blocks, queue, fill them, and releases.
+
+    Blocks the load pinned but did not fill are collected in :meth:`take_unfilled`
+    when the pin is released: the scheduler must treat them as invalid.
+    """
+
+    def __init__(self, store: KVStore, pool: BlockPool, *, prefix: str = "kv") -> None:
+        self.store = store
+        self.pool = pool
+        self.prefix = prefix
+        self.queue: queue.Queue[Hashable] = queue.Queue()
+        self.stats: Counter[str] = Counter()
+        self._lock = threading.Lock()
+        self._hits: dict[Hashable, _Hit] = {}
+        self._pins: dict[Hashable, _LoadPin] = {}
+        self._tasks: set[Hashable] = set()
+        self._unfilled: dict[Hashable, tuple[int, ...]] = {}
+
+    @staticmethod
+    def holder(load: Hashable) -> tuple[str, Hashable]:
+        return ("load", load)
+
+    # -- hit ----------------------------------------------------------------------
+
+    def lookup_keys(
+        self, load: Hashable, /, *, request_id: Hashable = None, block_hashes: Sequence[BlockHash] = (), **_: object
+    ) -> None:
+        """How many leading blocks of the request the store has (``batch_is_exist``; grants read leases)."""
+        if request_id is None:
+            raise TypeError(f"load {load!r}: fire 'lookup' with request_id=... and block_hashes=[...]")
+        keys = [block_key(self.prefix, h) for h in block_hashes]
+        codes = _exists_codes(keys, self.store.batch_is_exist(keys)) if keys else []
+        hits = next((i for i, c in enumerate(codes) if c != 1), len(codes))
+        with self._lock:
+            self._hits[load] = _Hit(request_id, tuple(keys), hits)
+
+    def forget_hit(self, load: Hashable, /, **_: object) -> None:
+        with self._lock:
+            if self._hits.pop(load, None) is None:
+                raise NotHeld(f"load {load!r} has no lookup result")
+
+    def hits(self, load: Hashable) -> int:
+        """The hit length the lookup found (0 if it has not run or was forgotten)."""
+        with self._lock:
+            hit = self._hits.get(load)
+        return hit.hits if hit is not None else 0
+
+    # -- load_blocks ------------------------------------------------------------
+
+    def pin_load_blocks(self, load: Hashable, /, *, block_ids: Sequence[int] = (), **_: object) -> None:
+        """Add the load as a holder of the blocks the scheduler allocated for the hit."""
+        with self._lock:
+            hit = self._hits.get(load)
+        if hit is None:
+            raise NotHeld(f"load {load!r} has no lookup result to allocate for")
+        if not 0 < len(block_ids) <= hit.hits:
+            raise ValueError(f"load {load!r}: {len(block_ids)} blocks allocated for a hit of {hit.hits}")
+        self.pool.pin(self.holder(load), block_ids)
+        with self._lock:
+            self._pins[load] = _LoadPin(tuple(block_ids))
+
+    def unpin_load_blocks(self, load: Hashable, /, **_: object) -> None:
+        with self._lock:
+            pin = self._pins.pop(load, None)
+            if pin is None:
+                raise NotHeld(f"load {load!r} holds no blocks")
+            self._unfilled[load] = tuple(b for b in pin.blocks if b not in pin.filled)
+        self.pool.release(self.holder(load), pin.blocks)
+
+    def take_unfilled(self, load: Hashable) -> tuple[int, ...] | None:
+        """Blocks the load pinned and released unfilled, once; None if it never pinned any (or was taken)."""
+        with self._lock:
+            return self._unfilled.pop(load, None)
+
+    # -- load_task ----------------------------------------------------------------
+
+    def enqueue_load(self, load: Hashable, /, **_: object) -> None:
+        with self._lock:
+            if load in self._tasks:
+                raise RuntimeError(f"load {load!r} is already queued")
+            self._tasks.add(load)
+        self.queue.put(load)
+
+    def load_task_done(self, load: Hashable, /, **_: object) -> None:
+        with self._lock:
+            if load not in self._tasks:
+                raise NotHeld(f"load {load!r} has no queue task")
+            self._tasks.discard(load)
+        self.queue.task_done()
+
+    # -- the work ----------------------------------------------------------------
+
+    def load_into_blocks(self, load: Hashable, /, **_: object) -> None:
+        """Fill the pinned blocks from the store (``batch_get_into``); a short or failed read raises."""
+        with self._lock:
+            hit, pin = self._hits.get(load), self._pins.get(load)
+        if hit is None or pin is None:
+            raise NotHeld(f"load {load!r} has nothing pinned to load into")
+        n = len(pin.blocks)
+        keys = list(hit.keys[:n])
+        size = self.pool.block_bytes
+        answer = list(self.store.batch_get_into(keys, [self.pool.ptr(b) for b in pin.blocks], [size] * n))
+        if len(answer) != n:
+            raise StoreError("batch_get_into", keys, [C.INTERNAL_ERROR] * n, f"{len(answer)} answers for {n} keys")
+        with self._lock:
+            pin.filled.update(b for b, got in zip(pin.blocks, answer, strict=True) if got == size)
+            filled = len(pin.filled)
+        self.stats["blocks_loaded"] += filled
+        if filled < n:
+            codes = [got if got < 0 else (C.OK if got == size else -701) for got in answer]
+            raise StoreError("batch_get_into", keys, codes, "-701 marks a read of the wrong size")
+
+    # -- reading back ------------------------------------------------------------
+
+    def observe(self, load: Hashable) -> set[str]:
+        held = set()
+        if self.pool.held_by(self.holder(load)):
+            held.add("load_blocks")
+        with self._lock:
+            if load in self._tasks:
+                held.add("load_task")
+            if load in self._hits:
+                held.add("hit")
+        return held
+
+    def outstanding_tasks(self) -> int:
+        with self._lock:
+            return len(self._tasks)

@@ -1,0 +1,231 @@
+"""The Mooncake store drivers set up for kvfsm's generated model-based tests (``kvfsm.testing``).
+
+A generated test begins keys and fires events without payloads, and asks the
+driver to make its next action raise. :class:`ModelSender` and
+:class:`ModelLoader` are the real drivers plus exactly that: they plan a job
+(or a load) they were begun without, over fresh blocks and fresh hashes, and
+they inject a fault by making the store call behind the action fail (raise, or
+return negative codes: each in turn), through a :class:`~.faults.FaultyStore`
+in front of the real store. Everything else is the production code path.
+
+From the command line, against the embedded store or a running master::
+
+    kvfsm test specs/mooncake_store_send.yaml --driver kvfsm.drivers.mooncake.modeltest:embedded_sender
+    KVFSM_MOONCAKE_MASTER=127.0.0.1:50051 \\
+        kvfsm test specs/mooncake_store_send.yaml --driver kvfsm.drivers.mooncake.modeltest:real_sender
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import uuid
+import weakref
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import torch
+
+from . import codes as C
+from .driver import StoreLoader, StoreSender
+from .embedded import EmbeddedMaster, connect_embedded
+from .faults import Fault, FaultyStore, raising, returning
+from .pool import BlockPool
+from .store import KVStore, connect
+
+NUM_BLOCKS = 32
+BLOCK_BYTES = 4096
+BLOCKS_PER_JOB = 2
+
+
+class _Faults:
+    """Which store call each faultable action makes, and the faults used in turn on it."""
+
+    def __init__(self, store: KVStore, calls: dict[str, str]) -> None:
+        self.store = FaultyStore(store)
+        self.calls = calls
+        self.direct: set[str] = set()
+        self._turn = itertools.count()
+
+    def inject(self, action: str) -> None:
+        call = self.calls.get(action)
+        if call is None:
+            self.direct.add(action)  # an action that calls no store: it raises itself
+            return
+        kinds: tuple[Fault, ...] = (
+            raising(f"injected fault in {call}"),
+            returning(C.RPC_FAIL),
+            returning(C.NO_AVAILABLE_HANDLE, keys=1),
+        )
+        self.store.fail_next(call, kinds[next(self._turn) % len(kinds)])
+
+    def trip(self, action: str) -> None:
+        if action in self.direct:
+            self.direct.discard(action)
+            raise RuntimeError(f"injected fault in {action}")
+
+
+class ModelSender(StoreSender):
+    """:class:`StoreSender` that plans unplanned jobs and injects faults into the store calls."""
+
+    def __init__(self, store: KVStore, kv: torch.Tensor | None = None, *, prefix: str | None = None) -> None:
+        self.faults = _Faults(store, {"check_exists": "batch_is_exist", "put_blocks": "batch_put_from"})
+        pool = BlockPool(NUM_BLOCKS, BLOCK_BYTES, kv=kv)
+        super().__init__(self.faults.store, pool, prefix=prefix or f"model-{uuid.uuid4().hex[:12]}")
+        self._plans = itertools.count(1)
+
+    def inject_fault(self, action: str) -> None:
+        self.faults.inject(action)
+
+    def pin_blocks(self, job: Hashable, /, **payload: Any) -> None:
+        """Pin the given blocks, or plan a job: a request's fresh blocks with fresh hashes."""
+        self.faults.trip("pin_blocks")
+        if payload:
+            return super().pin_blocks(job, **payload)
+        n = next(self._plans)
+        request = ("request", job, n)
+        blocks = self.pool.allocate(request, BLOCKS_PER_JOB)
+        for i, b in enumerate(blocks):
+            self.pool.kv[b].fill_((n * BLOCKS_PER_JOB + i) % 251)
+        try:
+            super().pin_blocks(
+                job, request_id=request, block_ids=blocks, block_hashes=[f"{n}.{i}" for i in range(len(blocks))]
+            )
+        finally:
+            self.pool.release(request, blocks)  # the request is done; the job's pin keeps its blocks
+
+    def enqueue_job(self, job: Hashable, /, **payload: Any) -> None:
+        self.faults.trip("enqueue_job")
+        super().enqueue_job(job, **payload)
+
+
+class ModelLoader(StoreLoader):
+    """:class:`StoreLoader` over a store seeded with a cached prefix, planning unplanned lookups and loads."""
+
+    HIT = 2
+
+    def __init__(self, store: KVStore, kv: torch.Tensor | None = None, *, prefix: str | None = None) -> None:
+        self.faults = _Faults(store, {"lookup_keys": "batch_is_exist", "load_into_blocks": "batch_get_into"})
+        pool = BlockPool(NUM_BLOCKS, BLOCK_BYTES, kv=kv)
+        super().__init__(self.faults.store, pool, prefix=prefix or f"model-{uuid.uuid4().hex[:12]}")
+        self._plans = itertools.count(1)
+        self.cached = [f"cached.{i}" for i in range(self.HIT)]
+        self._seed_store(store)
+
+    def _seed_store(self, store: KVStore) -> None:
+        """Put the cached prefix in the store (through the real store, never faulted)."""
+        seeder = StoreSender(store, self.pool, prefix=self.prefix)
+        blocks = self.pool.allocate("seed", self.HIT)
+        for i, b in enumerate(blocks):
+            self.pool.kv[b].fill_(100 + i)
+        seeder.pin_blocks("seed", request_id="seed", block_ids=blocks, block_hashes=self.cached)
+        seeder.check_exists("seed")
+        seeder.put_blocks("seed")
+        seeder.unpin_blocks("seed")
+        self.pool.release("seed", blocks)
+
+    def inject_fault(self, action: str) -> None:
+        self.faults.inject(action)
+
+    def lookup_keys(self, load: Hashable, /, **payload: Any) -> None:
+        """Look the given hashes up, or the cached prefix followed by a block the store lacks."""
+        if not payload:
+            payload = {"request_id": ("request", load, next(self._plans)), "block_hashes": [*self.cached, "absent"]}
+        super().lookup_keys(load, **payload)
+
+    def pin_load_blocks(self, load: Hashable, /, **payload: Any) -> None:
+        """Pin the given blocks, or allocate the hit's blocks for a request that hands them over."""
+        self.faults.trip("pin_load_blocks")
+        if payload:
+            return super().pin_load_blocks(load, **payload)
+        request = ("request", load, next(self._plans))
+        blocks = self.pool.allocate(request, self.hits(load))
+        try:
+            super().pin_load_blocks(load, block_ids=blocks)
+        finally:
+            self.pool.release(request, blocks)
+
+    def enqueue_load(self, load: Hashable, /, **payload: Any) -> None:
+        self.faults.trip("enqueue_load")
+        super().enqueue_load(load, **payload)
+
+
+# -- factories -------------------------------------------------------------------
+
+_registered: weakref.WeakKeyDictionary[KVStore, torch.Tensor] = weakref.WeakKeyDictionary()
+
+
+def registered_kv(store: KVStore) -> torch.Tensor:
+    """One KV tensor per store, registered once, reused by every example's fresh pool.
+
+    Registering a new tensor per example would pile up registrations (and the
+    store refuses an overlapping one when torch reuses an address).
+    """
+    kv = _registered.get(store)
+    if kv is None:
+        kv = torch.zeros((NUM_BLOCKS, BLOCK_BYTES), dtype=torch.uint8)
+        rc = store.register_buffer(kv.data_ptr(), kv.numel())
+        if rc < 0:
+            raise RuntimeError(f"register_buffer of the model tests' KV tensor returned {C.name(rc)}")
+        _registered[store] = kv
+    return kv
+
+
+def sender_factory(store: KVStore) -> Callable[[], ModelSender]:
+    """A factory of fresh :class:`ModelSender` s over ``store`` (one registered tensor for all)."""
+    kv = registered_kv(store)
+    return lambda: ModelSender(store, kv)
+
+
+def loader_factory(store: KVStore) -> Callable[[], ModelLoader]:
+    kv = registered_kv(store)
+    return lambda: ModelLoader(store, kv)
+
+
+_stores: dict[str, KVStore] = {}
+
+
+def _embedded() -> KVStore:
+    if "embedded" not in _stores:
+        _stores["embedded"] = connect_embedded(EmbeddedMaster(lease_ttl=0.5))
+    return _stores["embedded"]
+
+
+def _real() -> KVStore:
+    address = os.environ.get("KVFSM_MOONCAKE_MASTER")
+    if not address:
+        raise RuntimeError("set KVFSM_MOONCAKE_MASTER=host:port to the mooncake_master to test against")
+    if address not in _stores:
+        _stores[address] = connect(address)
+    return _stores[address]
+
+
+def embedded_sender() -> ModelSender:
+    """``--driver`` factory: a :class:`ModelSender` over an in-process embedded store."""
+    return ModelSender(_embedded(), registered_kv(_embedded()))
+
+
+def embedded_loader() -> ModelLoader:
+    return ModelLoader(_embedded(), registered_kv(_embedded()))
+
+
+def real_sender() -> ModelSender:
+    """``--driver`` factory: a :class:`ModelSender` over the master at ``$KVFSM_MOONCAKE_MASTER``."""
+    return ModelSender(_real(), registered_kv(_real()))
+
+
+def real_loader() -> ModelLoader:
+    return ModelLoader(_real(), registered_kv(_real()))
+
+
+__all__: Sequence[str] = [
+    "ModelLoader",
+    "ModelSender",
+    "embedded_loader",
+    "embedded_sender",
+    "loader_factory",
+    "real_loader",
+    "real_sender",
+    "registered_kv",
+    "sender_factory",
+]

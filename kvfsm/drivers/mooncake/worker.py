@@ -1,0 +1,336 @@
+"""A Mooncake store connector worker shaped like vLLM's: a sending thread, load threads, one step call.
+
+The scheduler side calls :meth:`MooncakeStoreWorker.save` for blocks to
+store, :meth:`lookup` / :meth:`start_load` for a prefix to load, and
+:meth:`get_finished` once per step, which fires due deadlines and reports
+``finished_sending``, ``finished_recving`` and invalid block ids (vLLM's
+``get_finished`` and ``get_block_ids_with_load_errors``). The threads only
+fire events; every pin, queue task and store call happens in the drivers'
+actions, under the two Trackers, so a store call that raises or returns a
+negative code ends its job in ``failed`` with everything released.
+
+A request is reported ``finished_sending`` once :meth:`request_finished` was
+called for it and none of its store jobs still pins its blocks: vLLM's
+``stored_requests`` counter, with the count read from the jobs that hold pins.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ...engine import Tracker
+from ...errors import ActionError, Failure, IllegalTransition
+from ...spec import Spec, load
+from .driver import BlockHash, StoreLoader, StoreSender
+from .pool import BlockPool
+from .store import KVStore
+
+log = logging.getLogger(__name__)
+
+SEND_SPEC = "mooncake_store_send.yaml"
+LOAD_SPEC = "mooncake_store_load.yaml"
+_STOP = object()
+
+
+@functools.cache
+def bundled_spec(name: str) -> Spec:
+    """A spec shipped with kvfsm: the package's ``specs/`` if installed with it, else the source tree's (loaded once)."""
+    here = Path(__file__).resolve()
+    candidates = [here.parents[2] / "specs" / name, here.parents[3] / "specs" / name]
+    for path in candidates:
+        if path.is_file():
+            return load(path)
+    raise FileNotFoundError(f"{name} not found (looked in {', '.join(str(p.parent) for p in candidates)})")
+
+
+@dataclass
+class Finished:
+    """What one :meth:`MooncakeStoreWorker.get_finished` call reports."""
+
+    sending: set[Hashable] = field(default_factory=set)
+    """Requests whose blocks no store job pins any more, after :meth:`~MooncakeStoreWorker.request_finished`."""
+    recving: set[Hashable] = field(default_factory=set)
+    """Requests whose load ended (loaded, failed or expired) since the last call."""
+    invalid_blocks: set[int] = field(default_factory=set)
+    """Blocks a load pinned but did not fill: recompute them."""
+
+
+class MooncakeStoreWorker:
+    """Two Trackers (store jobs, loads) over one store and one block pool, with vLLM's threads.
+
+    ``sender``/``loader`` default to the drivers in this package; tests pass
+    others (for example a copy with a known bug) to show what the specs catch.
+    ``start=False`` leaves the threads stopped until :meth:`start` (jobs queue
+    up meanwhile). Call :meth:`close` to stop the threads and release
+    everything still held.
+    """
+
+    def __init__(
+        self,
+        store: KVStore,
+        pool: BlockPool,
+        *,
+        prefix: str = "kv",
+        load_threads: int = 2,
+        params: Mapping[str, float] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        sender: StoreSender | None = None,
+        loader: StoreLoader | None = None,
+        register: bool = True,
+        start: bool = True,
+    ) -> None:
+        self.store = store
+        self.pool = pool
+        self.sender = sender or StoreSender(store, pool, prefix=prefix)
+        self.loader = loader or StoreLoader(store, pool, prefix=prefix)
+        params = dict(params or {})
+        send_spec, load_spec = bundled_spec(SEND_SPEC), bundled_spec(LOAD_SPEC)
+        self.send = Tracker(
+            send_spec, self.sender, clock=clock, params={k: v for k, v in params.items() if k in send_spec.params}
+        )
+        self.load = Tracker(
+            load_spec,
+            self.loader,
+            clock=clock,
+            params={k: v for k, v in params.items() if k in load_spec.params},
+            spaces=["request_id"],
+        )
+        unknown = set(params) - set(send_spec.params) - set(load_spec.params)
+        if unknown:
+            raise ValueError(
+                f"unknown params {sorted(unknown)}; known: {sorted({*send_spec.params, *load_spec.params})}"
+            )
+        self.failures: list[Failure] = []
+        """Every action failure the trackers reported (store errors, injected faults), oldest first."""
+        self.bugs: list[BaseException] = []
+        """Errors that mean a bug rather than a failed store call (an illegal event from a thread)."""
+        self.outcomes: Counter[str] = Counter()
+        """Final states of drained store jobs and loads, as ``send:stored``, ``load:failed``, ..."""
+        self._lock = threading.Lock()
+        self._seq = itertools.count(1)
+        self._finishing: set[Hashable] = set()
+        self._unstarted: list[tuple[Hashable, tuple[int, ...]]] = []
+        """Loads that failed before a block was pinned: reported by the next get_finished, all blocks invalid."""
+        self._closed = False
+        self._registered = False
+        if register:
+            rc = store.register_buffer(pool.kv.data_ptr(), pool.nbytes)
+            if rc < 0:
+                raise RuntimeError(f"register_buffer of the KV pool ({pool.nbytes} bytes) returned {rc}")
+            self._registered = True
+        self._threads = [threading.Thread(target=self._send_loop, name="mooncake-store-send", daemon=True)]
+        self._threads += [
+            threading.Thread(target=self._load_loop, name=f"mooncake-store-load-{i}", daemon=True)
+            for i in range(load_threads)
+        ]
+        if start:
+            self.start()
+
+    def start(self) -> None:
+        """Start the sending and load threads (done by the constructor unless ``start=False``)."""
+        for t in self._threads:
+            if not t.is_alive():
+                t.start()
+
+    # -- the scheduler's side --------------------------------------------------
+
+    def save(self, request_id: Hashable, block_ids: Sequence[int], block_hashes: Sequence[BlockHash]) -> Hashable:
+        """Store ``block_ids`` under keys from ``block_hashes``: a new store job, pinned and queued.
+
+        The request must hold the blocks (the pool refuses to pin free ones).
+        Returns the job id; a job whose pin or enqueue failed is already final.
+        """
+        job = (request_id, next(self._seq))
+        try:
+            self.send.begin(job, request_id=request_id, block_ids=list(block_ids), block_hashes=list(block_hashes))
+            self.send.fire(job, "enqueue")
+        except ActionError as exc:
+            self._failed(exc)
+        return job
+
+    def request_finished(self, request_id: Hashable) -> bool:
+        """The request is done on the scheduler; True if store jobs still pin its blocks (vLLM's delay_free).
+
+        Either way it is reported in ``Finished.sending`` once no job pins its blocks.
+        """
+        with self._lock:
+            self._finishing.add(request_id)
+        return bool(self.sender.live_jobs(request_id))
+
+    def lookup(self, request_id: Hashable, block_hashes: Sequence[BlockHash]) -> int:
+        """How many leading blocks of the request the store holds (0 on a lookup error).
+
+        A miss is finished here. A hit stays open until :meth:`start_load`
+        (with the allocated blocks, or ``[]`` to give it up), :meth:`abort`,
+        or the request's next lookup, which replaces it.
+        """
+        load_id = (request_id, "load", next(self._seq))
+        earlier = self.load.route("request_id", request_id)
+        try:
+            if earlier is not None:  # vLLM asks again each step a request waits: the new lookup replaces it
+                self.load.fire(earlier, "abort")
+            self.load.begin(load_id)
+            self.load.link(load_id, "request_id", request_id)
+            self.load.fire(load_id, "lookup", request_id=request_id, block_hashes=list(block_hashes))
+        except ActionError as exc:
+            self._failed(exc)
+            return 0
+        hits = self.loader.hits(load_id)
+        if not hits:
+            self.load.fire(load_id, "miss")
+        return hits
+
+    def start_load(self, request_id: Hashable, block_ids: Sequence[int]) -> None:
+        """Fill ``block_ids`` (allocated by the scheduler for the hit) from the store, on a load thread.
+
+        An empty ``block_ids`` gives the hit up. Whatever happens, the request
+        is reported in ``Finished.recving`` once, with the blocks not filled
+        in ``Finished.invalid_blocks``.
+        """
+        try:
+            if block_ids:
+                self.load.fire_by("request_id", request_id, "allocate", block_ids=list(block_ids))
+            else:
+                self.load.fire_by("request_id", request_id, "miss")
+        except ActionError as exc:  # pinning or queueing failed: nothing was loaded into block_ids
+            self._failed(exc)
+            with self._lock:
+                self._unstarted.append((request_id, tuple(block_ids)))
+
+    def abort(self, request_id: Hashable) -> None:
+        """Drop the request's pending stores and its load; their pins and queue tasks are released."""
+        self._end_request(request_id, "abort")
+
+    def preempt(self, request_id: Hashable) -> None:
+        """Like :meth:`abort` (vLLM drops a preempted request's pending stores); jobs end ``preempted``."""
+        self._end_request(request_id, "preempt")
+
+    def get_finished(self) -> Finished:
+        """One scheduler step: fire due deadlines, drain finished jobs and loads, report what finished."""
+        out = Finished()
+        for tracker in (self.send, self.load):
+            try:
+                tracker.poll()
+            except ActionError as exc:
+                self._failed(exc)
+        for _job, state in self.send.finished():
+            self.outcomes[f"send:{state}"] += 1
+        for load_id, state in self.load.finished():
+            self.outcomes[f"load:{state}"] += 1
+            unfilled = self.loader.take_unfilled(load_id)
+            if unfilled is not None and state != "aborted":  # an async load ran (or was due): report it
+                out.recving.add(self._request_of(load_id))
+                out.invalid_blocks.update(unfilled)
+        with self._lock:
+            done = {r for r in self._finishing if not self.sender.live_jobs(r)}
+            self._finishing -= done
+            unstarted, self._unstarted = self._unstarted, []
+        out.sending = done
+        for request_id, blocks in unstarted:
+            out.recving.add(request_id)
+            out.invalid_blocks.update(blocks)
+        return out
+
+    # -- shutdown ------------------------------------------------------------------
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the threads (after their current job), abort everything live, unregister the pool's buffer."""
+        if self._closed:
+            return
+        self._closed = True
+        running = [t for t in self._threads if t.is_alive()]
+        for t in running:  # one stop marker per running thread, on its own queue
+            (self.sender.queue if t is self._threads[0] else self.loader.queue).put(_STOP)
+        for t in running:
+            t.join(timeout)
+        for tracker in (self.send, self.load):
+            try:
+                tracker.close()
+            except ActionError as exc:
+                self._failed(exc)
+        if self._registered:
+            self.store.unregister_buffer(self.pool.kv.data_ptr())
+
+    def __enter__(self) -> MooncakeStoreWorker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- reading back ------------------------------------------------------------
+
+    def live(self) -> int:
+        """Store jobs and loads not yet final."""
+        return self.send.live() + self.load.live()
+
+    def unfinished_tasks(self) -> int:
+        """Queue tasks not yet done, both queues (``queue.Queue.unfinished_tasks``)."""
+        return self.sender.queue.unfinished_tasks + self.loader.queue.unfinished_tasks
+
+    # -- internals -------------------------------------------------------------------
+
+    def _end_request(self, request_id: Hashable, event: str) -> None:
+        for job in self.sender.live_jobs(request_id):
+            try:
+                self.send.fire(job, event)
+            except ActionError as exc:
+                self._failed(exc)
+        load_id = self.load.route("request_id", request_id)
+        if load_id is None:
+            return
+        try:
+            self.load.fire(load_id, "abort")
+        except ActionError as exc:
+            self._failed(exc)
+
+    def _request_of(self, load_id: Hashable) -> Hashable:
+        assert isinstance(load_id, tuple), "load ids are (request_id, 'load', n)"
+        request_id: Hashable = load_id[0]
+        return request_id
+
+    def _failed(self, exc: ActionError) -> None:
+        with self._lock:
+            self.failures.extend(exc.failures)
+        for f in exc.failures:
+            log.debug("%s", f)
+
+    def _send_loop(self) -> None:
+        self._run(self.sender.queue, ("check", "put"), self.send)
+
+    def _load_loop(self) -> None:
+        self._run(self.loader.queue, ("load",), self.load)
+
+    def _run(self, q: queue.Queue[Hashable], events: tuple[str, ...], tracker: Tracker) -> None:
+        """Take keys off ``q`` and fire ``events`` in order, stopping at a final state.
+
+        A key that finished meanwhile (aborted, expired) ignores them; once
+        :meth:`close` has begun, keys are skipped (close aborts them).
+        """
+        while True:
+            key = q.get()
+            if key is _STOP:
+                q.task_done()  # the stop marker's own task, never a job's
+                return
+            if self._closed:
+                continue
+            for event in events:
+                try:
+                    state = tracker.fire(key, event)
+                except ActionError as exc:
+                    self._failed(exc)
+                    break
+                except IllegalTransition as exc:  # pragma: no cover - a bug in the worker or the spec
+                    with self._lock:
+                        self.bugs.append(exc)
+                    break
+                if state is None or tracker.spec.states[state].is_final:
+                    break
