@@ -19,7 +19,7 @@ from yaml.constructor import SafeConstructor
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from .findings import READ_ERROR, Finding, SpecError
-from .model import WILDCARD, IgnoreRule, Loc, Resource, Spec, State, Timeout, Transition
+from .model import WILDCARD, IgnoreRule, Loc, Resource, Send, Spec, State, Timeout, Transition
 
 SCHEMA_VERSION = 1
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
@@ -44,7 +44,8 @@ TOP_KEYS = {
 RESOURCE_KEYS = ("release", "acquire", "doc")
 STATE_KEYS = ("initial", "final", "holds", "waits", "timeout", "doc")
 TIMEOUT_KEYS = ("after", "fire")
-TRANSITION_KEYS = ("event", "from", "to", "do", "doc")
+TRANSITION_KEYS = ("event", "from", "to", "do", "doc", "send")
+SEND_KEYS = ("to", "message")
 IGNORE_KEYS = ("event", "in")
 
 
@@ -314,6 +315,30 @@ def _state(s: _Schema, name: str, knode: Node, node: Node) -> State | None:
     )
 
 
+def _send(s: _Schema, node: Node) -> Send | None:
+    items = s.mapping(node, "send", SEND_KEYS)
+    if items is None:
+        return None
+    fix = "Write 'send: {to: <role>, message: <message>}' (or a list of them)."
+    to_node = s.require(items, "to", node, "send", fix)
+    message_node = s.require(items, "message", node, "send", fix)
+    to = s.name(to_node, "send: to") if to_node is not None else None
+    message = s.name(message_node, "send: message") if message_node is not None else None
+    if to is None or message is None:
+        return None
+    return Send(to, message, s.loc(node))
+
+
+def _sends(s: _Schema, node: Node) -> tuple[Send, ...]:
+    """``send:`` holds one ``{to, message}`` mapping or a list of them."""
+    if isinstance(node, SequenceNode):
+        if not node.value:
+            s.error(node, "send is an empty list", "Name at least one message, or drop 'send'.")
+        return s.sequence(node, "send", lambda n: _send(s, n))
+    one = _send(s, node)
+    return (one,) if one is not None else ()
+
+
 def _transition(s: _Schema, node: Node) -> Transition | None:
     items = s.mapping(node, "transition", TRANSITION_KEYS)
     if items is None:
@@ -329,9 +354,10 @@ def _transition(s: _Schema, node: Node) -> Transition | None:
     target = s.name(to_node, "transition target")
     do = s.name(items["do"][1], "transition do") if "do" in items else None
     doc = s.text(items["doc"][1], "transition doc") if "doc" in items else ""
+    sends = _sends(s, items["send"][1]) if "send" in items else ()
     if event is None or not sources or target is None:
         return None
-    return Transition(event, sources, target, do, doc, s.loc(node))
+    return Transition(event, sources, target, do, doc, s.loc(node), sends)
 
 
 def _ignore(s: _Schema, node: Node) -> IgnoreRule | None:

@@ -74,6 +74,20 @@ class State:
 
 
 @dataclass(frozen=True, slots=True)
+class Send:
+    """A message a transition sends to another role of a composition (see :mod:`kvfsm.spec.system`).
+
+    A machine on its own gives ``send`` no meaning: the engine ignores it, and
+    only a composition says which role ``to`` names and whether ``message`` is
+    declared there.
+    """
+
+    to: str
+    message: str
+    loc: Loc = NOWHERE
+
+
+@dataclass(frozen=True, slots=True)
 class Transition:
     """One declared transition line; ``sources`` is as written (may be ``("*",)``)."""
 
@@ -83,6 +97,8 @@ class Transition:
     do: str | None = None
     doc: str = ""
     loc: Loc = NOWHERE
+    sends: tuple[Send, ...] = ()
+    """Messages sent when the transition happens, in the order written."""
 
     @property
     def wildcard(self) -> bool:

@@ -1,0 +1,335 @@
+"""Composition specs: the `send` key, the system file loader, and the composition checks KVF200–KVF212.
+
+``write_pingpong`` builds a small client/server composition in a temporary
+folder; each test changes one thing and looks for the one finding it causes.
+The explorer and Promela tests use it too.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import kvfsm
+from kvfsm.spec import SpecError, parse
+from kvfsm.spec.system import check_system, is_system_file, load_system
+
+ROOT = Path(__file__).resolve().parent.parent
+PD = ROOT / "specs" / "pd_abort"
+
+CLIENT = """\
+kvfsm: 1
+machine: client
+key: request_id
+params: {reply_timeout: 5.0}
+resources:
+  slot: {release: free_slot}
+states:
+  idle:    {initial: true, waits: local}
+  waiting: {holds: [slot], timeout: {after: reply_timeout, fire: expire}}
+  done:    {final: success}
+  failed:  {final: failure}
+transitions:
+  - {event: ask, from: idle, to: waiting, send: {to: server, message: ping}}
+  - {event: pong, from: waiting, to: done}
+  - {event: expire, from: waiting, to: failed}
+  - {event: abort, from: "*", to: failed}
+ignore:
+  - {event: pong, in: [idle, done, failed]}
+  - {event: abort, in: [done, failed]}
+"""
+
+SERVER = """\
+kvfsm: 1
+machine: server
+key: request_id
+params: {idle_timeout: 30.0}
+states:
+  listening: {initial: true, timeout: {after: idle_timeout, fire: expire}}
+  replying:  {waits: local}
+  served:    {final: success}
+  gone:      {final: failure}
+transitions:
+  - {event: ping, from: listening, to: replying}
+  - {event: answer, from: replying, to: served, send: {to: client, message: pong}}
+  - {event: expire, from: listening, to: gone}
+  - {event: abort, from: "*", to: gone}
+ignore:
+  - {event: ping, in: [replying, served, gone]}
+  - {event: abort, in: [served, gone]}
+"""
+
+SYSTEM = """\
+kvfsm: 1
+system: pingpong
+roles:
+  client: {spec: client.yaml}
+  server: {spec: server.yaml}
+messages:
+  ping: {from: client, to: server}
+  pong: {from: server, to: client}
+channel: {loss: true, duplicate: true, reorder: true, capacity: 2}
+requests: 2
+properties:
+  never:
+    - {name: served_but_failed, when: {client: failed, server: served}}
+"""
+
+
+def write_pingpong(
+    folder: Path,
+    *,
+    client: str = CLIENT,
+    server: str = SERVER,
+    system: str = SYSTEM,
+    edits: dict[str, str] | None = None,
+) -> Path:
+    """Write the composition (after replacing each ``edits`` key by its value in any file); the system's path."""
+    texts = {"client.yaml": client, "server.yaml": server, "system.yaml": system}
+    for old, new in (edits or {}).items():
+        hits = [name for name, text in texts.items() if old in text]
+        assert hits, f"{old!r} is in none of the files"
+        for name in hits:
+            texts[name] = texts[name].replace(old, new)
+    for name, text in texts.items():
+        (folder / name).write_text(text)
+    return folder / "system.yaml"
+
+
+def codes(findings: list[kvfsm.Finding]) -> list[tuple[str, str, str, int]]:
+    return [(f.code, f.severity, Path(f.path).name, f.line) for f in findings]
+
+
+# -- the `send` key on machine transitions ---------------------------------------------
+
+
+def test_send_is_read_as_one_message_or_a_list_with_lines() -> None:
+    spec = parse(
+        "kvfsm: 1\nmachine: m\nkey: k\nstates:\n  a: {initial: true, waits: local}\n  b: {final: success}\n"
+        "transitions:\n"
+        "  - {event: go, from: a, to: b, send: {to: peer, message: hello}}\n"
+        "  - event: abort\n    from: a\n    to: b\n    send:\n      - {to: peer, message: bye}\n      - {to: other, message: bye}\n"
+    )
+    go, abort = spec.transitions
+    assert [(s.to, s.message, s.loc.line) for s in go.sends] == [("peer", "hello", 8)]
+    assert [(s.to, s.message, s.loc.line) for s in abort.sends] == [("peer", "bye", 13), ("other", "bye", 14)]
+
+
+def test_machine_specs_without_send_have_no_sends() -> None:
+    spec = kvfsm.load(ROOT / "specs" / "kv_request.yaml")
+    assert all(t.sends == () for t in spec.transitions)
+
+
+@pytest.mark.parametrize(
+    ("send", "message"),
+    [
+        ("{to: peer}", "send is missing required key 'message'"),
+        ("{to: peer, message: hi, via: zmq}", "send has unknown key 'via'"),
+        ("[]", "send is an empty list"),
+        ("{to: peer, message: 'not a name'}", "send: message 'not a name' is not a valid name"),
+    ],
+)
+def test_malformed_send_is_a_schema_error_on_its_line(send: str, message: str) -> None:
+    text = (
+        "kvfsm: 1\nmachine: m\nkey: k\nstates:\n  a: {initial: true, waits: local}\n  b: {final: success}\n"
+        f"transitions:\n  - {{event: go, from: a, to: b, send: {send}}}\n"
+    )
+    with pytest.raises(SpecError) as info:
+        parse(text, "m.yaml")
+    assert [(f.code, f.line) for f in info.value.findings] == [("KVF001", 8)]
+    assert message in info.value.findings[0].message
+
+
+# -- the bundled PD abort systems ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["merged_fix", "corrected"])
+def test_bundled_pd_systems_are_clean(name: str) -> None:
+    assert check_system(PD / f"{name}.yaml") == []
+
+
+@pytest.mark.parametrize("path", sorted(p for p in PD.glob("*.yaml") if not is_system_file(p)), ids=lambda p: p.stem)
+def test_pd_role_specs_pass_the_machine_checks(path: Path) -> None:
+    assert kvfsm.check(path) == []
+
+
+def test_system_files_are_told_apart_from_machine_specs() -> None:
+    assert is_system_file(PD / "merged_fix.yaml")
+    assert not is_system_file(PD / "prefill_corrected.yaml")
+    assert not is_system_file(PD / "no_such_file.yaml")
+
+
+def test_loaded_system_knows_roles_messages_channel_and_properties() -> None:
+    system = load_system(PD / "corrected.yaml")
+    assert list(system.roles) == ["prefill", "decode"]
+    assert system.roles["decode"].spec.name == "pd_decode_corrected"
+    assert system.messages["abort_req"].reply_if_finished == "abort_ack"
+    assert set(system.inbox("decode")) == {"abort_ack", "success", "failure"}
+    c = system.channel
+    assert (c.loss, c.duplicate, c.reorder, c.capacity) == (True, True, True, 2)
+    assert system.requests == 6
+    assert system.properties[-1] == "write_after_free"
+    assert system.never[0].describe() == "prefill is in transferring or draining while decode lacks kv_pages"
+
+
+# -- composition checks ---------------------------------------------------------------------
+
+
+def test_pingpong_is_clean(tmp_path: Path) -> None:
+    assert check_system(write_pingpong(tmp_path)) == []
+
+
+@pytest.mark.parametrize(
+    ("edits", "expected"),
+    [
+        pytest.param(
+            {"message: ping}}": "message: pings}}"},
+            [("KVF201", "error", "client.yaml", 13), ("KVF204", "warning", "system.yaml", 7)],
+            id="undeclared-message",
+        ),
+        pytest.param(
+            {"{to: server, message: ping}": "{to: client, message: ping}"},
+            [("KVF202", "error", "client.yaml", 13)],
+            id="sent-to-the-wrong-role",
+        ),
+        pytest.param(
+            {"ping: {from: client, to: server}": "ping: {from: server, to: server}"},
+            [("KVF202", "error", "client.yaml", 13), ("KVF211", "error", "system.yaml", 7)],
+            id="sent-by-a-role-it-is-not-from",
+        ),
+        pytest.param(
+            {
+                "{event: pong, from: waiting, to: done}": "{event: pong2, from: waiting, to: done}",
+                "{event: pong, in: [idle, done, failed]}": "{event: pong2, in: [idle, done, failed]}",
+            },
+            [("KVF203", "error", "system.yaml", 8)],
+            id="no-role-receives-it",
+        ),
+        pytest.param(
+            {"waiting: {holds: [slot], timeout: {after: reply_timeout, fire: expire}}": "waiting: {holds: [slot]}"},
+            [("KVF107", "error", "client.yaml", 9)],
+            id="role-errors-are-reported-with-the-role-file",
+        ),
+        pytest.param(
+            {"  - {event: pong, in: [idle, done, failed]}\n": "  - {event: pong, in: [done, failed]}\n"},
+            [("KVF205", "warning", "system.yaml", 8)],
+            id="neither-handled-nor-ignored-somewhere",
+        ),
+        pytest.param(
+            {
+                "listening: {initial: true, timeout: {after: idle_timeout, fire: expire}}": "listening: {initial: true, waits: local}",
+                "  - {event: expire, from: listening, to: gone}\n": "",
+            },
+            [("KVF206", "error", "server.yaml", 6)],
+            id="waits-local-but-only-a-message-moves-it",
+        ),
+        pytest.param(
+            {"timeout: {after: idle_timeout, fire: expire}}": "timeout: {after: idle_timeout, fire: ping}}"},
+            [("KVF208", "error", "server.yaml", 6)],
+            id="timeout-fires-a-message",
+        ),
+        pytest.param(
+            {"when: {client: failed, server: served}": "when: {client: failed, server: nowhere, proxy: up}"},
+            [("KVF209", "error", "system.yaml", 13), ("KVF209", "error", "system.yaml", 13)],
+            id="property-names-unknown-role-and-state",
+        ),
+        pytest.param(
+            {"when: {client: failed, server: served}": "when: {client: {lacks: [slots]}}"},
+            [("KVF209", "error", "system.yaml", 13)],
+            id="property-names-unknown-resource",
+        ),
+        pytest.param(
+            {"ping: {from: client, to: server}": "ping: {from: client, to: server, reply_if_finished: ping}"},
+            [("KVF210", "error", "system.yaml", 7)],
+            id="reply-goes-the-wrong-way",
+        ),
+        pytest.param(
+            {
+                "ping: {from: client, to: server}": "ping: {from: client, to: server}\n  abort: {from: client, to: server}"
+            },
+            [("KVF204", "warning", "system.yaml", 8), ("KVF212", "error", "system.yaml", 8)],
+            id="message-named-abort",
+        ),
+        pytest.param(
+            {"client: {spec: client.yaml}": "client: {spec: clients.yaml}"},
+            [("KVF200", "error", "system.yaml", 4)],
+            id="role-spec-missing",
+        ),
+    ],
+)
+def test_composition_finding(tmp_path: Path, edits: dict[str, str], expected: list[tuple[str, str, str, int]]) -> None:
+    assert sorted(codes(check_system(write_pingpong(tmp_path, edits=edits)))) == sorted(expected)
+
+
+def test_state_entered_only_on_a_message_never_sent_never_arms_its_timeout(tmp_path: Path) -> None:
+    server = (
+        SERVER.replace(
+            "  served:    {final: success}\n",
+            "  served:    {final: success}\n  retrying:  {timeout: {after: idle_timeout, fire: expire}}\n",
+        )
+        .replace(
+            "  - {event: expire, from: listening, to: gone}\n",
+            "  - {event: expire, from: [listening, retrying], to: gone}\n  - {event: nudge, from: listening, to: retrying}\n",
+        )
+        .replace("ignore:\n", "ignore:\n  - {event: nudge, in: [replying, served, gone, retrying]}\n")
+    )
+    system = SYSTEM.replace(
+        "  pong: {from: server, to: client}\n",
+        "  pong: {from: server, to: client}\n  nudge: {from: client, to: server}\n",
+    )
+    found = codes(check_system(write_pingpong(tmp_path, server=server, system=system)))
+    assert ("KVF207", "warning", "server.yaml", 9) in found  # the timeout of 'retrying' is never armed
+    assert ("KVF204", "warning", "system.yaml", 9) in found  # nothing sends 'nudge'
+
+
+def test_message_only_ever_ignored_is_a_warning(tmp_path: Path) -> None:
+    found = check_system(
+        write_pingpong(
+            tmp_path,
+            edits={
+                "  - {event: pong, from: waiting, to: done}\n": "  - {event: pong2, from: waiting, to: done}\n",
+                "  - {event: pong, in: [idle, done, failed]}\n": "  - {event: pong, in: [idle, done, failed]}\n  - {event: pong2, in: [idle, done, failed]}\n",
+            },
+        )
+    )
+    kvf203 = [f for f in found if f.code == "KVF203"]
+    assert [(f.severity, "only ever ignores it" in f.message) for f in kvf203] == [("warning", True)]
+
+
+@pytest.mark.parametrize(
+    ("edits", "message"),
+    [
+        ({"requests: 2": "requests: 0"}, "requests must be at least 1"),
+        ({"capacity: 2": "capacity: two"}, "channel: capacity must be a whole number"),
+        ({"reorder: true": "reorder: maybe"}, "channel: reorder must be true or false"),
+        ({"requests: 2": "requests: 2\nbogus: 1"}, "the system has unknown key 'bogus'"),
+        ({"- {name: served_but_failed,": "- {name: deadlock,"}, "property name 'deadlock' is used twice"),
+    ],
+)
+def test_system_schema_errors_are_kvf001(tmp_path: Path, edits: dict[str, str], message: str) -> None:
+    found = check_system(write_pingpong(tmp_path, edits=edits))
+    assert [f.code for f in found] == ["KVF001"]
+    assert message in found[0].message
+
+
+def test_load_system_raises_on_errors_but_not_on_warnings(tmp_path: Path) -> None:
+    warned = write_pingpong(
+        tmp_path, edits={"  - {event: pong, in: [idle, done, failed]}\n": "  - {event: pong, in: [done, failed]}\n"}
+    )
+    assert load_system(warned).name == "pingpong"
+    broken = write_pingpong(tmp_path, edits={"message: ping}}": "message: pings}}"})
+    with pytest.raises(SpecError) as info:
+        load_system(broken)
+    assert [f.code for f in info.value.findings] == ["KVF201"]
+
+
+def test_a_machine_spec_is_not_taken_for_a_system() -> None:
+    found = check_system(PD / "decode_corrected.yaml")
+    assert [(f.code, f.line) for f in found] == [("KVF001", 12)]
+    assert "this is a machine spec" in found[0].message
+
+
+def test_missing_system_file_is_a_read_error() -> None:
+    found = check_system("no/such/system.yaml")
+    assert [(f.code, f.line) for f in found] == [("KVF000", 0)]
