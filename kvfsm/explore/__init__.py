@@ -1,0 +1,26 @@
+"""Exhaustive exploration of compositions: every interleaving of N requests over a lossy channel.
+
+``explore(path)`` checks a system file's properties (deadlock, leak at
+quiescence, late and unexpected messages, overflow, and every ``never``) and
+returns an :class:`ExploreResult` with the shortest counterexample of each
+violated property as a :class:`Trace`.
+"""
+
+from __future__ import annotations
+
+from .run import ExploreResult, PropertyResult, explore
+from .search import Progress, ProgressFn
+from .trace import Sent, Step, Trace, TraceRole, format_trace
+
+__all__ = [
+    "ExploreResult",
+    "Progress",
+    "ProgressFn",
+    "PropertyResult",
+    "Sent",
+    "Step",
+    "Trace",
+    "TraceRole",
+    "explore",
+    "format_trace",
+]

@@ -1,0 +1,281 @@
+"""``explore(system)``: build the local system, search it for N requests, and turn what was found into traces."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..spec.system import BUILTINS, Channel, System, load_system
+from .automaton import Automaton, build
+from .local import LocalSystem, Move
+from .search import Found, ProgressFn, Search, path_to, search
+from .trace import Sent, Step, Trace, TraceRole
+
+
+@dataclass(frozen=True)
+class PropertyResult:
+    """One property's verdict: ``holds`` (for the explored bounds), ``violated`` (with a trace) or ``unknown``."""
+
+    name: str
+    kind: str
+    """``builtin`` or ``never``."""
+    description: str
+    status: str
+    trace: Trace | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "description": self.description,
+            "status": self.status,
+            "trace": self.trace.as_dict() if self.trace is not None else None,
+        }
+
+
+@dataclass(frozen=True)
+class ExploreResult:
+    """What an exploration proved or found, within which bounds, at what cost."""
+
+    system: str
+    path: str
+    requests: int
+    symmetry: bool
+    merge: bool
+    channel: Channel
+    states: int
+    transitions: int
+    depth: int
+    seconds: float
+    complete: bool
+    """Every reachable state was visited (no ``first`` stop, no ``max_states`` or ``time_limit`` cut)."""
+    local_states: int
+    """Reachable local states of one request (role states + its messages in flight)."""
+    nodes: int
+    """What the search ran on: local states, or their merged classes."""
+    properties: tuple[PropertyResult, ...]
+    unreached: tuple[tuple[str, str], ...]
+    """(role, state) pairs no request can reach within the bounds."""
+
+    @property
+    def violated(self) -> tuple[PropertyResult, ...]:
+        return tuple(p for p in self.properties if p.status == "violated")
+
+    @property
+    def verdict(self) -> str:
+        """``violated`` if any property is; else ``verified`` if the search was complete; else ``incomplete``."""
+        if self.violated:
+            return "violated"
+        return "verified" if self.complete else "incomplete"
+
+    @property
+    def rate(self) -> float:
+        return self.states / self.seconds if self.seconds > 0 else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        c = self.channel
+        return {
+            "system": self.system,
+            "path": self.path,
+            "verdict": self.verdict,
+            "requests": self.requests,
+            "symmetry": self.symmetry,
+            "merge": self.merge,
+            "channel": {"loss": c.loss, "duplicate": c.duplicate, "reorder": c.reorder, "capacity": c.capacity},
+            "states": self.states,
+            "transitions": self.transitions,
+            "depth": self.depth,
+            "seconds": round(self.seconds, 4),
+            "states_per_second": round(self.rate),
+            "complete": self.complete,
+            "local_states": self.local_states,
+            "nodes": self.nodes,
+            "properties": [p.as_dict() for p in self.properties],
+            "unreached": [{"role": r, "state": s} for r, s in self.unreached],
+        }
+
+
+def explore(
+    system: System | str | Path,
+    *,
+    requests: int | None = None,
+    symmetry: bool = True,
+    merge: bool = True,
+    first: bool = False,
+    max_states: int | None = None,
+    time_limit: float | None = None,
+    progress: ProgressFn | None = None,
+) -> ExploreResult:
+    """Check every property of a composition over every interleaving of ``requests`` requests.
+
+    ``symmetry``: requests are interchangeable (a state is a multiset of
+    per-request states). ``merge``: local states no property can tell apart
+    are one node. Both keep every verdict and every shortest counterexample;
+    switch both off to count the plain product, as SPIN stores it.
+    ``first``: stop at the first violation; ``max_states``, ``time_limit``
+    (seconds of search): stop there (the result is then incomplete, and a
+    property not yet violated is ``unknown``). ``progress`` is called with a
+    :class:`~kvfsm.explore.search.Progress` as the search goes.
+    """
+    if not isinstance(system, System):
+        system = load_system(system)
+    n = requests if requests is not None else system.requests
+    if n < 1:
+        raise ValueError(f"requests must be at least 1, not {n}")
+    started = time.perf_counter()
+    local = LocalSystem(system)
+    auto = build(local, merge=merge)
+    found = search(
+        auto,
+        requests=n,
+        capacity=system.channel.capacity,
+        properties=system.properties,
+        symmetry=symmetry,
+        overflow=not system.channel.loss,
+        first=first,
+        max_states=max_states,
+        time_limit=time_limit,
+        progress=progress,
+    )
+    results = []
+    for name in system.properties:
+        never = next((p for p in system.never if p.name == name), None)
+        kind, description = ("never", never.describe()) if never is not None else ("builtin", BUILTINS[name])
+        hit = found.found.get(name)
+        if hit is not None:
+            trace = _trace(system, local, auto, found, hit, n)
+            results.append(PropertyResult(name, kind, description, "violated", trace))
+        else:
+            results.append(PropertyResult(name, kind, description, "holds" if found.complete else "unknown"))
+    reached = local.reached()
+    unreached = tuple(
+        (role, state) for role, r in system.roles.items() for state in r.spec.states if (role, state) not in reached
+    )
+    return ExploreResult(
+        system=system.name,
+        path=system.path,
+        requests=n,
+        symmetry=symmetry,
+        merge=merge,
+        channel=system.channel,
+        states=found.states,
+        transitions=found.transitions,
+        depth=found.depth,
+        seconds=time.perf_counter() - started,
+        complete=found.complete,
+        local_states=len(local.states),
+        nodes=auto.size,
+        properties=tuple(results),
+        unreached=unreached,
+    )
+
+
+# -- from node steps back to concrete requests --------------------------------------
+
+
+def _concrete(
+    local: LocalSystem, auto: Automaton, found: Search, hit: Found, requests: int
+) -> tuple[list[tuple[int, int, Move, int]], list[int]]:
+    """(request, local before, move, local after) per step, and every request's local state at the end.
+
+    Under symmetry a step says only "some request at node i moves to node j";
+    any request at node i will do, and any concrete move into node j (by the
+    bisimulation, one exists).
+    """
+    at = [local.initial] * requests
+    out: list[tuple[int, int, Move, int]] = []
+    steps = path_to(found, hit)
+    for number, step in enumerate(steps):
+        last = number == len(steps) - 1 and hit.move is not None
+        r = (
+            step.slot
+            if step.slot is not None
+            else next(k for k in range(requests) if auto.node_of[at[k]] == step.source)
+        )
+        before = at[r]
+        # The violating move breaks the property itself, except an overflow of the whole channel:
+        # that move fits its own request, and it is the other requests' messages that fill the channel.
+        flagged = hit.prop if last and (hit.prop != "overflow" or step.target < 0) else None
+        for after, move in local.moves[before]:
+            node = auto.node_of[after] if after >= 0 else -1
+            if node == step.target and move.violation == flagged and (after >= 0 or last):
+                break
+        else:  # pragma: no cover - the automaton was built from these very moves
+            raise AssertionError(f"no concrete move from local state {before} into node {step.target}")
+        out.append((r, before, move, after))
+        if after >= 0 and not (last and hit.prop == "overflow"):
+            at[r] = after
+    return out, at
+
+
+def _words(local: LocalSystem, move: Move) -> str:
+    role = local.roles[move.role]
+    spec_holds = role.holds
+    taken = [x for x in spec_holds[move.target] if x not in spec_holds[move.source]]
+    freed = [x for x in spec_holds[move.source] if x not in spec_holds[move.target]]
+    parts = ([f"takes {', '.join(taken)}"] if taken else []) + ([f"frees {', '.join(freed)}"] if freed else [])
+    return "; ".join(parts)
+
+
+def _violation_text(local: LocalSystem, hit: Found, final: tuple[int, int, Move, int] | None, at: list[int]) -> str:
+    if final is not None and hit.move is not None:
+        _r, _before, move, _after = final
+        role = local.roles[move.role]
+        state = role.states[move.target]
+        if hit.prop == "overflow":
+            names = ", ".join(local.message_names[m] for m, _k in move.sent)
+            return f"{role.name} sends {names} but the channel is full (capacity {local.channel.capacity}) and may not lose it"
+        if hit.prop == "late_message":
+            return f"{move.event} reaches {role.name} after it finished in {state}, which does not ignore it"
+        return f"{move.event} reaches {role.name} in {state}, which neither handles nor ignores it"
+    r = final[0] if final is not None else 0
+    return next(text for p, text in local.violations[at[r]] if p == hit.prop)
+
+
+def _trace(system: System, local: LocalSystem, auto: Automaton, found: Search, hit: Found, requests: int) -> Trace:
+    steps_taken, at = _concrete(local, auto, found, hit, requests)
+    involved = sorted({r for r, *_ in steps_taken} or {0})
+    names = [role.name for role in local.roles]
+    steps: list[Step] = []
+    for r in involved:
+        for role_no, role in enumerate(local.roles):
+            start = local.role_state(local.initial, role_no)
+            assert start is not None
+            steps.append(
+                Step(
+                    f"r{r}", role.name, "begin", "begin", None, None, start, holds=role.holds[role.states.index(start)]
+                )
+            )
+    for r, _before, move, after in steps_taken:
+        role = local.roles[move.role]
+        flight = local.in_flight(after) if after >= 0 else ()
+        sent = tuple(Sent(local.message_names[m], names[local.receiver[m]], lost=not kept) for m, kept in move.sent)
+        steps.append(
+            Step(
+                request=f"r{r}",
+                role=role.name,
+                action=move.action,
+                cause=move.cause,
+                event=move.event,
+                source=role.states[move.source],
+                target=role.states[move.target],
+                sent=sent,
+                duplicate=move.duplicate,
+                holds=role.holds[move.target],
+                in_flight=flight,
+                note=_words(local, move),
+            )
+        )
+    final = steps_taken[-1] if steps_taken else None
+    culprit = f"r{final[0]}" if final is not None else "r0"
+    return Trace(
+        system=system.name,
+        path=system.path,
+        prop=hit.prop,
+        violation=_violation_text(local, hit, final, at),
+        request=culprit,
+        roles=tuple(TraceRole(name, r.path, r.spec.name, r.spec.key) for name, r in system.roles.items()),
+        steps=tuple(steps),
+    )
