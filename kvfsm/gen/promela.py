@@ -1,0 +1,485 @@
+"""Export a composition to Promela so that SPIN can check it independently of the explorer.
+
+The model is written from the spec model, not from the explorer's tables: the
+channel rules (loss at send, delivery that may leave a copy, reordering,
+capacity), replies for finished instances, retirement and every property are
+encoded again here, in Promela, so that SPIN's verdicts and state counts are
+a second opinion rather than a replay.
+
+Shape: one process per request (``active [N] proctype request``; ``_pid`` is
+the request), each a ``do`` loop whose every option is one ``d_step``, so the
+only control location is the loop head and a stored state is exactly the
+variables: each role's state per request (one past its last state once the
+request retired), the request's messages in flight (counts per message if
+the channel reorders, else one queue per direction), and the total in
+flight. Compiled
+with ``-DNOREDUCE``, ``pan`` stores exactly the states the explorer counts
+with ``symmetry=False, merge=False``.
+
+Properties are assertions; ``spin -DONLY=k`` keeps only property k (numbered
+in the header). ``-DREPORT`` replaces the assertions by a line
+``kvfsm: violated <name>`` printed once per property, so one full run gives
+every verdict and the state count.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import select
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from itertools import product
+from pathlib import Path
+
+from ..spec.model import ABORT, Spec
+from ..spec.system import BUILTINS, System
+
+
+class _Model:
+    """Names and expressions shared by every part of the generated model."""
+
+    def __init__(self, system: System, requests: int) -> None:
+        self.system = system
+        self.n = requests
+        self.cap = system.channel.capacity
+        self.roles = list(system.roles)
+        self.specs: dict[str, Spec] = {name: r.spec for name, r in system.roles.items()}
+        self.messages = list(system.messages)
+        directions: dict[tuple[str, str], int] = {}
+        for m in system.messages.values():
+            directions.setdefault((m.sender, m.receiver), len(directions))
+        self.direction = {m.name: directions[(m.sender, m.receiver)] for m in system.messages.values()}
+        self.directions = len(directions)
+        self.props = list(system.properties)
+
+    def var(self, role: str) -> str:
+        return f"r_{role}[_pid]"
+
+    def const(self, role: str, state: str) -> str:
+        return f"s_{role}_{state}"
+
+    def prop(self, name: str) -> int:
+        return self.props.index(name) + 1
+
+    def retired(self, role: str) -> int:
+        """The value a role's variable takes once its request retired: one past its last state."""
+        return len(self.specs[role].states)
+
+    def is_state(self, role: str, states: list[str]) -> str:
+        """``role`` is in one of ``states``: a bit test (short code, so pan.c compiles fast) where it fits an int."""
+        if not states:
+            return "false"
+        if len(states) == 1:
+            return f"({self.var(role)} == {self.const(role, states[0])})"
+        if self.retired(role) < 31:
+            order = list(self.specs[role].states)
+            mask = sum(1 << order.index(s) for s in states)
+            return f"(((1 << {self.var(role)}) & {mask}) != 0)"
+        return "(" + " || ".join(f"{self.var(role)} == {self.const(role, s)}" for s in states) + ")"
+
+    # -- messages in flight -------------------------------------------------------
+
+    def in_flight(self) -> str:
+        """This request's messages in flight."""
+        if self.system.channel.reorder:
+            parts = [f"m_{m}[_pid]" for m in self.messages]
+        else:
+            parts = [f"n_{d}[_pid]" for d in range(self.directions)]
+        return "(" + " + ".join(parts or ["0"]) + ")"
+
+    def has(self, message: str) -> str:
+        if self.system.channel.reorder:
+            return f"m_{message}[_pid] > 0"
+        d = self.direction[message]
+        return f"n_{d}[_pid] > 0 && q_{d}[_pid * CAP] == {self.messages.index(message) + 1}"
+
+    def consume(self, message: str) -> list[str]:
+        if self.system.channel.reorder:
+            return [f"m_{message}[_pid]--", "inflight--"]
+        d = self.direction[message]
+        shift = [f"q_{d}[_pid * CAP + {i}] = q_{d}[_pid * CAP + {i + 1}]" for i in range(self.cap - 1)]
+        return [*shift, f"q_{d}[_pid * CAP + {self.cap - 1}] = 0", f"n_{d}[_pid]--", "inflight--"]
+
+    def add(self, message: str) -> list[str]:
+        if self.system.channel.reorder:
+            return [f"m_{message}[_pid]++", "inflight++"]
+        d = self.direction[message]
+        return [
+            f"q_{d}[_pid * CAP + n_{d}[_pid]] = {self.messages.index(message) + 1}",
+            f"n_{d}[_pid]++",
+            "inflight++",
+        ]
+
+    # -- properties ----------------------------------------------------------------
+
+    def never_conditions(self) -> list[tuple[str, str]]:
+        """(property, expression over this request's role states) per never property."""
+        out = []
+        for prop in self.system.never:
+            parts = []
+            for c in prop.when:
+                spec = self.specs[c.role]
+                ok = [
+                    s
+                    for s, st in spec.states.items()
+                    if (not c.states or s in c.states)
+                    and set(c.holds) <= set(st.holds)
+                    and not set(c.lacks) & set(st.holds)
+                ]
+                parts.append(self.is_state(c.role, ok))
+            out.append((prop.name, " && ".join(parts)))
+        return out
+
+    def progress(self, role: str) -> list[str]:
+        """States where some local event other than abort / on_error can happen."""
+        spec = self.specs[role]
+        inbox = set(self.system.inbox(role))
+        env = {ABORT} | ({spec.on_error} if spec.on_error else set())
+        return sorted(
+            {e.source for e in spec.edges() if e.event not in inbox and e.event not in env},
+            key=list(spec.states).index,
+        )
+
+    def live(self, role: str) -> list[str]:
+        return [s for s, st in self.specs[role].states.items() if not st.is_final]
+
+    def holding(self, role: str) -> list[str]:
+        return [s for s, st in self.specs[role].states.items() if not st.is_final and st.holds]
+
+    def final(self, role: str) -> list[str]:
+        return [s for s, st in self.specs[role].states.items() if st.is_final]
+
+
+def _fates(m: _Model, sends: tuple[str, ...]) -> Iterator[tuple[str, ...]]:
+    """The messages kept, for each way the channel may treat ``sends``."""
+    options = [(True, False) if m.system.channel.loss else (True,) for _ in sends]
+    for choice in product(*options):
+        yield tuple(msg for msg, kept in zip(sends, choice, strict=True) if kept)
+
+
+def _option(
+    m: _Model, comment: str, guard: list[str], consumed: int, kept: tuple[str, ...], body: list[str]
+) -> list[str]:
+    """One d_step: the guard, then the body with the kept sends; plus the overflow twin for a reliable channel."""
+    growth = len(kept) - consumed
+    lines = [f"  /* {comment}{'; keeps ' + ', '.join(kept) if kept else ''} */"]
+    cond = list(guard)
+    if growth > 0:
+        cond.append(f"inflight + {growth} <= CAP")
+    stmts = [*body, *(s for msg in kept for s in m.add(msg)), "after()"]
+    lines.append(f"  :: d_step {{ {' && '.join(cond)} ->")
+    lines += [f"       {s};" for s in stmts[:-1]] + [f"       {stmts[-1]} }}"]
+    if growth > 0 and not m.system.channel.loss and "overflow" in m.props:
+        lines.append(
+            f"  :: d_step {{ {' && '.join([*guard, f'inflight + {growth} > CAP'])} -> violated_{m.prop('overflow')}() }}"
+        )
+    return lines
+
+
+def _spontaneous(m: _Model, role: str) -> Iterator[str]:
+    spec = m.specs[role]
+    inbox = set(m.system.inbox(role))
+    for e in spec.edges():
+        if e.event in inbox or e.source not in spec.states or e.target not in spec.states:
+            continue
+        if spec.states[e.source].is_final:
+            continue
+        sends = tuple(s.message for s in e.transition.sends if s.message in m.system.messages)
+        for kept in _fates(m, sends):
+            yield from _option(
+                m,
+                f"{role}: {e.event} in {e.source} -> {e.target}",
+                [f"{m.var(role)} == {m.const(role, e.source)}"],
+                0,
+                kept,
+                [f"{m.var(role)} = {m.const(role, e.target)}"],
+            )
+
+
+def _deliveries(m: _Model, name: str) -> Iterator[str]:
+    msg = m.system.messages[name]
+    role = msg.receiver
+    spec = m.specs[role]
+    targets = {e.source: e for e in spec.edges() if e.event == name}
+    ignored = {st for st, ev, _r in spec.ignored() if ev == name}
+    keeps = (False, True) if m.system.channel.duplicate else (False,)
+    for state, st in spec.states.items():
+        guard = [f"{m.var(role)} == {m.const(role, state)}", m.has(name)]
+        what: str
+        sends: tuple[str, ...]
+        target: str | None
+        if st.is_final and msg.reply_if_finished is not None:
+            what, sends, target = (
+                f"finished, its server answers {msg.reply_if_finished}",
+                (msg.reply_if_finished,),
+                None,
+            )
+        elif state in ignored and state not in targets:
+            what, sends, target = "ignored", (), None
+        elif state in targets and not st.is_final:
+            e = targets[state]
+            what = f"-> {e.target}"
+            sends = tuple(s.message for s in e.transition.sends if s.message in m.system.messages)
+            target = e.target
+        else:
+            kind = "late_message" if st.is_final else "unexpected_message"
+            what, sends, target = f"rejected ({kind})", (), None
+        for keep in keeps:
+            consume = [] if keep else m.consume(name)
+            body = list(consume)
+            if target is not None:
+                body.append(f"{m.var(role)} = {m.const(role, target)}")
+            if what.startswith("rejected"):
+                kind = "late_message" if st.is_final else "unexpected_message"
+                if kind in m.props:
+                    body.insert(0, f"violated_{m.prop(kind)}()")
+            for kept in _fates(m, sends):
+                yield from _option(
+                    m,
+                    f"{name} reaches {role} in {state}: {what}{'; a copy stays' if keep else ''}",
+                    guard,
+                    0 if keep else 1,
+                    kept,
+                    body or ["skip"],
+                )
+
+
+def _after(m: _Model) -> list[str]:
+    """Checks on the request that just moved, then its retirement (never for a state that breaks a property)."""
+    lines = ["inline after() {"]
+    nevers = m.never_conditions()
+    for prop, cond in nevers:
+        lines.append(f"  if :: {cond} -> violated_{m.prop(prop)}() :: else -> skip fi;")
+    quiet = " && ".join([f"{m.in_flight()} == 0", *(f"!{m.is_state(r, m.progress(r))}" for r in m.roles)])
+    live = " || ".join(m.is_state(r, m.live(r)) for r in m.roles)
+    holding = " || ".join(m.is_state(r, m.holding(r)) for r in m.roles)
+    stuck = []
+    if "leak" in m.props:
+        stuck.append(f":: {holding} -> violated_{m.prop('leak')}()")
+    if "deadlock" in m.props:
+        stuck.append(f":: ({live}) && !({holding}) -> violated_{m.prop('deadlock')}()")
+    if stuck:
+        lines.append(f"  if :: {quiet} -> if {' '.join(stuck)} :: else -> skip fi :: else -> skip fi;")
+    done = " && ".join([f"{m.in_flight()} == 0", *(m.is_state(r, m.final(r)) for r in m.roles)])
+    clean = "".join(f" && !({cond})" for _p, cond in nevers)
+    retire = "; ".join(f"{m.var(r)} = {m.retired(r)}" for r in m.roles)
+    lines.append(f"  if :: {done}{clean} -> {retire} :: else -> skip fi")
+    lines.append("}")
+    return lines
+
+
+def _initial_violations(m: _Model) -> list[str]:
+    """Properties the initial state itself breaks (checked before the loop; rare enough to cost one extra state)."""
+    out = []
+    init = {r: m.specs[r].initial.name for r in m.roles}
+    for prop in m.system.never:
+        if all(
+            (not c.states or init[c.role] in c.states)
+            and set(c.holds) <= set(m.specs[c.role].states[init[c.role]].holds)
+            and not set(c.lacks) & set(m.specs[c.role].states[init[c.role]].holds)
+            for c in prop.when
+        ):
+            out.append(prop.name)
+    if all(init[r] not in m.progress(r) for r in m.roles) and any(init[r] in m.live(r) for r in m.roles):
+        held = any(init[r] in m.holding(r) for r in m.roles)
+        kind = "leak" if held else "deadlock"
+        if kind in m.props:
+            out.append(kind)
+    return out
+
+
+def to_promela(system: System, *, requests: int | None = None) -> str:
+    """The composition as a Promela model for ``requests`` requests (default: the system's)."""
+    n = requests if requests is not None else system.requests
+    if n < 1:
+        raise ValueError(f"requests must be at least 1, not {n}")
+    m = _Model(system, n)
+    c = system.channel
+    lines = [
+        f"/* kvfsm composition {system.name!s} ({system.path}), exported for SPIN.",
+        f" * {n} request(s); channel: loss {str(c.loss).lower()}, duplicate {str(c.duplicate).lower()},"
+        f" reorder {str(c.reorder).lower()}, capacity {c.capacity}.",
+        " * Properties (spin -DONLY=k checks only k; -DREPORT prints each violated one and explores everything):",
+    ]
+    for k, prop in enumerate(m.props, start=1):
+        never = next((p for p in system.never if p.name == prop), None)
+        lines.append(f" *   {k} {prop}: {never.describe() if never else BUILTINS[prop]}")
+    lines += [
+        " * Run: spin -a model.pml && gcc -O2 -DSAFETY -DNOREDUCE -o pan pan.c && ./pan -m5000000",
+        " */",
+        f"#define N {n}",
+        f"#define CAP {c.capacity}",
+        "#ifndef ONLY",
+        "#define ONLY 0",
+        "#endif",
+        "#define CHECK(k) (ONLY == 0 || ONLY == k)",
+        "#ifdef REPORT",
+        f"c_decl {{ int kvfsm_seen[{len(m.props) + 1}]; }}",
+        "#endif",
+        "",
+    ]
+    for role in m.roles:
+        spec = m.specs[role]
+        lines.append(f"/* role {role}: machine {spec.name} ({system.roles[role].path}) */")
+        for i, state in enumerate(spec.states):
+            lines.append(f"#define {m.const(role, state)} {i}")
+        lines.append(f"byte r_{role}[N] = {m.const(role, spec.initial.name)};")
+        lines.append("")
+    lines.append("/* messages in flight, per request */")
+    if c.reorder:
+        for name in m.messages:
+            lines.append(f"byte m_{name}[N];  /* {system.messages[name].sender} -> {system.messages[name].receiver} */")
+    else:
+        for d in range(m.directions):
+            names = [x for x in m.messages if m.direction[x] == d]
+            lines.append(f"byte q_{d}[N * CAP];  /* FIFO per request: {', '.join(names)} (message id + 1) */")
+            lines.append(f"byte n_{d}[N];")
+    lines.append("byte inflight;  /* all requests together: what CAP bounds */")
+    lines.append("")
+    lines.append("/* always false; hidden (not part of a state), they only name the property in SPIN's report */")
+    for prop in m.props:
+        lines.append(f"hidden byte holds_{prop} = 0;")
+    for k, prop in enumerate(m.props, start=1):
+        lines += [
+            f"inline violated_{k}() {{  /* {prop} */",
+            "#ifdef REPORT",
+            f"  c_code {{ if (!kvfsm_seen[{k}]) {{ kvfsm_seen[{k}] = 1;"
+            f' printf("kvfsm: violated {prop} after %.0f states\\n", nstates); fflush(stdout); }} }}',
+            "#else",
+            f"  assert(holds_{prop} || !CHECK({k}))",
+            "#endif",
+            "}",
+        ]
+    lines.append("")
+    lines += _after(m)
+    lines.append("")
+    lines.append("active [N] proctype request() {")
+    for prop in _initial_violations(m):
+        lines.append(f"  d_step {{ violated_{m.prop(prop)}() }};")
+    lines.append("end:")
+    lines.append("  do")
+    for role in m.roles:
+        lines.extend(_spontaneous(m, role))
+    for name in m.messages:
+        lines.extend(_deliveries(m, name))
+    lines.append("  od")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+# -- checking the export with SPIN -----------------------------------------------------
+
+SPIN_TOOLS = ("spin", "gcc")
+"""What :func:`check_with_spin` needs on PATH (Debian packages ``spin`` and ``gcc``)."""
+
+
+@dataclass(frozen=True)
+class SpinResult:
+    """What one ``spin -a`` + ``gcc`` + ``./pan`` run found."""
+
+    states: int
+    """States stored: the reachable states when ``complete``; else as far as pan's last progress line got."""
+    violated: tuple[str, ...]
+    """With ``report``: every property some reachable step breaks. Without: the one assertion that stopped pan."""
+    errors: int
+    complete: bool
+    """pan explored everything: no time, memory or depth limit was hit and no error stopped it."""
+    seconds: float
+    """pan's own run time (compiling excluded)."""
+    found_at: dict[str, float]
+    """With ``report``: seconds into pan's run when each violated property was first reported."""
+    output: str
+
+
+def check_with_spin(
+    text: str,
+    workdir: str | Path,
+    *,
+    report: bool = True,
+    only: int | None = None,
+    timeout: float = 60.0,
+    memory_mb: int = 4096,
+    depth: int = 5_000_000,
+    hash_bits: int = 26,
+    optimise: str = "-O2",
+) -> SpinResult:
+    """Run SPIN on an exported model in ``workdir``: ``spin -a``, ``gcc -DSAFETY -DNOREDUCE``, ``./pan``.
+
+    ``report``: explore everything and list each violated property (``-DREPORT``);
+    otherwise stop at the first failed assertion, as SPIN normally does, checking
+    only property ``only`` if given. ``timeout`` bounds pan's run; a run cut short
+    is ``complete=False``. ``hash_bits``: pan's hash table has 2**hash_bits slots
+    (26: 512 MB, for millions of states). ``optimise``: gcc's -O level (``-O0``
+    compiles pan ten times faster, for tests; pan then runs about half as fast).
+    Raises ``OSError`` if spin or gcc is missing or fails.
+    """
+    missing = [tool for tool in SPIN_TOOLS if shutil.which(tool) is None]
+    if missing:
+        raise OSError(f"{' and '.join(missing)} not found; install the Debian packages spin and gcc")
+    work = Path(workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "model.pml").write_text(text, encoding="utf-8")
+    defines = (["-DREPORT"] if report else []) + ([f"-DONLY={only}"] if only is not None else [])
+    _tool(["spin", *defines, "-a", "model.pml"], work)
+    _tool(["gcc", optimise, "-DSAFETY", "-DNOREDUCE", f"-DMEMLIM={memory_mb}", "-w", "-o", "pan", "pan.c"], work)
+    output, found_at, seconds, timed_out = _run_pan(["./pan", f"-m{depth}", f"-w{hash_bits}"], work, timeout)
+    stored = re.search(r"(\d+) states, stored", output)
+    errors = re.search(r"errors: (\d+)", output)
+    violated = re.findall(r"kvfsm: violated (\w+)", output)
+    violated += re.findall(r"assertion violated \(holds_(\w+)\|\|", output)
+    cut = timed_out or "out of memory" in output or "max search depth too small" in output
+    n_errors = int(errors.group(1)) if errors else 0
+    progress = re.findall(r"States=\s*([0-9.e+]+)", output)  # pan's own progress lines, one per million
+    return SpinResult(
+        states=int(stored.group(1)) if stored else int(float(progress[-1])) if progress else 0,
+        violated=tuple(dict.fromkeys(violated)),
+        errors=n_errors,
+        complete=not cut and stored is not None and (report or n_errors == 0),
+        seconds=seconds,
+        found_at=found_at,
+        output=output,
+    )
+
+
+def _run_pan(argv: list[str], cwd: Path, timeout: float) -> tuple[str, dict[str, float], float, bool]:
+    """Run pan, noting when each ``kvfsm: violated`` line arrives; killed (by its pid) after ``timeout`` s."""
+    started = time.perf_counter()
+    proc = subprocess.Popen(argv, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    assert proc.stdout is not None
+    fd = proc.stdout.fileno()
+    chunks: list[bytes] = []
+    found_at: dict[str, float] = {}
+    pending = b""
+    timed_out = False
+    while True:
+        left = started + timeout - time.perf_counter()
+        if left <= 0:
+            proc.kill()
+            timed_out = True
+            break
+        ready, _w, _x = select.select([fd], [], [], min(left, 1.0))
+        if not ready:
+            continue
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        *lines, pending = (pending + chunk).split(b"\n")
+        for line in lines:
+            hit = re.match(rb"kvfsm: violated (\w+)", line)
+            if hit:
+                found_at.setdefault(hit.group(1).decode(), time.perf_counter() - started)
+    proc.wait()
+    seconds = time.perf_counter() - started
+    proc.stdout.close()
+    return b"".join(chunks).decode(errors="replace"), found_at, seconds, timed_out
+
+
+def _tool(argv: list[str], cwd: Path) -> None:
+    done = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise OSError(f"{' '.join(argv)} failed ({done.returncode}): {(done.stdout + done.stderr).strip()[-2000:]}")
