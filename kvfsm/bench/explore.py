@@ -1,0 +1,191 @@
+"""The explorer against SPIN on the PD abort systems: states per second and time to verdict, 1..N requests.
+
+Four settings run on each system and request count, one after another in one
+process (SPIN's pan in a child process):
+
+- ``kvfsm``: the explorer as shipped, symmetry and merged look-alike states;
+- ``kvfsm symmetry``: symmetry only;
+- ``kvfsm plain``: no reduction, the very state space SPIN stores;
+- ``SPIN``: ``pan`` on the Promela export (``gcc -O2 -DSAFETY -DNOREDUCE``;
+  compiling is not timed), no symmetry reduction.
+
+Every run is cut at ``time_limit`` seconds; a setting cut at N requests is
+not run for more. *Time to verdict* is the time to the first
+counterexample on a violated system (kvfsm: a search with ``first=True``;
+SPIN: when pan reports the violation) and the time of the whole search on a
+verified one.
+
+``python -m kvfsm.bench.explore`` or ``python benchmarks/explore.py`` prints
+the table (Markdown).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ..explore import explore
+from ..gen.promela import check_with_spin, to_promela
+from ..spec.system import System, load_system
+
+SYSTEMS = Path(__file__).resolve().parent.parent.parent / "specs" / "pd_abort"
+SETTINGS = ("kvfsm", "kvfsm symmetry", "kvfsm plain", "SPIN")
+
+
+@dataclass(frozen=True)
+class Run:
+    """One setting on one system with one request count."""
+
+    system: str
+    requests: int
+    setting: str
+    verdict: str
+    """``verified``, ``violated``, ``timeout`` (cut at the limit, nothing found) or ``skipped`` (cut on fewer requests)."""
+    states: int
+    """States stored; for a run cut short, as far as it got."""
+    seconds: float
+    """The whole search (or up to the cut)."""
+    to_verdict: float | None
+    """Seconds to the verdict; None if there was none in time."""
+    complete: bool = True
+    """The whole state space was searched (a violation may be found by a search cut at the limit)."""
+
+    @property
+    def rate(self) -> float:
+        return self.states / self.seconds if self.seconds > 0 else 0.0
+
+
+def _kvfsm(system: System, name: str, n: int, setting: str, limit: float) -> Run:
+    symmetry = setting != "kvfsm plain"
+    merge = setting == "kvfsm"
+    full = explore(system, requests=n, symmetry=symmetry, merge=merge, time_limit=limit)
+    if full.violated:
+        first = explore(system, requests=n, symmetry=symmetry, merge=merge, first=True, time_limit=limit)
+        return Run(name, n, setting, "violated", full.states, full.seconds, first.seconds, full.complete)
+    if not full.complete:
+        return Run(name, n, setting, "timeout", full.states, full.seconds, None, False)
+    return Run(name, n, setting, "verified", full.states, full.seconds, full.seconds)
+
+
+def _spin(system: System, name: str, n: int, limit: float, work: Path) -> Run:
+    bits = min(26, 16 + 2 * n)  # a table sized to the state space: pan's start-up is not spent zeroing 512 MB
+    result = check_with_spin(to_promela(system, requests=n), work / f"{name}-{n}", timeout=limit, hash_bits=bits)
+    if result.violated:
+        first = min(result.found_at.values(), default=None)
+        return Run(name, n, "SPIN", "violated", result.states, result.seconds, first, result.complete)
+    if not result.complete:
+        return Run(name, n, "SPIN", "timeout", result.states, result.seconds, None, False)
+    return Run(name, n, "SPIN", "verified", result.states, result.seconds, result.seconds)
+
+
+def run(
+    *,
+    systems: Sequence[str] = ("merged_fix", "corrected"),
+    requests: Sequence[int] = (1, 2, 3, 4, 5, 6),
+    time_limit: float = 60.0,
+    spin: bool = True,
+    progress: Callable[[str], None] | None = None,
+) -> list[Run]:
+    """Every setting on every system and request count; see the module docstring."""
+    runs: list[Run] = []
+    settings = SETTINGS if spin else SETTINGS[:-1]
+    with tempfile.TemporaryDirectory(prefix="kvfsm-spin-") as tmp:
+        for name in systems:
+            system = load_system(SYSTEMS / f"{name}.yaml")
+            for setting in settings:
+                gave_up = False
+                for n in requests:
+                    if progress is not None:
+                        progress(f"{name}, {n} request(s), {setting}")
+                    if gave_up:
+                        runs.append(Run(name, n, setting, "skipped", 0, 0.0, None, False))
+                        continue
+                    if setting == "SPIN":
+                        one = _spin(system, name, n, time_limit, Path(tmp))
+                    else:
+                        one = _kvfsm(system, name, n, setting, time_limit)
+                    runs.append(one)
+                    gave_up = not one.complete
+    return runs
+
+
+def environment() -> dict[str, str]:
+    spin = subprocess.run(["spin", "-V"], capture_output=True, text=True, check=False).stdout.strip()
+    return {
+        "python": platform.python_version(),
+        "machine": platform.processor() or platform.machine(),
+        "cpus": str(len(os.sched_getaffinity(0))),
+        "spin": spin or "not installed",
+    }
+
+
+def _cell(r: Run) -> str:
+    if r.verdict == "skipped":
+        return "—"
+    if not r.complete:
+        return f"cut at {r.seconds:.0f} s ({r.states:,} states)"
+    rate = f"{r.rate / 1000:,.0f}k/s" if r.rate >= 10_000 else f"{r.rate:,.0f}/s"
+    return f"{r.states:,} · {r.seconds:.2f} s · {rate}"
+
+
+def _verdict_time(r: Run | None) -> str:
+    if r is None or r.to_verdict is None:
+        return "—"
+    return f"{r.to_verdict:.2f} s"
+
+
+def format_markdown(runs: Sequence[Run]) -> str:
+    """One table per system: states · seconds · states per second per setting, then time to verdict."""
+    out: list[str] = []
+    by = {(r.system, r.requests, r.setting): r for r in runs}
+    settings = [s for s in SETTINGS if any(r.setting == s for r in runs)]
+    for name in dict.fromkeys(r.system for r in runs):
+        verdicts = {r.verdict for r in runs if r.system == name and r.verdict in ("verified", "violated")}
+        out.append(f"**{name}** ({' / '.join(sorted(verdicts)) or 'no verdict'})")
+        out.append("")
+        head = ["requests", *(f"{s}: states · time · rate" for s in settings), "to verdict: kvfsm / SPIN"]
+        out.append("| " + " | ".join(head) + " |")
+        out.append("|" + "|".join("---" for _ in head) + "|")
+        for n in sorted({r.requests for r in runs if r.system == name}):
+            cells = [str(n), *(_cell(by[name, n, s]) for s in settings)]
+            cells.append(f"{_verdict_time(by.get((name, n, 'kvfsm')))} / {_verdict_time(by.get((name, n, 'SPIN')))}")
+            out.append("| " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvfsm.bench.explore", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=6, help="up to this many requests (default 6)")
+    parser.add_argument("--time-limit", type=float, default=60.0, help="seconds per run (default 60)")
+    parser.add_argument("--no-spin", action="store_true", help="leave SPIN out")
+    parser.add_argument("--quick", action="store_true", help="up to 3 requests, 10 s per run: a smoke run")
+    parser.add_argument("--json", action="store_true", help="print the runs as JSON")
+    args = parser.parse_args(argv)
+    top = 3 if args.quick else args.requests
+    limit = 10.0 if args.quick else args.time_limit
+    runs = run(
+        requests=range(1, top + 1),
+        time_limit=limit,
+        spin=not args.no_spin,
+        progress=lambda label: print(f"… {label}", file=sys.stderr, flush=True),
+    )
+    if args.json:
+        print(json.dumps({"environment": environment(), "runs": [asdict(r) for r in runs]}, indent=2))
+    else:
+        print(format_markdown(runs))
+        env = environment()
+        print(f"{env['machine']}, {env['cpus']} CPUs, Python {env['python']}, {env['spin']}; {limit:.0f} s per run")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
