@@ -53,6 +53,24 @@ def test_check_json_lists_findings_per_file(tmp_path: Path) -> None:
     assert doc["errors"] >= 1
 
 
+def test_check_takes_system_files_and_reports_composition_findings(tmp_path: Path) -> None:
+    pd = ROOT / "specs" / "pd_abort"
+    clean = kvfsm("check", str(pd / "corrected.yaml"), str(pd / "merged_fix.yaml"))
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+    for role in pd.glob("*_corrected.yaml"):
+        (tmp_path / role.name).write_text(role.read_text())
+    system = (pd / "corrected.yaml").read_text()
+    assert "  success:   {from: prefill" in system
+    broken = tmp_path / "no_success.yaml"
+    broken.write_text(system.replace("  success:   {from: prefill", "  succeeded: {from: prefill"))
+    result = kvfsm("check", "--format", "json", str(broken))
+    assert result.returncode == 1, result.stdout
+    findings = json.loads(result.stdout)["files"][0]["findings"]
+    errors = {(f["code"], Path(f["path"]).name) for f in findings if f["severity"] == "error"}
+    assert errors == {("KVF201", "prefill_corrected.yaml"), ("KVF203", "no_success.yaml")}, findings
+    assert "Traceback" not in result.stdout + result.stderr
+
+
 def test_check_missing_file_is_a_usage_error() -> None:
     result = kvfsm("check", "no/such/spec.yaml")
     assert result.returncode == 2

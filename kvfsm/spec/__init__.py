@@ -7,7 +7,8 @@ from pathlib import Path
 from .checks import run_checks
 from .findings import Finding, SpecError
 from .loader import parse, read
-from .model import Edge, IgnoreRule, Loc, Resource, Spec, State, Timeout, Transition
+from .model import Edge, IgnoreRule, Loc, Resource, Send, Spec, State, Timeout, Transition
+from .system import System, check_system, is_system_file, load_system
 
 __all__ = [
     "Edge",
@@ -15,13 +16,18 @@ __all__ = [
     "IgnoreRule",
     "Loc",
     "Resource",
+    "Send",
     "Spec",
     "SpecError",
     "State",
+    "System",
     "Timeout",
     "Transition",
     "check",
+    "check_system",
+    "is_system_file",
     "load",
+    "load_system",
     "parse",
     "read",
     "run_checks",
@@ -29,7 +35,13 @@ __all__ = [
 
 
 def check(path: str | Path) -> list[Finding]:
-    """Every finding for a spec file: schema errors (KVF001) or the static checks."""
+    """Every finding for a spec file: schema errors (KVF001) or the static checks.
+
+    A system file (a composition of roles, see :mod:`kvfsm.spec.system`) gets
+    its own schema, its roles' checks and the composition checks (KVF2xx).
+    """
+    if is_system_file(path):
+        return check_system(path)
     try:
         spec = read(path)
     except SpecError as exc:
