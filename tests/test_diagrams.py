@@ -8,9 +8,11 @@ import pytest
 
 import kvfsm
 from kvfsm.gen.diagram import render, to_dot, to_mermaid
+from kvfsm.spec import is_system_file
 
 ROOT = Path(__file__).resolve().parent.parent
-SPECS = sorted((ROOT / "specs").glob("*.yaml"))
+SPECS = sorted(p for p in (ROOT / "specs").rglob("*.yaml") if not is_system_file(p))
+"""Every bundled machine spec; a composition is drawn through its roles."""
 DIAGRAMS = ROOT / "docs" / "diagrams"
 FORMATS = {"svg": "svg", "mermaid": "mmd"}
 

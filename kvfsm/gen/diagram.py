@@ -52,6 +52,11 @@ def _title(spec: Spec, t: Transition) -> str:
     return f"{text}  (on_error)" if t.event == spec.on_error else text
 
 
+def _sends(t: Transition) -> list[str]:
+    """A composition's messages leave on the edge that sends them ('sends abort_req → prefill')."""
+    return [f"sends {s.message} → {s.to}" for s in t.sends]
+
+
 def _is_timeout(spec: Spec, source: str, event: str) -> bool:
     st = spec.states.get(source)
     return st is not None and st.timeout is not None and st.timeout.fire == event
@@ -74,12 +79,12 @@ def _layout(spec: Spec) -> tuple[list[tuple[str, list[str]]], list[_Arrow]]:
         if len(sources) >= GROUP_AT:
             gid = f"group_{i}"
             groups.append((gid, sources))
-            label = [_title(spec, t), *_effects(spec, None, t.target, many=True)]
+            label = [_title(spec, t), *_effects(spec, None, t.target, many=True), *_sends(t)]
             arrows.append(_Arrow(gid, t.target, label, False, tuple((s, t.event) for s in sources)))
             continue
         for s in sources:
             timed = _is_timeout(spec, s, t.event)
-            label = [_title(spec, t), *_effects(spec, s, t.target, many=False)]
+            label = [_title(spec, t), *_effects(spec, s, t.target, many=False), *_sends(t)]
             if timed:
                 label.insert(0, _after(spec, spec.states[s]))
             arrows.append(_Arrow(s, t.target, label, timed, ((s, t.event),)))
