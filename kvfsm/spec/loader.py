@@ -184,6 +184,20 @@ class _Schema:
         self.error(owner, f"{what} is missing required key {key!r}", fix)
         return None
 
+    def header(self, top: dict[str, tuple[Node, Node]], root: Node, what: str, kind: str) -> str | None:
+        """Check ``kvfsm: 1`` and read the file's name (``machine:`` or ``system:``); None if absent or bad."""
+        version_node = self.require(top, "kvfsm", root, what, "Add 'kvfsm: 1' as the first line.")
+        if version_node is not None:
+            version = self.scalar(version_node, "kvfsm")
+            if version is not None and (version_node.tag != _INT or version != str(SCHEMA_VERSION)):
+                self.error(
+                    version_node,
+                    f"unsupported schema version: kvfsm is {_kind(version_node)}",
+                    f"This kvfsm reads schema version {SCHEMA_VERSION}: write 'kvfsm: {SCHEMA_VERSION}'.",
+                )
+        name_node = self.require(top, kind, root, what, f"Add '{kind}: <name>'.")
+        return self.name(name_node, kind) if name_node is not None else None
+
     def sequence(self, node: Node, what: str, read: Callable[[Node], T | None]) -> tuple[T, ...]:
         if not isinstance(node, SequenceNode):
             self.error(node, f"{what} must be a list, not {_kind(node)}", "Write one '- {...}' entry per item.")
@@ -419,17 +433,7 @@ def parse(text: str, path: str = "<string>") -> Spec:
     if top is None:
         raise SpecError(s.errors)
 
-    version_node = s.require(top, "kvfsm", root, "the spec", "Add 'kvfsm: 1' as the first line.")
-    if version_node is not None:
-        version = s.scalar(version_node, "kvfsm")
-        if version is not None and (version_node.tag != _INT or version != str(SCHEMA_VERSION)):
-            s.error(
-                version_node,
-                f"unsupported schema version: kvfsm is {_kind(version_node)}",
-                f"This kvfsm reads schema version {SCHEMA_VERSION}: write 'kvfsm: {SCHEMA_VERSION}'.",
-            )
-    name_node = s.require(top, "machine", root, "the spec", "Add 'machine: <name>'.")
-    name = s.name(name_node, "machine") if name_node is not None else None
+    name = s.header(top, root, "the spec", "machine")
     key_node = s.require(top, "key", root, "the spec", "Add 'key: request_id' (the id space that names instances).")
     key = s.name(key_node, "key") if key_node is not None else None
     doc = s.text(top["doc"][1], "doc") if "doc" in top else ""

@@ -23,7 +23,7 @@ from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from .checks import run_checks
 from .findings import READ_ERROR, Finding, Severity, SpecError
-from .loader import _INT, _NULL, SCHEMA_VERSION, _kind, _Schema, _syntax_error
+from .loader import _INT, _NULL, _kind, _Schema, _syntax_error
 from .loader import read as read_machine
 from .model import ABORT, NOWHERE, Loc, Spec
 
@@ -328,17 +328,7 @@ def _parse(text: str, path: str) -> _Draft:
     top = s.mapping(root, "the system", TOP_KEYS)
     if top is None:
         raise SpecError(s.errors)
-    version_node = s.require(top, "kvfsm", root, "the system", "Add 'kvfsm: 1' as the first line.")
-    if version_node is not None:
-        version = s.scalar(version_node, "kvfsm")
-        if version is not None and (version_node.tag != _INT or version != str(SCHEMA_VERSION)):
-            s.error(
-                version_node,
-                f"unsupported schema version: kvfsm is {_kind(version_node)}",
-                f"This kvfsm reads schema version {SCHEMA_VERSION}: write 'kvfsm: {SCHEMA_VERSION}'.",
-            )
-    name_node = s.require(top, "system", root, "the system", "Add 'system: <name>'.")
-    name = s.name(name_node, "system") if name_node is not None else None
+    name = s.header(top, root, "the system", "system")
     doc = s.text(top["doc"][1], "doc") if "doc" in top else ""
 
     base = Path(path).parent
