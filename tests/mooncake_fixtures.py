@@ -21,7 +21,7 @@ import hashlib
 import os
 import time
 import uuid
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import pytest
@@ -37,13 +37,13 @@ from kvfsm.drivers.mooncake import (
     MooncakeStore,
     MooncakeStoreWorker,
     ObjectStore,
-    StoreSender,
     StoreUnavailable,
     connect,
     connect_embedded,
 )
 from kvfsm.drivers.mooncake.modeltest import ModelSender
 from kvfsm.drivers.mooncake.store import import_store_module
+from kvfsm.drivers.mooncake.unfixed import PreFixSender
 
 LEASE_MS = 300
 """Read-lease TTL of the test masters: long enough to observe, short enough to wait out."""
@@ -192,30 +192,5 @@ def assert_everything_released(worker: MooncakeStoreWorker, pool: BlockPool, *, 
     assert pool.num_blocks - pool.free_count == held_by_requests
 
 
-class PreFixShape:
-    """The sending thread as vLLM had it before PR #43742 (seed 000): the pin and the queue task are
-    given back at the end of a successful put, and nowhere else.
-
-    Mixed in front of a sender, it makes the spec's releases (``unpin_blocks``,
-    ``task_done``) do nothing, as the old code had no release on its
-    exception paths. The tests show kvfsm's checks catch exactly this.
-    """
-
-    def put_blocks(self, job: Hashable, /, **payload: object) -> None:
-        super().put_blocks(job, **payload)  # type: ignore[misc]
-        super().unpin_blocks(job)  # type: ignore[misc]
-        super().task_done(job)  # type: ignore[misc]
-
-    def unpin_blocks(self, job: Hashable, /, **payload: object) -> None:
-        """Released in put_blocks, on the success path only."""
-
-    def task_done(self, job: Hashable, /, **payload: object) -> None:
-        """Likewise."""
-
-
-class PreFixSender(PreFixShape, StoreSender):
-    pass
-
-
-class PreFixModelSender(PreFixShape, ModelSender):
-    pass
+class PreFixModelSender(PreFixSender, ModelSender):
+    """The pre-fix sender (seed 000) with the model-based tests' planning and fault injection."""

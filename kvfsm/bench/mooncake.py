@@ -37,6 +37,7 @@ from ..drivers.mooncake import (
     KVStore,
     MasterProcess,
     MooncakeStoreWorker,
+    StoreSender,
     block_key,
     connect,
 )
@@ -91,12 +92,21 @@ def soak(
     load_fraction: float = 0.3,
     abort_fraction: float = 0.05,
     timeout: float = 300.0,
+    sender: type[StoreSender] = StoreSender,
 ) -> SoakResult:
-    """Run ``requests`` requests through a worker over ``store`` with ``fault_rate`` of its calls failing."""
+    """Run ``requests`` requests through a worker over ``store`` with ``fault_rate`` of its calls failing.
+
+    ``timeout`` bounds the whole soak: a sender that leaks stalls it (no room
+    in the pool, too many requests never reported), and what it leaked by then
+    is counted. ``sender``: the store-job driver to run, e.g. a copy with a known bug.
+    """
     rng = random.Random(seed)
     faulty = FaultyStore(store, rate=fault_rate, seed=seed)
     pool = BlockPool(blocks, BLOCK_BYTES)
-    worker = MooncakeStoreWorker(faulty, pool, prefix=f"soak-{seed}-{time.time_ns():x}", params={"store_timeout": 30.0})
+    prefix = f"soak-{seed}-{time.time_ns():x}"
+    worker = MooncakeStoreWorker(
+        faulty, pool, prefix=prefix, params={"store_timeout": 30.0}, sender=sender(faulty, pool, prefix=prefix)
+    )
     sent: Counter[Hashable] = Counter()
     recved: Counter[Hashable] = Counter()
     loading: dict[Hashable, tuple[list[int], int]] = {}

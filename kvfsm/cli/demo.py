@@ -1,0 +1,221 @@
+"""``kvfsm demo``: the main job on the embedded default, rendered on one screen (docs/demo.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rich import box
+from rich.markup import escape
+from rich.padding import Padding
+from rich.table import Table
+
+from .common import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, Subparsers, err, out
+
+if TYPE_CHECKING:
+    from ..bench.mooncake import SoakResult
+    from ..demo import CheckPart, DemoReport, DiagramPart, ExplorePart, MooncakePart, OffloadPart, Options, Part
+
+PART_NAMES = "check, diagrams, offload, mooncake, explore"
+"""For --help without importing the parts (they import torch); a test pins it to kvfsm.demo.NAMES."""
+
+
+def register(sub: Subparsers) -> None:
+    p = sub.add_parser(
+        "demo",
+        help="check and draw every bundled spec, then replay seeds 003, 000 and 002 on embedded stand-ins "
+        "(exit 0 when every part came out as expected, 1 otherwise)",
+        description="Checks every spec and draws every machine spec, then replays three seed reports: the "
+        "CPU-offload connector in the vLLM scheduler simulator (003), the Mooncake store worker under injected "
+        "faults next to the pre-fix sender (000), and the PD abort compositions in the explorer (002). Needs "
+        "nothing started: the Mooncake store is the embedded one, KV blocks are CPU tensors unless CUDA is "
+        "present. Under half a minute on two cores; --quick takes seconds. See docs/demo.md.",
+    )
+    p.add_argument("--out", type=Path, default=Path("out"), metavar="DIR", help="diagrams go to DIR/diagrams/")
+    p.add_argument(
+        "--specs", type=Path, default=None, metavar="DIR", help="the specs to check and draw (default: bundled specs/)"
+    )
+    p.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the simulator's and the soak's randomness")
+    p.add_argument("--quick", action="store_true", help="small sizes: a smoke run in seconds")
+    p.add_argument(
+        "--only", action="append", default=[], metavar="PART", help=f"run only this part (repeatable): {PART_NAMES}"
+    )
+    p.add_argument("--format", choices=("text", "json"), default="text")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..demo import SPECS, Options
+    from ..demo import run as run_demo
+
+    specs: Path = args.specs or SPECS
+    if not specs.is_dir():
+        err.print(f"[red]kvfsm demo: --specs {escape(str(specs))} is not a directory of spec files[/]")
+        return EXIT_USAGE
+    options = Options(specs=specs, out=args.out, seed=args.seed, quick=args.quick, only=tuple(args.only))
+    catch = not os.environ.get("KVFSM_DEBUG")  # as the CLI does: a traceback is opt-in
+    try:
+        if args.format == "text" and out.is_terminal:
+            report = _with_progress(options, catch)
+        else:
+            report = run_demo(options, catch=catch)
+    except ValueError as exc:  # an unknown --only part: nothing ran
+        err.print(f"[red]kvfsm demo: {escape(str(exc))}[/]")
+        return EXIT_USAGE
+    if args.format == "json":
+        out.print_json(json.dumps(report.as_dict()))
+    else:
+        _render(report)
+    return EXIT_OK if report.ok else EXIT_FINDINGS
+
+
+def _with_progress(options: Options, catch: bool) -> DemoReport:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from ..demo import run as run_demo
+
+    columns = (
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=out, transient=True) as bar:
+        task = bar.add_task("kvfsm demo", total=None)
+
+        def show(part: Part, done: int, total: int) -> None:
+            seed = f" (seed {part.seed})" if part.seed else ""
+            bar.update(task, description=f"{part.title}{seed}", completed=done, total=total)
+
+        report = run_demo(options, progress=show, catch=catch)
+        bar.update(task, completed=len(report.parts))
+    return report
+
+
+# -- rendering ------------------------------------------------------------------------
+
+
+def _verdict(ok: bool, good: str = "as expected", bad: str = "NOT as expected") -> str:
+    return f"[green]✓ {good}[/]" if ok else f"[red]✗ {bad}[/]"
+
+
+def _header(title: str, verdict: str, seconds: float) -> None:
+    out.print(f"[bold]{title}[/]  {verdict}  [dim]{seconds:.1f} s[/]")
+
+
+def _render(report: DemoReport) -> None:
+    from ..demo import CheckPart, DiagramPart, ExplorePart, FailedPart, MooncakePart, OffloadPart
+
+    size = "quick sizes" if report.quick else "default sizes"
+    out.print(
+        f"[bold]kvfsm demo[/]: what kvfsm does for a KV connector, on embedded stand-ins ({size}, seed {report.seed})"
+    )
+    for part in report.parts:
+        out.print()
+        if isinstance(part, CheckPart):
+            _check(part)
+        elif isinstance(part, DiagramPart):
+            _diagrams(part)
+        elif isinstance(part, OffloadPart):
+            _offload(part)
+        elif isinstance(part, MooncakePart):
+            _mooncake(part)
+        elif isinstance(part, ExplorePart):
+            _explore(part)
+        elif isinstance(part, FailedPart):
+            _header(part.name, "[red]✗ failed[/]", part.seconds)
+            out.print(f"  [red]{escape(part.error)}[/]")
+    out.print()
+    missed = [p.name for p in report.parts if not p.ok]
+    if report.ok:
+        out.print(f"[bold green]✓ every part came out as expected[/] ({report.seconds:.1f} s)")
+    else:
+        out.print(
+            f"[bold red]✗ not as expected: {escape(', '.join(missed) or 'no part ran')}[/] ({report.seconds:.1f} s)"
+        )
+
+
+def _check(part: CheckPart) -> None:
+    _header(f"check: {len(part.specs)} specs", _verdict(part.ok, "no errors", "errors"), part.seconds)
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    codes = any(s.codes for s in part.specs)
+    for column in ("spec", "kind", "verdict", "errors", "warnings", *(["codes"] if codes else [])):
+        table.add_column(
+            column, justify="right" if column in ("errors", "warnings") else "left", no_wrap=column == "spec"
+        )
+    colours = {"clean": "green", "warnings": "yellow", "errors": "red"}
+    for s in part.specs:
+        row = [escape(s.spec), s.kind, f"[{colours[s.verdict]}]{s.verdict}[/]", str(s.errors), str(s.warnings)]
+        table.add_row(*row, *([escape(" ".join(s.codes))] if codes else []))
+    out.print(Padding(table, (0, 0, 0, 2)))
+    if not part.ok:
+        out.print("  [red]`kvfsm check SPEC` says where each error is and how to mend it[/]")
+
+
+def _diagrams(part: DiagramPart) -> None:
+    drawn = sum(1 for d in part.drawings if d.mermaid)
+    count = f"{drawn}" if drawn == len(part.drawings) else f"{drawn} of {len(part.drawings)}"
+    kinds = ".mmd" if part.svg_skipped else ".svg and .mmd"
+    _header(f"diagrams: {count} machine specs", _verdict(part.ok, "drawn", "not all drawn"), part.seconds)
+    out.print(f"  {escape(part.out)}/NAME{kinds.replace(' and .', ', NAME.')}")
+    if part.svg_skipped:
+        out.print(f"  [yellow]svg skipped:[/] {escape(part.svg_skipped)}")
+    for d in part.drawings:
+        if d.error:
+            out.print(f"  [red]{escape(d.spec)} not drawn:[/] {escape(d.error)}")
+
+
+def _offload(part: OffloadPart) -> None:
+    r = part.report
+    title = f"seed 003: vLLM scheduler simulator, CPU-offload connector ({part.device} KV)"
+    _header(title, _verdict(part.ok, "clean", "NOT clean"), part.seconds)
+    out.print(
+        f"  {r.requests:,} requests: {r.preempted_fraction:.1%} preempted, {r.aborted_mid_load_fraction:.1%} aborted "
+        f"mid-load, {r.cpu_evictions:,} CPU evictions, {r.loads_checked:,} loads byte-checked"
+    )
+    out.print(
+        f"  leaked: {len(r.leaked_cpu_refs)} CPU pins, {len(r.leaked_gpu_refs)} GPU blocks, {r.live_instances} live "
+        f"instances; {r.stale_blocks} stale blocks, {len(r.assertion_failures)} failed vLLM assertions"
+    )
+
+
+def _soak(s: SoakResult) -> str:
+    return (
+        f"{s.requests:,} requests + {s.loads:,} loads, {sum(s.faults_injected.values()):,} faults → "
+        f"{s.leaked_blocks} leaked blocks, {s.hung_requests} hung requests"
+    )
+
+
+def _mooncake(part: MooncakePart) -> None:
+    s, u = part.soak, part.unfixed
+    title = f"seed 000: Mooncake store worker, embedded store, {s.fault_rate:.0%} of store calls failing"
+    _header(title, _verdict(part.ok), part.seconds)
+    out.print(f"  kvfsm:   {_soak(s)}  {_verdict(part.soak_ok, 'nothing leaked', 'NOT clean')}")
+    if u is not None:
+        stalled = f"stalled after {u.requests:,} of {part.requested:,}: " if u.requests < part.requested else ""
+        leaked = _verdict(bool(part.unfixed_leaked), "leaks, as in the seed", "did not leak")
+        out.print(f"  pre-fix: {stalled}{_soak(u)}  {leaked}")
+
+
+def _explore(part: ExplorePart) -> None:
+    m, c = part.merged_fix, part.corrected
+    trace = part.trace
+    _header("seed 002: explorer, PD disaggregation abort", _verdict(part.ok), part.seconds)
+    found = f"write_after_free in {len(trace.moves)} steps" if trace else "write_after_free not found"
+    out.print(
+        f"  merged fix: {m.requests} requests, {m.states:,} states, {m.seconds:.2f} s → {found}  "
+        + _verdict(trace is not None, "violated", "not violated")
+    )
+    out.print(
+        f"  corrected:  {c.requests} requests, {c.states:,} states, {c.seconds:.2f} s → "
+        + _verdict(c.verdict == "verified", "verified", c.verdict)
+    )
+    if trace is not None:
+        from ..explore import format_trace
+
+        out.print()
+        out.print(escape(format_trace(trace)), highlight=False)

@@ -1,0 +1,162 @@
+"""`kvfsm demo` run for real at --quick sizes: each part's figures, its files, and its exit code.
+
+One in-process JSON run is shared by the tests that read its figures; the
+console script runs once in a subprocess, from a directory that is not the
+repository, as a new user would run it.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import subprocess
+import sys
+from contextlib import redirect_stdout
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvfsm.cli import main
+from kvfsm.cli.demo import PART_NAMES
+from kvfsm.demo import NAMES, SPECS
+from kvfsm.spec import is_system_file
+
+ROOT = Path(__file__).resolve().parent.parent
+BROKEN = ROOT / "tests" / "specs" / "broken"
+
+
+def demo(*args: str) -> tuple[int, str]:
+    """``kvfsm demo ARGS`` through the CLI's main, in this process: (exit code, stdout)."""
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        code = main(["demo", *args])
+    return code, buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, dict[str, Any], Path]:
+    out = tmp_path_factory.mktemp("demo")
+    code, text = demo("--quick", "--format", "json", "--out", str(out))
+    return code, json.loads(text), out
+
+
+def test_the_quick_demo_exits_zero_with_every_part_as_expected(quick: tuple[int, dict[str, Any], Path]) -> None:
+    code, doc, _out = quick
+    assert code == 0, json.dumps(doc, indent=1)[:3000]
+    assert doc["ok"] is True and doc["quick"] is True
+    assert list(doc["parts"]) == list(NAMES)
+    assert all(part["ok"] for part in doc["parts"].values())
+
+
+def test_every_bundled_spec_is_checked_and_none_has_an_error(quick: tuple[int, dict[str, Any], Path]) -> None:
+    specs = quick[1]["parts"]["check"]["specs"]
+    bundled = sorted(str(p.relative_to(ROOT)) for p in SPECS.rglob("*.yaml"))
+    assert sorted(s["spec"] for s in specs) == bundled
+    kinds = {s["spec"]: s["kind"] for s in specs}
+    assert kinds["specs/pd_abort/merged_fix.yaml"] == "system" and kinds["specs/kv_request.yaml"] == "machine"
+    assert all(s["errors"] == 0 and s["verdict"] != "errors" for s in specs)
+
+
+def test_every_machine_spec_is_drawn_to_nonempty_files(quick: tuple[int, dict[str, Any], Path]) -> None:
+    _code, doc, out = quick
+    part = doc["parts"]["diagrams"]
+    machines = {p.stem for p in SPECS.rglob("*.yaml") if not is_system_file(p)}
+    assert {Path(d["mermaid"]).stem for d in part["drawings"]} == machines
+    for stem in machines:
+        assert (out / "diagrams" / f"{stem}.mmd").read_text().count("stateDiagram") == 1
+        if shutil.which("dot"):
+            assert (out / "diagrams" / f"{stem}.svg").read_bytes().lstrip().startswith(b"<?xml")
+    assert part["svg_skipped"] is None or not shutil.which("dot")
+
+
+def test_the_offload_soak_leaks_nothing_under_preemptions_and_aborts_mid_load(
+    quick: tuple[int, dict[str, Any], Path],
+) -> None:
+    r = quick[1]["parts"]["offload"]
+    assert r["requests"] > 0 and r["preempted"] > 0 and r["aborted_mid_load"] > 0
+    assert r["leaked_cpu_refs"] == {} and r["leaked_gpu_refs"] == {}
+    assert r["live_instances"] == 0 and r["unfinished_requests"] == 0 and r["stale_blocks"] == 0
+    assert r["assertion_failures"] == [] and r["clean"] is True
+
+
+def test_the_mooncake_soak_leaks_nothing_while_the_pre_fix_sender_leaks_under_the_same_faults(
+    quick: tuple[int, dict[str, Any], Path],
+) -> None:
+    part = quick[1]["parts"]["mooncake"]
+    fixed, unfixed = part["kvfsm"], part["pre_fix"]
+    assert fixed["requests"] == part["requested"] and fixed["faults"] > 0
+    assert fixed["leaked_blocks"] == 0 and fixed["hung_requests"] == 0 and fixed["clean"] is True
+    assert unfixed["faults"] > 0
+    assert unfixed["leaked_blocks"] > 0 and unfixed["hung_requests"] > 0
+
+
+def test_the_explorer_finds_write_after_free_in_the_merged_fix_and_verifies_the_corrected_protocol(
+    quick: tuple[int, dict[str, Any], Path],
+) -> None:
+    part = quick[1]["parts"]["explore"]
+    merged, corrected = part["merged_fix"], part["corrected"]
+    assert merged["verdict"] == "violated" and "write_after_free" in merged["violated"]
+    assert merged["trace"]["property"] == "write_after_free" and merged["trace"]["steps"]
+    assert corrected["verdict"] == "verified" and corrected["complete"] and corrected["states"] > 0
+
+
+def test_the_text_output_shows_the_trace_and_ends_with_the_verdict(tmp_path: Path) -> None:
+    code, text = demo("--only", "explore", "--quick", "--out", str(tmp_path))
+    assert code == 0
+    assert "write_after_free" in text and "abort_req" in text and "shortest trace" in text
+    assert text.rstrip().splitlines()[-1].startswith("✓ every part came out as expected")
+
+
+def test_a_broken_spec_makes_the_demo_exit_one(tmp_path: Path) -> None:
+    specs = tmp_path / "specs"
+    specs.mkdir()
+    shutil.copy(SPECS / "kv_request.yaml", specs)
+    shutil.copy(BROKEN / "kvf107_no_deadline.yaml", specs)
+    code, text = demo("--specs", str(specs), "--out", str(tmp_path / "out"), "--only", "check", "--format", "json")
+    assert code == 1
+    verdicts = {s["spec"]: (s["verdict"], s["codes"]) for s in json.loads(text)["parts"]["check"]["specs"]}
+    assert verdicts == {
+        "specs/kv_request.yaml": ("clean", []),
+        "specs/kvf107_no_deadline.yaml": ("errors", ["KVF107"]),
+    }
+
+
+def test_without_graphviz_the_mermaid_is_written_and_the_svg_skip_is_explained(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # no dot on it
+    code, text = demo("--only", "diagrams", "--out", str(tmp_path / "out"))
+    assert code == 0, text
+    assert "svg skipped" in text and "graphviz" in text
+    assert list((tmp_path / "out" / "diagrams").glob("*.svg")) == []
+    assert (tmp_path / "out" / "diagrams" / "kv_request.mmd").stat().st_size > 0
+
+
+def test_an_unknown_part_is_a_usage_error_without_a_traceback(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _text = demo("--only", "everything")
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "everything" in err and "check, diagrams" in err and "Traceback" not in err
+
+
+def test_the_help_names_every_part() -> None:
+    assert ", ".join(NAMES) == PART_NAMES
+
+
+def test_the_console_script_runs_the_quick_demo_from_any_directory(tmp_path: Path) -> None:
+    script = Path(sys.executable).with_name("kvfsm")
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "kvfsm.cli"]
+    result = subprocess.run(
+        [*command, "demo", "--quick", "--format", "json", "--out", "tmp"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["ok"] is True
+    assert (tmp_path / "tmp" / "diagrams" / "kv_request.mmd").stat().st_size > 0
