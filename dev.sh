@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up a fresh clone (idempotent, quick when nothing changed) and run a job:
-#   ./dev.sh demo     the main job on the bundled specs
+#   ./dev.sh demo     the main job: kvfsm demo on the embedded default (docs/demo.md)
 #   ./dev.sh test     lint, types and the test suite (what CI runs)
 #   ./dev.sh bench    the performance comparison
 #   ./dev.sh diagrams regenerate docs/diagrams/ from the machine specs in specs/
@@ -14,6 +14,7 @@ VENV=.venv
 need_apt=()
 command -v dot >/dev/null 2>&1 || need_apt+=(graphviz)
 command -v spin >/dev/null 2>&1 || need_apt+=(spin)
+command -v gcc >/dev/null 2>&1 || need_apt+=(gcc)    # SPIN compiles its verifier (pan.c)
 # Mooncake's wheel links libibverbs; without recommends, so ibverbs-providers (which breaks NIXL's UCX) stays out.
 ldconfig -p 2>/dev/null | grep -q "libibverbs.so.1 " || need_apt+=(libibverbs1)
 if [ ${#need_apt[@]} -gt 0 ]; then
@@ -49,15 +50,7 @@ export PATH="$PWD/$VENV/bin:$PATH"
 
 case "${1:-demo}" in
     setup) ;;
-    demo)
-        kvfsm check specs/*.yaml
-        mkdir -p out
-        for spec in specs/*.yaml; do
-            name=$(basename "$spec" .yaml)
-            kvfsm diagram "$spec" -f svg -o "out/$name.svg"
-            kvfsm diagram "$spec" -f mermaid -o "out/$name.mmd"
-        done
-        ;;
+    demo) kvfsm demo "${@:2}" ;;
     test)
         echo "==> ruff"; ruff check kvfsm tests benchmarks
         echo "==> mypy"; mypy
