@@ -1,4 +1,4 @@
-"""``kvfsm test``: model-based tests of a driver against its spec, with transition coverage."""
+"""``kvfsm test``: model-based tests of a driver against its spec, with transition coverage, or a trace replayed on drivers."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ from typing import TYPE_CHECKING
 from rich.markup import escape
 from rich.table import Table
 
-from .common import EXIT_FINDINGS, EXIT_OK, Subparsers, out
+from .common import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, Subparsers, err, out
 
 if TYPE_CHECKING:
     from ..testing import Report
+    from ..testing.trace_replay import ReplayResult
 
 
 def _positive(text: str) -> int:
@@ -37,16 +38,28 @@ def _seed(text: str) -> int:
 def register(sub: Subparsers) -> None:
     p = sub.add_parser(
         "test",
-        help="model-based tests of a driver against a spec (exit 0 passed, 1 diverged, 2 unusable)",
+        help="model-based tests of a driver against a spec, or a trace replayed on drivers "
+        "(exit 0 passed, 1 diverged, 2 unusable)",
         description="Drive a Tracker and fresh drivers through random events, faults and timeouts (Hypothesis), "
-        "checking after every step that the driver's observe(key) matches what the spec says each key holds.",
+        "checking after every step that the driver's observe(key) matches what the spec says each key holds. "
+        "With --trace, replay an explorer trace of a system on one Tracker and driver per role instead "
+        "(exit 0 when the trace's violation is reproduced).",
     )
-    p.add_argument("spec", type=Path, metavar="SPEC")
+    p.add_argument("spec", type=Path, metavar="SPEC", help="a machine spec; with --trace, a system file")
     p.add_argument(
         "--driver",
-        required=True,
-        metavar="MODULE:FACTORY",
-        help="a callable, importable from the current directory, that returns a fresh driver (e.g. my_drivers:make)",
+        action="append",
+        default=[],
+        metavar="[ROLE=]MODULE:FACTORY",
+        help="a callable, importable from the current directory, that returns a fresh driver (e.g. my_drivers:make); "
+        "with --trace, one ROLE=MODULE:FACTORY per role you have a driver for (the others get a ledger driver)",
+    )
+    p.add_argument(
+        "--trace",
+        type=Path,
+        default=None,
+        metavar="TRACE.json",
+        help="replay this kvfsm-trace/1 file (from 'kvfsm explore SYSTEM --trace FILE') on the drivers",
     )
     p.add_argument("--examples", type=_positive, default=None, metavar="N", help="examples to run (default 100)")
     p.add_argument("--steps", type=_positive, default=None, metavar="N", help="steps per example (default 50)")
@@ -64,8 +77,17 @@ def run(args: argparse.Namespace) -> int:
     from ..testing import STEPS, load_factory
     from ..testing import run as run_machine
 
+    if args.trace is not None:
+        return _replay(args)
+    if len(args.driver) != 1 or "=" in args.driver[0]:
+        err.print(
+            "[red]kvfsm test: give one --driver MODULE:FACTORY for a machine spec "
+            "(ROLE=MODULE:FACTORY is for replaying a system's trace with --trace)[/]"
+        )
+        return EXIT_USAGE
+    driver = args.driver[0]
     spec = load(args.spec)
-    factory = load_factory(args.driver)
+    factory = load_factory(driver)
     report = run_machine(spec, factory, examples=args.examples, seed=args.seed, steps=args.steps or STEPS)
     svg_note = ""
     if args.coverage_svg is not None:
@@ -74,16 +96,16 @@ def run(args: argparse.Namespace) -> int:
         args.coverage_svg.write_bytes(data)
         svg_note = str(args.coverage_svg)
     if args.format == "json":
-        doc = {"driver": args.driver, **report.as_dict(), "coverage_svg": svg_note or None}
+        doc = {"driver": driver, **report.as_dict(), "coverage_svg": svg_note or None}
         out.print_json(json.dumps(doc))
     else:
-        _render(args, report)
+        _render(args, driver, report)
         if svg_note:
             out.print(f"coverage diagram: {escape(svg_note)}")
     return EXIT_OK if report.passed else EXIT_FINDINGS
 
 
-def _render(args: argparse.Namespace, report: Report) -> None:
+def _render(args: argparse.Namespace, driver: str, report: Report) -> None:
     budget = f"seed {report.seed}, {report.coverage.examples} example(s) of up to {report.steps} steps"
     if report.passed:
         out.print(f"[green]✓ {escape(report.spec.name)}: the driver kept to the spec[/] ({budget})")
@@ -99,7 +121,7 @@ def _render(args: argparse.Namespace, report: Report) -> None:
             out.print(f"  {escape(last)}")
         if not report.story:
             out.print(f"  {escape(report.error)}")
-        again = ["kvfsm", "test", str(args.spec), "--driver", args.driver, "--seed", str(report.seed)]
+        again = ["kvfsm", "test", str(args.spec), "--driver", driver, "--seed", str(report.seed)]
         if args.examples:
             again += ["--examples", str(args.examples)]
         out.print(f"[dim]repeat with: {escape(shlex.join(again))}[/]")
@@ -129,3 +151,93 @@ def _coverage(report: Report) -> None:
     parts = [f"{names[k]} {done}/{total}" for k, (done, total) in summary.items() if total]
     faults = ", ".join(f"{a} {n}" for a, n in sorted(cov.faults.items())) or "none"
     out.print(f"exercised: {' · '.join(parts)} · injected faults: {escape(faults)}")
+
+
+# -- --trace: an explorer trace replayed on drivers -------------------------------------------
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from ..spec.system import is_system_file, load_system
+    from ..testing import load_factory
+    from ..testing.trace_replay import replay_trace
+
+    given = [
+        f"--{name.replace('_', '-')}" for name in ("examples", "steps", "seed", "coverage_svg") if getattr(args, name)
+    ]
+    if given:
+        verb = "does" if len(given) == 1 else "do"
+        err.print(f"[red]kvfsm test: {', '.join(given)} {verb} not apply to --trace, which replays one fixed run[/]")
+        return EXIT_USAGE
+    if args.spec.is_file() and not is_system_file(args.spec):
+        err.print(
+            f"[red]kvfsm test: --trace replays a composition's trace, so {escape(str(args.spec))} must be a system "
+            "file (with 'system:' and 'roles:'), such as the one 'kvfsm explore' wrote the trace from[/]"
+        )
+        return EXIT_USAGE
+    system = load_system(args.spec)
+    refs: dict[str, str] = {}
+    for text in args.driver:
+        role, sep, ref = text.partition("=")
+        if not sep or not role or not ref:
+            err.print(
+                f"[red]kvfsm test: --driver {escape(text)!r} names no role; with --trace write ROLE=MODULE:FACTORY, "
+                f"e.g. --driver {escape(next(iter(system.roles)))}=my_drivers:make (roles: {escape(', '.join(system.roles))})[/]"
+            )
+            return EXIT_USAGE
+        if role not in system.roles:
+            err.print(
+                f"[red]kvfsm test: --driver {escape(text)}: {escape(system.name)} has no role {escape(role)!r} "
+                f"(its roles: {escape(', '.join(system.roles))})[/]"
+            )
+            return EXIT_USAGE
+        if role in refs:
+            err.print(f"[red]kvfsm test: two --driver options for role {escape(role)!r}; give one per role[/]")
+            return EXIT_USAGE
+        refs[role] = ref
+    factories = {role: load_factory(ref) for role, ref in refs.items()}
+    result = replay_trace(system, args.trace, factories)
+    drivers = {
+        role: f"{result.drivers[role]} ({refs[role]})" if role in refs else result.drivers[role]
+        for role in system.roles
+    }
+    if args.format == "json":
+        out.print_json(json.dumps({"trace": str(args.trace), **result.as_dict(), "drivers": drivers}))
+    else:
+        _render_replay(result, drivers)
+    return EXIT_OK if result.passed else EXIT_FINDINGS
+
+
+def _render_replay(result: ReplayResult, drivers: dict[str, str]) -> None:
+    from ..explore.trace import describe_step
+
+    trace = result.trace
+    on = ", ".join(f"{role}: {name}" for role, name in drivers.items())
+    out.print(
+        f"replaying {escape(trace.prop)} ({escape(trace.system)}, {len(trace.moves)} steps) "
+        f"on {escape(result.system)}; {escape(on)}"
+    )
+    rows = [("#", "req", "role", "step", "called", "observe", "")]
+    for s in result.steps:
+        what = f"begin → {s.step.target}" if s.step.action == "begin" else describe_step(s.step)
+        seen = (", ".join(s.observed) or "nothing") if s.observed is not None else "—"
+        mark = "✓" if s.mismatch is None else "✗"
+        rows.append((str(s.number or ""), s.step.request, s.step.role, what, s.call, seen, mark))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for n, row in enumerate(rows):
+        line = "  ".join(c.rjust(w) if i == 0 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
+        done = result.steps[n - 1] if n else None
+        style = "dim" if done is None else "red" if done.mismatch is not None else ""
+        out.print(f"[{style}]{escape(line.rstrip())}[/]" if style else escape(line.rstrip()))
+        if done is not None and done.mismatch is not None:
+            m = done.mismatch
+            pad = " " * (sum(widths[:3]) + 6)
+            out.print(f"{pad}[red]{escape(m.what)}: expected {escape(m.expected)}, got {escape(m.actual)}[/]")
+    left = len(trace.steps) - len(result.steps)
+    if left:
+        out.print(f"[dim]{left} step(s) not replayed[/]")
+    if result.reproduced:
+        out.print(f"[green]✓ {escape(result.summary)}[/]")
+    elif result.verdict == "not reproduced":
+        out.print(f"[red]✗ {escape(result.summary)}[/]")
+    else:
+        out.print(f"[red]✗ the drivers diverged from the trace at {escape(str(result.mismatch))}[/]")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from .run import ExploreResult, PropertyResult, explore
 from .search import Progress, ProgressFn
-from .trace import Sent, Step, Trace, TraceRole, format_trace
+from .trace import Sent, Step, Trace, TraceError, TraceRole, describe_step, format_trace, read_trace
 
 __all__ = [
     "ExploreResult",
@@ -20,7 +20,10 @@ __all__ = [
     "Sent",
     "Step",
     "Trace",
+    "TraceError",
     "TraceRole",
+    "describe_step",
     "explore",
     "format_trace",
+    "read_trace",
 ]

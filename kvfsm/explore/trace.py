@@ -9,9 +9,13 @@ messages sent with their fate.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
+
+from ..errors import KvfsmError
 
 FORMAT = "kvfsm-trace/1"
 
@@ -21,6 +25,55 @@ reply: a finished instance's server answers without moving it; reject: the
 event is neither handled nor ignored (the violating step of a message property)."""
 
 CAUSES = ("begin", "local", "timeout", "abort", "error", "message")
+
+
+class TraceError(KvfsmError, ValueError):
+    """A document that is not a usable kvfsm-trace/1 trace; ``field`` names the offending field (``steps[3].event``)."""
+
+    def __init__(self, field: str, problem: str, source: str = "") -> None:
+        self.field, self.problem, self.source = field, problem, source
+        super().__init__(": ".join(part for part in (source, field, problem) if part))
+
+
+T = TypeVar("T")
+
+
+def _field(d: Mapping[str, Any], name: str, at: str, kind: type[T], *, default: T | None = None) -> T:
+    """``d[name]`` checked to be a ``kind``; missing is an error unless a ``default`` is given."""
+    where = f"{at}.{name}" if at else name
+    if name not in d:
+        if default is not None:
+            return default
+        raise TraceError(where, f"missing (a {FORMAT} trace gives every step its {name!r})" if at else "missing")
+    value = d[name]
+    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+        raise TraceError(where, f"must be {_KINDS.get(kind, kind.__name__)}, not {type(value).__name__} {value!r}")
+    return value
+
+
+def _optional_str(d: Mapping[str, Any], name: str, at: str) -> str | None:
+    """A string or null; a missing one is null."""
+    value = d.get(name)
+    if value is not None and not isinstance(value, str):
+        raise TraceError(f"{at}.{name}", f"must be a string or null, not {type(value).__name__} {value!r}")
+    return value
+
+
+def _names(d: Mapping[str, Any], name: str, at: str, *, required: bool) -> tuple[str, ...]:
+    values = _field(d, name, at, list, default=None if required else [])
+    for i, v in enumerate(values):
+        if not isinstance(v, str):
+            raise TraceError(f"{at}.{name}[{i}]", f"must be a name (a string), not {type(v).__name__} {v!r}")
+    return tuple(values)
+
+
+def _mapping(value: Any, at: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise TraceError(at, f"must be an object, not {type(value).__name__}")
+    return value
+
+
+_KINDS: dict[type, str] = {str: "a string", bool: "true or false", list: "a list", dict: "an object"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,20 +123,47 @@ class Step:
         }
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> Step:
+    def from_dict(cls, d: Mapping[str, Any], at: str = "step") -> Step:
+        """Read one step; raises :class:`TraceError` naming the field (``at`` is where the step sits)."""
+        d = _mapping(d, at)
+        action = _field(d, "action", at, str)
+        if action not in ACTIONS:
+            raise TraceError(f"{at}.action", f"{action!r} is not one of {', '.join(ACTIONS)}")
+        cause = _field(d, "cause", at, str)
+        if cause not in CAUSES:
+            raise TraceError(f"{at}.cause", f"{cause!r} is not one of {', '.join(CAUSES)}")
+        if "event" not in d:
+            raise TraceError(f"{at}.event", "missing (null for a begin step)")
+        event = _optional_str(d, "event", at)
+        if event is None and action != "begin":
+            raise TraceError(f"{at}.event", f"a {action} step names the event it fires")
+        source = _optional_str(d, "from", at)
+        if source is None and action != "begin":
+            raise TraceError(f"{at}.from", f"a {action} step names the state it starts from")
+        sent = []
+        for i, item in enumerate(_field(d, "sent", at, list, default=[])):
+            here = f"{at}.sent[{i}]"
+            m = _mapping(item, here)
+            sent.append(
+                Sent(
+                    _field(m, "message", here, str),
+                    _field(m, "to", here, str),
+                    _field(m, "lost", here, bool, default=False),
+                )
+            )
         return cls(
-            request=d["request"],
-            role=d["role"],
-            action=d["action"],
-            cause=d["cause"],
-            event=d.get("event"),
-            source=d.get("from"),
-            target=d["to"],
-            sent=tuple(Sent(s["message"], s["to"], bool(s.get("lost", False))) for s in d.get("sent", ())),
-            duplicate=bool(d.get("duplicate", False)),
-            holds=tuple(d.get("holds", ())),
-            in_flight=tuple(d.get("in_flight", ())),
-            note=str(d.get("note", "")),
+            request=_field(d, "request", at, str),
+            role=_field(d, "role", at, str),
+            action=action,
+            cause=cause,
+            event=event,
+            source=source,
+            target=_field(d, "to", at, str),
+            sent=tuple(sent),
+            duplicate=_field(d, "duplicate", at, bool, default=False),
+            holds=_names(d, "holds", at, required=True),
+            in_flight=_names(d, "in_flight", at, required=False),
+            note=_field(d, "note", at, str, default=""),
         )
 
 
@@ -130,18 +210,45 @@ class Trace:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Trace:
-        """Read a trace written by :meth:`as_dict`; raises ``ValueError`` on another format."""
+        """Read a trace written by :meth:`as_dict`; raises :class:`TraceError` (a ``ValueError``) naming the field."""
+        d = _mapping(d, "the trace")
         if d.get("format") != FORMAT:
-            raise ValueError(f"not a {FORMAT} trace (format is {d.get('format')!r})")
+            raise TraceError("format", f"not a {FORMAT} trace (format is {d.get('format')!r})")
+        roles = []
+        for name, r in _field(d, "roles", "", dict).items():
+            at = f"roles.{name}"
+            r = _mapping(r, at)
+            roles.append(
+                TraceRole(name, _field(r, "spec", at, str), _field(r, "machine", at, str), _field(r, "key", at, str))
+            )
         return cls(
-            system=d["system"],
-            path=d["path"],
-            prop=d["property"],
-            violation=d["violation"],
-            request=d["request"],
-            roles=tuple(TraceRole(n, r["spec"], r["machine"], r["key"]) for n, r in d["roles"].items()),
-            steps=tuple(Step.from_dict(s) for s in d["steps"]),
+            system=_field(d, "system", "", str),
+            path=_field(d, "path", "", str),
+            prop=_field(d, "property", "", str),
+            violation=_field(d, "violation", "", str),
+            request=_field(d, "request", "", str),
+            roles=tuple(roles),
+            steps=tuple(Step.from_dict(s, f"steps[{i}]") for i, s in enumerate(_field(d, "steps", "", list))),
         )
+
+
+def read_trace(path: str | Path) -> Trace:
+    """Read a kvfsm-trace/1 JSON file (as ``kvfsm explore --trace`` writes); raises :class:`TraceError`."""
+    shown = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise TraceError("", "no such trace file; write one with 'kvfsm explore SYSTEM --trace FILE'", shown) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TraceError("", f"cannot read the trace file: {exc}", shown) from None
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise TraceError(f"line {exc.lineno} column {exc.colno}", f"not JSON: {exc.msg}", shown) from None
+    try:
+        return Trace.from_dict(doc)
+    except TraceError as exc:
+        raise TraceError(exc.field, exc.problem, shown) from None
 
 
 # -- the message-sequence chart ------------------------------------------------------
@@ -149,7 +256,8 @@ class Trace:
 LANE = 40
 
 
-def _describe(step: Step) -> str:
+def describe_step(step: Step) -> str:
+    """What one step does, in words: ``abort: waiting → aborted``, ``metadata arrives: ignored in failed``."""
     moved = f"{step.source} → {step.target}" if step.source != step.target else f"stays in {step.target}"
     if step.action == "fire":
         why = {"timeout": " (timeout)", "abort": "", "error": " (an action raised)", "message": " arrives"}.get(
@@ -200,7 +308,7 @@ def format_trace(trace: Trace) -> str:
             continue
         number += 1
         lane = lanes.index(step.role)
-        text = _describe(step)
+        text = describe_step(step)
         out.append(f"{number:>3}  {step.request:<5}" + " " * (LANE * lane) + text)
         extra = [x for x in (step.note, "a copy stays in flight" if step.duplicate else "") if x]
         for e in extra:

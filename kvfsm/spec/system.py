@@ -14,7 +14,7 @@ KVF200–KVF212 over it. It knows nothing of the explorer.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -109,6 +109,15 @@ class Condition:
     holds: tuple[str, ...] = ()
     lacks: tuple[str, ...] = ()
     loc: Loc = NOWHERE
+
+    def matches(self, state: str | None, held: Collection[str]) -> bool:
+        """Whether an instance in ``state`` holding ``held`` meets the condition (no instance meets none)."""
+        return (
+            state is not None
+            and (not self.states or state in self.states)
+            and all(r in held for r in self.holds)
+            and not any(r in held for r in self.lacks)
+        )
 
     def describe(self) -> str:
         parts = []
