@@ -18,6 +18,11 @@ the real bugs did:
 - :class:`UnpinsOnlyLoadedHits` (seed 003, vLLM SimpleCPUOffloadScheduler):
   the pin taken in phase A is released only from the phase-B table, so a
   request cancelled between the phases keeps its CPU blocks pinned.
+- :class:`FreesOnlyOnAck` (seed 002, the reverted deferred release): decode
+  moves the free of its KV pages to an ABORT_ACK handler that, as merged,
+  only logs, so aborted rooms keep their pages.
+- :class:`NeverTakesPages`: decode sends its page indices but never makes
+  the pages the room's, so nothing says they are held.
 
 Usable as ``kvfsm test SPEC --driver buggy_drivers:FACTORY`` from ``tests/``.
 """
@@ -31,6 +36,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import kvfsm
+from kvfsm.drivers.pd_loopback import DecodeDriver, PDLoopback
 
 ROOT = Path(__file__).resolve().parent.parent
 KV_REQUEST = ROOT / "specs" / "kv_request.yaml"
@@ -374,3 +380,28 @@ def write_cpu_hit_spec(folder: Path) -> Path:
     path = folder / "cpu_hit_load.yaml"
     path.write_text(CPU_HIT_SPEC)
     return path
+
+
+# -- the PD loopback's decode side (kvfsm.drivers.pd_loopback), one bug each --------------------
+
+
+class FreesOnlyOnAck(DecodeDriver):
+    """Frees the room's pages only on ABORT_ACK, whose handler (as merged) only logs: the free never happens."""
+
+    def release_kv_cache(self, room: Hashable, /, **_: Any) -> None:
+        pass  # moved to the ACK handler, which is never wired up
+
+
+class NeverTakesPages(DecodeDriver):
+    """Preallocates pages and sends their indices, but never records them as the room's."""
+
+    def alloc_kv_pages(self, room: Hashable, /, **_: Any) -> None:
+        pass
+
+
+def frees_only_on_ack() -> FreesOnlyOnAck:
+    return FreesOnlyOnAck(PDLoopback())
+
+
+def never_takes_pages() -> NeverTakesPages:
+    return NeverTakesPages(PDLoopback())
