@@ -34,9 +34,9 @@ from pathlib import Path
 
 from ..explore import explore
 from ..gen.promela import check_with_spin, to_promela
+from ..spec.bundled import PD_ABORT
 from ..spec.system import System, load_system
 
-SYSTEMS = Path(__file__).resolve().parent.parent.parent / "specs" / "pd_abort"
 SETTINGS = ("kvfsm", "kvfsm symmetry", "kvfsm plain", "SPIN")
 
 
@@ -99,7 +99,7 @@ def run(
     settings = SETTINGS if spin else SETTINGS[:-1]
     with tempfile.TemporaryDirectory(prefix="kvfsm-spin-") as tmp:
         for name in systems:
-            system = load_system(SYSTEMS / f"{name}.yaml")
+            system = load_system(PD_ABORT / f"{name}.yaml")
             for setting in settings:
                 gave_up = False
                 for n in requests:

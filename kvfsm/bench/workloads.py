@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 from ..engine import Tracker
 from ..spec import Spec, load, parse, run_checks
+from ..spec.bundled import SPECS
 from .handwritten import kv_request_tracker, pingpong_tracker
 from .harness import NullDriver, VirtualClock, Workload, interleaved, time_once
 from .report import BenchReport, Row, Target
@@ -118,17 +119,8 @@ def keys_for(n: int) -> list[str]:
 
 
 def kv_request_spec(path: str | Path | None = None) -> Spec:
-    """The canonical spec: ``path``, else the one bundled in the package, else the source tree's."""
-    import kvfsm
-
-    root = Path(kvfsm.__file__).parent
-    candidates = [Path(path)] if path is not None else [root / "specs" / "kv_request.yaml"]
-    if path is None:
-        candidates.append(root.parent / "specs" / "kv_request.yaml")
-    for candidate in candidates:
-        if candidate.is_file():
-            return load(candidate)
-    raise FileNotFoundError(f"kv_request.yaml not found (looked in {', '.join(map(str, candidates))})")
+    """The canonical spec: ``path``, else the bundled ``specs/kv_request.yaml``."""
+    return load(path if path is not None else SPECS / "kv_request.yaml")
 
 
 def pingpong_spec() -> Spec:

@@ -10,7 +10,8 @@ part came out as kvfsm promises. Nothing needs to be started: no
 renders it; docs/demo.md explains each part.
 """
 
-from .parts import FULL, QUICK, SPECS, Sizes
+from ..spec.bundled import SPECS
+from .parts import FULL, QUICK, Sizes
 from .report import (
     CheckPart,
     DemoReport,

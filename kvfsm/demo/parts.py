@@ -19,13 +19,8 @@ from ..explore import explore
 from ..gen.diagram import to_mermaid, to_svg
 from ..sim import SimConfig, Simulation, Workload
 from ..spec import SpecError, check, is_system_file, read
+from ..spec.bundled import PD_ABORT
 from .report import CheckPart, DiagramPart, Drawing, ExplorePart, MooncakePart, OffloadPart, SpecVerdict
-
-SPECS = Path(__file__).resolve().parents[2] / "specs"
-"""The bundled specs: the source tree's ``specs/`` (as :mod:`kvfsm.drivers.cpu_offload` finds it)."""
-
-PD_ABORT = SPECS / "pd_abort"
-"""Seed 002's compositions: the fix SGLang merged, and the corrected protocol."""
 
 FAULT_RATE = 0.10
 """Share of the Mooncake store calls that fail in the soak (raise, or answer negative codes)."""

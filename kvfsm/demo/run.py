@@ -7,6 +7,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..spec.bundled import SPECS
 from . import parts
 from .report import DemoReport, FailedPart, PartResult
 
@@ -25,7 +26,7 @@ class Part:
 class Options:
     """Where the specs are and the diagrams go, the random seed, and the sizes."""
 
-    specs: Path = parts.SPECS
+    specs: Path = SPECS
     """The specs to check and draw; the simulator, soak and explorer always run the bundled ones."""
     out: Path = Path("out")
     seed: int = 0

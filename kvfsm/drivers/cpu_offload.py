@@ -11,15 +11,14 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Hashable, Iterable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..spec.bundled import SPECS
 from .block_pool import BlockHash, BlockPool, BlockPoolError
 from .kv_cache import KVCache, KVLayout
 
-SPECS = Path(__file__).resolve().parent.parent.parent / "specs"
 LOAD_SPEC = SPECS / "cpu_offload_load.yaml"
 STORE_SPEC = SPECS / "cpu_offload_store.yaml"
 

@@ -20,15 +20,12 @@ from __future__ import annotations
 import zlib
 from collections.abc import Callable, Collection, Hashable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from .block_pool import BlockPool, BlockPoolError
 from .kv_cache import KVCache, KVLayout, copy_blocks
-
-SPECS = Path(__file__).resolve().parent.parent.parent / "specs" / "pd_abort"
 
 LAYOUT = KVLayout(num_layers=2, block_size=4, num_kv_heads=2, head_size=8)
 """A small layout: the tests and the replay care about which pages are written, not how big they are."""

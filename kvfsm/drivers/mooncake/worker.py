@@ -25,11 +25,11 @@ import time
 from collections import Counter
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from ...engine import Tracker
 from ...errors import ActionError, Failure, IllegalTransition
 from ...spec import Spec, load
+from ...spec.bundled import SPECS
 from .driver import BlockHash, StoreLoader, StoreSender
 from .pool import BlockPool
 from .store import KVStore
@@ -43,13 +43,8 @@ _STOP = object()
 
 @functools.cache
 def bundled_spec(name: str) -> Spec:
-    """A spec shipped with kvfsm: the package's ``specs/`` if installed with it, else the source tree's (loaded once)."""
-    here = Path(__file__).resolve()
-    candidates = [here.parents[2] / "specs" / name, here.parents[3] / "specs" / name]
-    for path in candidates:
-        if path.is_file():
-            return load(path)
-    raise FileNotFoundError(f"{name} not found (looked in {', '.join(str(p.parent) for p in candidates)})")
+    """A spec shipped with kvfsm (see :mod:`kvfsm.spec.bundled`), loaded once."""
+    return load(SPECS / name)
 
 
 @dataclass
