@@ -105,3 +105,20 @@ def test_diagram_of_broken_spec_reports_instead_of_crashing(tmp_path: Path) -> N
     result = kvfsm("diagram", str(spec), "-f", "dot")
     assert result.returncode == 1
     assert "KVF001" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_machine_commands_given_a_system_file_say_so_in_one_line(tmp_path: Path) -> None:
+    system = str(ROOT / "specs" / "pd_abort" / "merged_fix.yaml")
+    result = kvfsm("diagram", system, "-f", "mermaid", "-o", str(tmp_path / "x.mmd"))
+    assert result.returncode != 0
+    text = result.stdout + result.stderr
+    assert "this is a system file" in text and text.count("KVF001") == 1
+    assert "Traceback" not in text
+
+
+def test_replay_refuses_a_param_that_is_no_deadline(tmp_path: Path) -> None:
+    log = tmp_path / "empty.jsonl"
+    log.write_text("")
+    result = kvfsm("replay", str(CANONICAL), str(log), "--param", "transfer_timeout=-5")
+    assert result.returncode == 2
+    assert "finite, non-negative" in result.stdout + result.stderr

@@ -559,3 +559,25 @@ def test_mangled_canonical_spec_gives_findings_never_a_traceback(data: st.DataOb
         assert exc.findings
         return
     assert all(isinstance(f, Finding) for f in spec_api.run_checks(spec))
+
+
+def test_a_system_file_read_as_a_machine_spec_gets_one_error_that_says_so() -> None:
+    with pytest.raises(SpecError) as caught:
+        read(ROOT / "specs" / "pd_abort" / "merged_fix.yaml")
+    (finding,) = caught.value.findings
+    assert finding.code == "KVF001" and "system file" in finding.message
+    assert "kvfsm explore" in finding.fix
+
+
+def test_nesting_too_deep_for_the_parser_is_a_finding_not_a_crash(tmp_path: Path) -> None:
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("a: " + "[" * 5000 + "]" * 5000 + "\n")
+    (finding,) = spec_api.check(deep)
+    assert (finding.code, finding.line) == ("KVF001", 1) and "nested too deeply" in finding.message
+
+
+def test_a_list_where_one_value_belongs_gets_a_fix() -> None:
+    text = CANONICAL.read_text().replace("to: done}", "to: [done, failed]}", 1)
+    with pytest.raises(SpecError) as caught:
+        parse(text, "t.yaml")
+    assert any("single value" in f.message and f.fix for f in caught.value.findings)

@@ -105,7 +105,11 @@ class _Schema:
 
     def scalar(self, node: Node, what: str) -> str | None:
         if not isinstance(node, ScalarNode):
-            self.error(node, f"{what} must be a single value, not {_kind(node)}")
+            self.error(
+                node,
+                f"{what} must be a single value, not {_kind(node)}",
+                "Write one plain value here (a name, number or string), not a list or a mapping.",
+            )
             return None
         return str(node.value)
 
@@ -407,25 +411,47 @@ def _syntax_error(exc: yaml.MarkedYAMLError, path: str) -> Finding:
     return Finding("KVF001", "error", path, line, message, fix, col)
 
 
-def parse(text: str, path: str = "<string>") -> Spec:
-    """Parse spec text; raises :class:`SpecError` listing every schema error (KVF001)."""
-    s = _Schema(path)
+def compose(text: str, path: str, what: str, start: str) -> Node:
+    """YAML text → a node tree with marks; one KVF001 for a syntax error, a too-deep nesting or no content."""
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.MarkedYAMLError as exc:
         raise SpecError([_syntax_error(exc, path)]) from None
     except yaml.YAMLError as exc:
         raise SpecError([Finding("KVF001", "error", path, 1, f"YAML error: {exc}", "Fix the YAML syntax.")]) from None
+    except RecursionError:
+        raise SpecError(
+            [Finding("KVF001", "error", path, 1, f"{what} is nested too deeply to read", "Flatten the nesting.")]
+        ) from None
     if root is None or (isinstance(root, ScalarNode) and root.tag == _NULL):  # nothing, or a bare `---`
+        raise SpecError([Finding("KVF001", "error", path, 1, f"{what} is empty", f"Start with {start}.")])
+    return root
+
+
+def _top_keys(root: Node) -> dict[str, Node]:
+    return {k.value: k for k, _v in root.value if isinstance(k, ScalarNode)} if isinstance(root, MappingNode) else {}
+
+
+def parse(text: str, path: str = "<string>") -> Spec:
+    """Parse spec text; raises :class:`SpecError` listing every schema error (KVF001)."""
+    s = _Schema(path)
+    root = compose(
+        text, path, "the spec", "'kvfsm: 1', 'machine: <name>', 'key: <id space>', 'states:' and 'transitions:'"
+    )
+    keys = _top_keys(root)
+    if "system" in keys and "machine" not in keys:
+        at = s.loc(keys["system"])
         raise SpecError(
             [
                 Finding(
                     "KVF001",
                     "error",
                     path,
-                    1,
-                    "the spec is empty",
-                    "Start with 'kvfsm: 1', 'machine: <name>', 'key: <id space>', 'states:' and 'transitions:'.",
+                    at.line,
+                    "this is a system file ('system:'), not a machine spec",
+                    "Check it with 'kvfsm check' and explore it with 'kvfsm explore'; draw, test or replay "
+                    "one of its roles' machine specs (a role's 'spec:' must name a machine spec).",
+                    at.col,
                 )
             ]
         )

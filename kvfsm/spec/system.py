@@ -23,7 +23,7 @@ from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from .checks import run_checks
 from .findings import READ_ERROR, Finding, Severity, SpecError
-from .loader import _INT, _NULL, _kind, _Schema, _syntax_error
+from .loader import _INT, _NULL, _kind, _Schema, _top_keys, compose
 from .loader import read as read_machine
 from .model import ABORT, NOWHERE, Loc, Spec
 
@@ -175,7 +175,7 @@ def is_system_text(text: str) -> bool:
     """Whether YAML text is a system file (its top-level mapping has ``system``), not a machine spec."""
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.YAMLError:
+    except (yaml.YAMLError, RecursionError):
         return False
     return isinstance(root, MappingNode) and any(
         isinstance(k, ScalarNode) and k.value == "system" for k, _v in root.value
@@ -297,43 +297,24 @@ def _parse(text: str, path: str) -> _Draft:
     """Read a system file as far as possible: schema errors and the roles' own findings included."""
     s = _Schema(path)
     role_findings: list[Finding] = []
-    try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.MarkedYAMLError as exc:
-        raise SpecError([_syntax_error(exc, path)]) from None
-    except yaml.YAMLError as exc:
-        raise SpecError([Finding("KVF001", "error", path, 1, f"YAML error: {exc}", "Fix the YAML syntax.")]) from None
-    if root is None or (isinstance(root, ScalarNode) and root.tag == _NULL):
+    root = compose(text, path, "the system file", "'kvfsm: 1', 'system: <name>', 'roles:' and 'messages:'")
+    keys = _top_keys(root)
+    if "machine" in keys and "system" not in keys:
+        at = s.loc(keys["machine"])
         raise SpecError(
             [
                 Finding(
                     "KVF001",
                     "error",
                     path,
-                    1,
-                    "the system file is empty",
-                    "Start with 'kvfsm: 1', 'system: <name>', 'roles:' and 'messages:'.",
+                    at.line,
+                    "this is a machine spec ('machine:'), not a system file",
+                    "A system file names its roles: 'system: <name>', 'roles: {<role>: {spec: <machine file>}}', "
+                    "'messages:'. Check a machine spec with 'kvfsm check'.",
+                    at.col,
                 )
             ]
         )
-    if isinstance(root, MappingNode):
-        keys = {k.value: k for k, _v in root.value if isinstance(k, ScalarNode)}
-        if "machine" in keys and "system" not in keys:
-            at = s.loc(keys["machine"])
-            raise SpecError(
-                [
-                    Finding(
-                        "KVF001",
-                        "error",
-                        path,
-                        at.line,
-                        "this is a machine spec ('machine:'), not a system file",
-                        "A system file names its roles: 'system: <name>', 'roles: {<role>: {spec: <machine file>}}', "
-                        "'messages:'. Check a machine spec with 'kvfsm check'.",
-                        at.col,
-                    )
-                ]
-            )
     top = s.mapping(root, "the system", TOP_KEYS)
     if top is None:
         raise SpecError(s.errors)
