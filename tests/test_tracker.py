@@ -1100,6 +1100,13 @@ def test_unknown_param_is_a_binding_error_naming_it() -> None:
         Tracker(SPEC, PoolDriver(), params={"transfer_timout": 1.0})
 
 
+@pytest.mark.parametrize("value", [-1.0, float("nan"), float("inf"), "5", True], ids=repr)
+def test_a_param_that_is_no_deadline_is_a_binding_error(value: object) -> None:
+    """The loader refuses these in a spec; an override must not slip them in (NaN would fire at once)."""
+    with pytest.raises(BindingError, match=r"transfer_timeout.*finite, non-negative number of seconds"):
+        Tracker(SPEC, PoolDriver(), params={"transfer_timeout": value})  # type: ignore[dict-item]
+
+
 def test_tracker_accepts_a_spec_file_path() -> None:
     class Canonical:
         def __init__(self) -> None:

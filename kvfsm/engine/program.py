@@ -111,12 +111,9 @@ def _missing(*_a: object, **_k: object) -> None:  # pragma: no cover - never cal
 def compile_program(spec: Spec, driver: object, params: Mapping[str, float] | None = None) -> Program:
     """Bind ``driver``'s methods to ``spec``; raises :class:`BindingError` naming every gap."""
     params = dict(params or {})
-    unknown = sorted(set(params) - set(spec.params))
-    if unknown:
-        known = ", ".join(spec.params) or "none"
-        raise BindingError(
-            f"params {', '.join(map(repr, unknown))} are not declared by machine {spec.name!r} (declared: {known})"
-        )
+    problems = spec.param_problems(params)
+    if problems:
+        raise BindingError("; ".join(problems))
     missing: list[str] = []
     release = {r.name: _bind(driver, r.release, missing) for r in spec.resources.values()}
     acquire = {r.name: _bind(driver, r.acquire, missing) for r in spec.resources.values() if r.acquire}

@@ -181,12 +181,9 @@ class LogChecker:
         keep: int = KEEP,
     ) -> None:
         params = dict(params or {})
-        unknown = sorted(set(params) - set(spec.params))
-        if unknown:
-            known = ", ".join(spec.params) or "none"
-            raise BindingError(
-                f"params {', '.join(map(repr, unknown))} are not declared by machine {spec.name!r} (declared: {known})"
-            )
+        problems = spec.param_problems(params)
+        if problems:
+            raise BindingError("; ".join(problems))
         self.spec = spec
         self.path = path
         self.tolerance = tolerance

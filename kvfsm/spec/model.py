@@ -8,6 +8,7 @@ releases) are computed here once, so no consumer re-derives them its own way.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
@@ -213,6 +214,24 @@ class Spec:
         """Resources acquired moving source → target (``None`` source: entering at begin)."""
         have = set(self.holds(source)) if source is not None else set()
         return tuple(r for r in self.holds(target) if r not in have)
+
+    def param_problems(self, overrides: Mapping[str, object]) -> list[str]:
+        """What is wrong with params a deployment overrides: undeclared names, values that are no deadline."""
+        problems = []
+        unknown = sorted(set(overrides) - set(self.params))
+        if unknown:
+            known = ", ".join(self.params) or "none"
+            problems.append(
+                f"params {', '.join(map(repr, unknown))} are not declared by machine {self.name!r} (declared: {known})"
+            )
+        for name, value in overrides.items():
+            number = value if isinstance(value, int | float) and not isinstance(value, bool) else None
+            if number is None or number < 0 or not math.isfinite(number):
+                problems.append(
+                    f"param {name!r} must be a finite, non-negative number of seconds, not {value!r} "
+                    "(a negative, infinite or NaN deadline is no deadline)"
+                )
+        return problems
 
     def param(self, value: str | float, overrides: Mapping[str, float] | None = None) -> float:
         """Resolve a timeout's ``after`` (param name or number) to seconds."""
