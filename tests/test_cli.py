@@ -122,3 +122,10 @@ def test_replay_refuses_a_param_that_is_no_deadline(tmp_path: Path) -> None:
     result = kvfsm("replay", str(CANONICAL), str(log), "--param", "transfer_timeout=-5")
     assert result.returncode == 2
     assert "finite, non-negative" in result.stdout + result.stderr
+
+
+def test_an_output_path_that_is_a_directory_is_a_usage_error(tmp_path: Path) -> None:
+    result = kvfsm("diagram", str(CANONICAL), "-f", "svg", "-o", str(tmp_path))
+    assert result.returncode == 2
+    assert "is a directory; name a file in it" in result.stderr
+    assert "Errno" not in result.stderr and "Traceback" not in result.stderr

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+
+from ..errors import KvfsmError
 
 EXIT_OK, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
 
@@ -17,3 +20,21 @@ Subparsers = Any
 """argparse's private _SubParsersAction; each command module's ``register(sub)`` adds itself to it."""
 
 Command = Callable[[argparse.Namespace], int]
+
+
+class OutputError(KvfsmError):
+    """A file a command was told to write cannot be written (reported as a usage error, exit 2)."""
+
+
+def write_output(path: Path, data: bytes | str, flag: str) -> None:
+    """Write a command's output file (creating its folder), or say plainly why it cannot be written."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(data, bytes):
+            path.write_bytes(data)
+        else:
+            path.write_text(data, encoding="utf-8")
+    except IsADirectoryError:
+        raise OutputError(f"{flag} {path} is a directory; name a file in it") from None
+    except OSError as exc:
+        raise OutputError(f"cannot write {flag} {path}: {exc.strerror or exc}; choose a writable path") from None

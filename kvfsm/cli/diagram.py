@@ -9,7 +9,7 @@ from pathlib import Path
 from rich.markup import escape
 
 from ..spec import read
-from .common import EXIT_OK, Subparsers, out
+from .common import EXIT_OK, Subparsers, out, write_output
 
 
 def register(sub: Subparsers) -> None:
@@ -29,7 +29,6 @@ def run(args: argparse.Namespace) -> int:
     if args.output is None or str(args.output) == "-":
         sys.stdout.buffer.write(data)
     else:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_bytes(data)
+        write_output(args.output, data, "-o")
         out.print(f"wrote {escape(str(args.output))} ({args.format}, {len(data)} bytes)")
     return EXIT_OK

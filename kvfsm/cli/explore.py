@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from rich.markup import escape
 from rich.table import Table
 
-from .common import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, Subparsers, err, out
+from .common import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, Subparsers, err, out, write_output
 
 if TYPE_CHECKING:
     from ..explore import ExploreResult
@@ -67,8 +67,7 @@ def _export(args: argparse.Namespace, system: System) -> int:
     from ..gen.promela import to_promela
 
     text = to_promela(system, requests=args.requests)
-    args.promela.parent.mkdir(parents=True, exist_ok=True)
-    args.promela.write_text(text, encoding="utf-8")
+    write_output(args.promela, text, "--promela")
     n = args.requests or system.requests
     out.print(f"wrote {escape(str(args.promela))} (Promela, {n} request(s), {len(text.splitlines())} lines)")
     out.print(
@@ -108,8 +107,7 @@ def _explore(args: argparse.Namespace, system: System) -> int:
     traces = [p.trace for p in result.violated if p.trace is not None]
     if args.trace is not None and traces:
         shortest = min(traces, key=lambda t: len(t.moves))
-        args.trace.parent.mkdir(parents=True, exist_ok=True)
-        args.trace.write_text(json.dumps(shortest.as_dict(), indent=2) + "\n", encoding="utf-8")
+        write_output(args.trace, json.dumps(shortest.as_dict(), indent=2) + "\n", "--trace")
     if args.format == "json":
         out.print_json(json.dumps(result.as_dict()))
     else:

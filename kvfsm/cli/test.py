@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from rich.markup import escape
 from rich.table import Table
 
-from .common import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, Subparsers, err, out
+from .common import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, Subparsers, err, out, write_output
 
 if TYPE_CHECKING:
     from ..testing import Report
@@ -92,8 +92,7 @@ def run(args: argparse.Namespace) -> int:
     svg_note = ""
     if args.coverage_svg is not None:
         data = to_svg(spec, coverage=report.coverage.taken())
-        args.coverage_svg.parent.mkdir(parents=True, exist_ok=True)
-        args.coverage_svg.write_bytes(data)
+        write_output(args.coverage_svg, data, "--coverage-svg")
         svg_note = str(args.coverage_svg)
     if args.format == "json":
         doc = {"driver": driver, **report.as_dict(), "coverage_svg": svg_note or None}
