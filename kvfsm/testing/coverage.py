@@ -47,6 +47,10 @@ class Coverage:
         self.faults: Counter[str] = Counter()
         """Injected faults that made an action raise, per action."""
         self.closes = 0
+        self.mid_example_closes = 0
+        """Closes by the rule that closes mid-example (the rest are the end of an example)."""
+        self.refused_closed = 0
+        """Begins and fires refused with TrackerClosed after a mid-example close."""
         self.forced = 0
         """Instances close() had to release without a transition (abort could not finish them)."""
         self.examples = 0
@@ -61,7 +65,9 @@ class Coverage:
         self.forced += len(outcome.forced)
         for failure in outcome.failures:
             self.faults[failure.action] += 1
-        if outcome.refused == "unknown":
+        if outcome.refused == "closed":
+            self.refused_closed += 1
+        elif outcome.refused == "unknown":
             self.unknown += 1
         elif outcome.refused in ("ignored", "illegal") and outcome.state is not None:
             table = self.ignored if outcome.refused == "ignored" else self.illegal
@@ -114,6 +120,8 @@ class Coverage:
             "steps": self.steps,
             "begins": self.begins,
             "closes": self.closes,
+            "mid_example_closes": self.mid_example_closes,
+            "refused_closed": self.refused_closed,
             "forced": self.forced,
             "edges": [
                 {

@@ -4,12 +4,13 @@
 whose rules begin keys (new, finished ones again, live ones for DuplicateKey),
 fire every event at every key (legal, ignored, illegal, unknown), take the
 transitions the spec handles (some with a do or acquire action made to raise),
-move a virtual clock and ``poll()`` (some timeouts with a raising action) and
-drain ``finished()``; every example ends with ``close()``. After every step it
-checks that the Tracker agrees with :class:`~kvfsm.testing.model.SpecModel` and
-that the driver's ``observe(key)`` (its real resources) equals what the spec
-says each key holds. A disagreement raises :class:`Divergence` with the story
-of the example.
+move a virtual clock and ``poll()`` (some timeouts with a raising action),
+drain ``finished()`` and, in a fraction of the examples, ``close()`` mid-example,
+after which every begin and fire must raise ``TrackerClosed``; every example
+ends with ``close()``. After every step it checks that the Tracker agrees with
+:class:`~kvfsm.testing.model.SpecModel` and that the driver's ``observe(key)``
+(its real resources) equals what the spec says each key holds. A disagreement
+raises :class:`Divergence` with the story of the example.
 
 The driver protocol beyond the spec's actions:
 
@@ -27,16 +28,16 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import ClassVar, NoReturn, TypeVar
 
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from ..engine import Tracker
-from ..errors import ActionError, BindingError, DuplicateKey, Failure, IllegalTransition
+from ..errors import ActionError, BindingError, DuplicateKey, Failure, IllegalTransition, TrackerClosed
 from ..spec import Spec, load
 from .coverage import Coverage
 from .model import Outcome, SpecModel
@@ -47,6 +48,10 @@ DriverFactory = Callable[[], object]
 
 KEYS = 3
 """Distinct keys one example uses: enough for instances to interfere through shared resources."""
+
+CLOSE_MID_EXAMPLE = 4
+"""At most one example in this many closes the tracker mid-example: enough to test what follows a
+close, few enough that most examples spend their steps on live instances."""
 
 T = TypeVar("T")
 
@@ -129,6 +134,8 @@ class SpecMachine(RuleBasedStateMachine):
         self._busy = False
         """Set while a step runs: a step that never finished leaves it set, and teardown then stays away."""
         self._diverged = False
+        self.close_after: int | None = None
+        """Steps after which the close rule is enabled in this example (None: it closes only at the end)."""
         self.trace: list[tuple[str, tuple[object, ...]]] = []
         """Each step as (method, arguments): replaying it on a fresh machine repeats the example."""
         cls.coverage.examples += 1
@@ -138,7 +145,9 @@ class SpecMachine(RuleBasedStateMachine):
     def begin(self, key: str, fault: int | None = None) -> None:
         """``begin(key)``; ``fault``: make the fault-th action begin runs raise (see :meth:`arm`)."""
         with self._step("begin", key, fault):
-            if self.given and not (self.model.state(key) and not self.model.is_final(key)):
+            # A caller takes what the initial state holds only for a begin that can succeed.
+            live = self.model.state(key) is not None and not self.model.is_final(key)
+            if self.given and not live and not self.model.closed:
                 try:
                     self.driver.before_begin(key, self.given)  # type: ignore[attr-defined]
                 except Exception as exc:
@@ -157,7 +166,7 @@ class SpecMachine(RuleBasedStateMachine):
             self._tell(fire_line(key, event, outcome), outcome)
             before = self._observe_all() if outcome.refused else None
             got = self._call(outcome, lambda: self.tracker.fire(key, event))
-            if outcome.refused != "illegal" and not outcome.failures and got != outcome.state:
+            if outcome.refused not in ("illegal", "closed") and not outcome.failures and got != outcome.state:
                 self._diverge([f"fire() returned {got!r}, the spec says {outcome.state!r}"])
             if before is not None:
                 after = self._observe_all()
@@ -199,18 +208,30 @@ class SpecMachine(RuleBasedStateMachine):
             outcome = self.model.drain()
             self._tell(drain_line(outcome), outcome)
             got = self._call(outcome, self.tracker.finished)
-            if got != outcome.drained:
+            if not _same_drain(got, outcome):
                 self._diverge([f"finished() returned {got}, the spec says {outcome.drained}"])
 
-    def teardown(self) -> None:
-        """Every example ends with ``close()``: it must abort what is live and leave nothing held."""
-        if self._busy or self._diverged or self.model.closed:
-            return  # a step was cut short (a failure, or Hypothesis stopping it): leave its story as it is
-        with self._step("teardown"):
+    def close(self, name: str = "close") -> None:
+        """``close()``: abort what is live, release by force what abort cannot finish, leave nothing held.
+
+        Closing an already closed tracker must do nothing; after close the
+        invariant holds ``observe`` to nothing held for every key.
+        """
+        with self._step(name):
+            again = self.model.closed
             outcome = self.model.close()
-            self.coverage.closes += 1
-            self._tell(close_line(outcome), outcome)
+            if not again:
+                self.coverage.closes += 1
+                if name == "close":
+                    self.coverage.mid_example_closes += 1
+            self._tell(close_line(outcome, again), outcome)
             self._call(outcome, self.tracker.close)
+
+    def teardown(self) -> None:
+        """Every example ends with ``close()`` (again, if a rule closed already: it must be a no-op)."""
+        if self._busy or self._diverged:
+            return  # a step was cut short (a failure, or Hypothesis stopping it): leave its story as it is
+        self.close("teardown")
         self.agrees_with_spec()
 
     @contextmanager
@@ -283,6 +304,10 @@ class SpecMachine(RuleBasedStateMachine):
         """Run one Tracker call; only what the spec predicts may come out of it."""
         try:
             result = call()
+        except TrackerClosed as exc:
+            if outcome.refused != "closed":
+                self._diverge([f"TrackerClosed escaped though the tracker was not closed: {exc}"])
+            return None
         except DuplicateKey as exc:
             if outcome.refused != "duplicate":
                 self._diverge([f"DuplicateKey escaped: {exc}"])
@@ -320,6 +345,8 @@ class SpecMachine(RuleBasedStateMachine):
             self._diverge(["no IllegalTransition, but the spec neither handles nor ignores this event here"])
         if outcome.refused == "duplicate":
             self._diverge(["no DuplicateKey, but the key's instance is live"])
+        if outcome.refused == "closed":
+            self._diverge([f"no TrackerClosed, but the tracker is closed (the call returned {result!r})"])
         return result
 
     def _diverge(self, problems: list[str]) -> NoReturn:
@@ -327,6 +354,14 @@ class SpecMachine(RuleBasedStateMachine):
         story = list(self.story) or ["(before any step)"]
         story[-1] = f"{story[-1]}; " + "; ".join(problems)
         raise Divergence(self.spec.name, story, problems, self.trace)
+
+
+def _same_drain(got: list[tuple[Hashable, str]] | None, outcome: Outcome) -> bool:
+    """``finished()`` as the spec says: in order, except those close() finished, in any order at the end."""
+    if got is None:
+        return False
+    cut = len(outcome.drained) - outcome.unordered
+    return got[:cut] == outcome.drained[:cut] and Counter(got[cut:]) == Counter(outcome.drained[cut:])
 
 
 def _events(spec: Spec) -> tuple[str, ...]:
@@ -429,6 +464,19 @@ def spec_machine(
         @rule()
         def drain_finished(self) -> None:
             self.drain()
+
+        @initialize(roll=st.integers(0, CLOSE_MID_EXAMPLE - 1), after=st.integers(1, 30))
+        def decide_whether_to_close_mid_example(self, roll: int, after: int) -> None:
+            """Not a step: lets one example in CLOSE_MID_EXAMPLE close the tracker once, after ``after`` steps."""
+            self.close_after = after if roll == 0 else None
+
+        @precondition(
+            lambda self: self.close_after is not None and len(self.trace) >= self.close_after and not self.model.closed
+        )
+        @rule()
+        def close_the_tracker(self) -> None:
+            """``close()`` mid-example: the rest of the example checks that a closed tracker refuses all work."""
+            self.close()
 
     name = "".join(part.title() for part in re.split(r"[^0-9A-Za-z]+", spec.name) if part) or "Spec"
     Machine.__name__ = Machine.__qualname__ = f"{name}Machine"

@@ -49,7 +49,7 @@ class Expected:
         return (self.key, self.event, self.action, self.phase, self.state)
 
 
-Refusal = Literal["ignored", "illegal", "unknown", "duplicate"]
+Refusal = Literal["ignored", "illegal", "unknown", "duplicate", "closed"]
 
 
 @dataclass
@@ -63,13 +63,15 @@ class Outcome:
     """fire(): the event fired."""
     refused: Refusal | None = None
     """A call that moved nothing: an event ignored (legal), illegal (IllegalTransition) or for an
-    unknown key; a begin of a live key (DuplicateKey)."""
+    unknown key; a begin of a live key (DuplicateKey); any begin or fire after close() (TrackerClosed)."""
     state: str | None = None
     """The state the event met (for refusals) or the call returns (for fire)."""
     fired: list[tuple[str, str, str]] = field(default_factory=list)
     """poll(): (key, event, state afterwards) per timeout fired."""
     drained: list[tuple[str, str]] = field(default_factory=list)
     """finished(): (key, final state) per instance retired."""
+    unordered: int = 0
+    """finished(): how many of the last ``drained`` close() finished; the spec leaves their order open."""
     forced: list[str] = field(default_factory=list)
     """close(): keys whose resources were released without a transition."""
 
@@ -91,13 +93,14 @@ class _Edge:
 class _Instance:
     """One begun instance: its state and its armed deadline, if any."""
 
-    __slots__ = ("due", "key", "seq", "state")
+    __slots__ = ("by_close", "due", "key", "seq", "state")
 
     def __init__(self, key: str, state: str) -> None:
         self.key = key
         self.state = state
         self.due: float | None = None
         self.seq = 0
+        self.by_close = False
 
 
 class SpecModel:
@@ -163,16 +166,16 @@ class SpecModel:
         return min(dues) if dues else None
 
     def begin_actions(self, key: str) -> tuple[str, ...]:
-        """Actions ``begin(key)`` will run, in order (none for a live key: DuplicateKey)."""
+        """Actions ``begin(key)`` will run, in order (none for a live key, DuplicateKey, or once closed)."""
         old = self.live.get(key)
-        if old is not None and not self.spec.states[old.state].is_final:
+        if self.closed or (old is not None and not self.spec.states[old.state].is_final):
             return ()
         return tuple(a for a, _phase in self.begin_acquires)
 
     def fire_actions(self, key: str, event: str) -> tuple[str, ...]:
         """Actions ``fire(key, event)`` will run before the state changes, in order."""
         inst = self.live.get(key)
-        edge = self.edges.get((inst.state, event)) if inst is not None else None
+        edge = self.edges.get((inst.state, event)) if inst is not None and not self.closed else None
         return edge.prepare_actions if edge is not None else ()
 
     def poll_actions(self) -> tuple[str, ...]:
@@ -210,6 +213,9 @@ class SpecModel:
 
     def begin(self, key: str) -> Outcome:
         out = Outcome(event="begin")
+        if self.closed:
+            out.refused = "closed"
+            return out
         old = self.live.get(key)
         if old is not None and not self.spec.states[old.state].is_final:
             out.refused, out.state = "duplicate", old.state
@@ -227,8 +233,12 @@ class SpecModel:
         return out
 
     def fire(self, key: str, event: str) -> Outcome:
+        """After close() every instance is final or gone, so every event is refused, and counted nowhere."""
         out = Outcome(event=event)
         inst = self.live.get(key)
+        if self.closed:
+            out.refused, out.state = "closed", inst.state if inst is not None else None
+            return out
         if inst is None:
             self._anomaly("unknown", key, event)
             out.refused = "unknown"
@@ -268,9 +278,15 @@ class SpecModel:
             if self.live.get(inst.key) is inst:
                 del self.live[inst.key]
             out.drained.append((inst.key, inst.state))
+            out.unordered += inst.by_close  # after a close nothing else finishes, so these come last
         return out
 
     def close(self) -> Outcome:
+        """Abort every live instance; one abort cannot finish is released by force (a ``forced`` anomaly).
+
+        A second close() does nothing. Afterwards begin and fire are refused
+        (TrackerClosed); poll finds nothing armed and finished() still drains.
+        """
         out = Outcome()
         for key, inst in list(self.live.items()):
             if self.spec.states[inst.state].is_final:
@@ -278,6 +294,7 @@ class SpecModel:
             edge = self.edges.get((inst.state, ABORT))
             if edge is not None:
                 self._step(inst, edge, "close", out)
+                inst.by_close = True
             if not self.spec.states[inst.state].is_final:
                 self._anomaly("forced", key, ABORT)
                 del self.live[key]

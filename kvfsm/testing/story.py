@@ -32,7 +32,12 @@ def _after_faults(outcome: Outcome) -> str:
     return f"{raised}; no on_error transition, state unchanged"
 
 
+CLOSED = "tracker closed (TrackerClosed, nothing may change)"
+
+
 def begin_line(key: str, outcome: Outcome) -> str:
+    if outcome.refused == "closed":
+        return f"begin {key}: {CLOSED}"
     if outcome.refused == "duplicate":
         return f"begin {key}: already live in {outcome.state} (DuplicateKey, nothing may change)"
     if outcome.failures:
@@ -42,6 +47,8 @@ def begin_line(key: str, outcome: Outcome) -> str:
 
 
 def fire_line(key: str, event: str, outcome: Outcome) -> str:
+    if outcome.refused == "closed":
+        return f"{event} {key}: {CLOSED}"
     if outcome.refused == "unknown":
         return f"{event} {key}: no such instance (counted as unknown, not applied)"
     if outcome.refused == "ignored":
@@ -64,7 +71,9 @@ def drain_line(outcome: Outcome) -> str:
     return "finished() → " + ", ".join(f"{k} {s}" for k, s in outcome.drained)
 
 
-def close_line(outcome: Outcome) -> str:
+def close_line(outcome: Outcome, again: bool = False) -> str:
+    if again:
+        return "close() again → nothing to do"
     parts = _steps_and_faults(outcome)
     parts += [f"{k} released by force (abort cannot finish it)" for k in outcome.forced]
     return "close() → " + ("; ".join(parts) if parts else "nothing live")
