@@ -7,6 +7,13 @@ says each key holds. The drivers below are the real ones, given the payloads
 a scheduler would pass (the generated machine fires bare events) and a fault
 switch; on top, every step checks that each block's ref count is exactly what
 its holders account for, and every example ends with the pools at baseline.
+
+And the KV bytes move: a request's GPU blocks hold a pattern derived from
+each block's prefix hash, ``dispatch`` hands the driver's planned transfer to
+the worker's copier (the one ``CpuOffloadWorker`` uses) between the real
+torch caches (the GPU side on CUDA when there is one), every block published
+in the CPU prefix cache must hold the bytes stored for its hash, and a load
+must have put exactly those bytes into its GPU blocks when it completes.
 """
 
 from __future__ import annotations
@@ -16,17 +23,58 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, settings
-from hypothesis.stateful import invariant, run_state_machine_as_test
+import torch
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import invariant, precondition, rule, run_state_machine_as_test
 
-from kvfsm.drivers.block_pool import BlockPoolError
+from kvfsm.drivers.block_pool import BlockHash, BlockPoolError
 from kvfsm.drivers.cpu_offload import LOAD_SPEC, STORE_SPEC, CpuOffload, LoadDriver, StoreDriver
-from kvfsm.drivers.kv_cache import KVLayout
+from kvfsm.drivers.kv_cache import BlockCopier, Copy, KVCache, KVLayout
 from kvfsm.testing import run, spec_machine
 
-LAYOUT = KVLayout(num_layers=1, block_size=4, num_kv_heads=1, head_size=2)
+LAYOUT = KVLayout(num_layers=2, block_size=4, num_kv_heads=1, head_size=2)
 PREFIX = [1001, 1002, 1003, 1004]
-"""Prefix hashes published in the CPU pool when a driver is made: what a phase A finds."""
+"""Prefix hashes stored in the CPU pool when a driver is made: what a phase A finds."""
+POISON = -7.0
+"""What a GPU block handed to a load holds before the copy (its last user's KV): a block the load missed shows it."""
+
+
+def kv_of(block_hash: BlockHash) -> torch.Tensor:
+    """The KV bytes of the block with this prefix hash: distinct per hash, exact in float16, on the CPU."""
+    shape = (LAYOUT.num_layers, LAYOUT.block_size, LAYOUT.num_kv_heads, LAYOUT.head_size)
+    generator = torch.Generator().manual_seed(block_hash % 2**63)
+    return torch.randint(-1000, 1000, shape, generator=generator).to(LAYOUT.dtype)
+
+
+def write_kv(cache: KVCache, blocks: Sequence[int], hashes: Sequence[BlockHash]) -> None:
+    """The forward pass: a request's KV lands in its GPU blocks."""
+    for block, block_hash in zip(blocks, hashes, strict=True):
+        cache.block(block).copy_(kv_of(block_hash))
+
+
+def wrong_kv(cache: KVCache, blocks: Sequence[int], hashes: Sequence[BlockHash]) -> list[str]:
+    """The blocks whose bytes are not the KV of their hash, each as ``block <b> (hash <h>)``."""
+    return [
+        f"block {b} (hash {h})"
+        for b, h in zip(blocks, hashes, strict=True)
+        if not torch.equal(cache.block(b).cpu(), kv_of(h))
+    ]
+
+
+class Worker:
+    """The worker's half of a job, as ``CpuOffloadWorker`` runs it: one ``BlockCopier``, waited for here."""
+
+    def __init__(self) -> None:
+        self.copier = BlockCopier()
+        self._jobs = 0
+
+    def copy(self, src: KVCache, src_blocks: Sequence[int], dst: KVCache, dst_blocks: Sequence[int]) -> None:
+        self._jobs += 1
+        self.copier.submit(Copy(self._jobs, src, list(src_blocks), dst, list(dst_blocks)))
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        assert self.copier.poll() == [(self._jobs, None)]
 
 
 class InjectedFault(RuntimeError):
@@ -49,11 +97,20 @@ class Faults:
 
 
 def make_offload() -> CpuOffload:
-    offload = CpuOffload(LAYOUT, num_gpu_blocks=16, num_cpu_blocks=12, device="cpu")
-    blocks = offload.cpu_pool.get_new_blocks(len(PREFIX))
-    for b, h in zip(blocks, PREFIX, strict=True):
-        offload.cpu_pool.cache(b, h)
-    offload.cpu_pool.free(blocks)
+    """An offload whose CPU cache holds ``PREFIX``, stored through the store driver and the worker's copier."""
+    offload = CpuOffload(LAYOUT, num_gpu_blocks=16, num_cpu_blocks=12)
+    store = offload.store
+    gpu_blocks = offload.gpu_pool.get_new_blocks(len(PREFIX))
+    write_kv(offload.gpu_cache, gpu_blocks, PREFIX)
+    store.hold_gpu_src("prefix", gpu_blocks=gpu_blocks, hashes=PREFIX)
+    offload.gpu_pool.free(gpu_blocks)
+    store.alloc_cpu_dst("prefix", hashes=PREFIX)
+    src, dst = store.transfer("prefix")
+    Worker().copy(offload.gpu_cache, src, offload.cpu_cache, dst)
+    store.publish("prefix")
+    store.free_gpu_src("prefix")
+    store.free_cpu_dst("prefix")
+    offload.gpu_cache.storage.fill_(POISON)
     return offload
 
 
@@ -70,7 +127,10 @@ class SeededLoadDriver(Faults, LoadDriver):
         LoadDriver.__init__(self, offload.cpu_pool, offload.gpu_pool)
         self.offload = offload
         offload.load = self  # so check_references counts this driver's books
+        self.worker = Worker()
         self._scheduler: dict[Hashable, list[int]] = {}
+        self.load_into: dict[Hashable, list[int]] = {}
+        """The GPU blocks the scheduler gave each key's load: block i must end up with PREFIX[i]'s KV."""
 
     def pin_cpu_hit(self, key: Hashable, /, hashes: Sequence[int] | None = None, **p: Any) -> None:
         self._fault("pin_cpu_hit")
@@ -80,6 +140,8 @@ class SeededLoadDriver(Faults, LoadDriver):
         self._fault("plan_load")
         if gpu_blocks is None:
             gpu_blocks = self._scheduler[key] = self.gpu_pool.get_new_blocks(max(0, len(self.pinned(key)) - 1))
+            self.offload.gpu_cache.storage[gpu_blocks] = POISON
+        self.load_into[key] = list(gpu_blocks)
         super().plan_load(key, gpu_blocks=gpu_blocks)
 
     def hold_gpu_dst(self, key: Hashable, /, gpu_blocks: Sequence[int] | None = None, **p: Any) -> None:
@@ -90,6 +152,16 @@ class SeededLoadDriver(Faults, LoadDriver):
         finally:
             self.gpu_pool.free(mine)
 
+    def start_copy(self, key: Hashable) -> None:
+        """The load left with this step's metadata: the worker copies the planned CPU blocks into the GPU ones."""
+        cpu_blocks, gpu_blocks = self.transfer(key)
+        self.worker.copy(self.offload.cpu_cache, cpu_blocks, self.offload.gpu_cache, gpu_blocks)
+
+    def copy_over(self, key: Hashable) -> list[str]:
+        """The worker reports the load complete: its GPU blocks that do not hold the KV of their prefix hash."""
+        into = self.load_into[key]
+        return wrong_kv(self.offload.gpu_cache, into, PREFIX[: len(into)])
+
 
 class SeededStoreDriver(Faults, StoreDriver):
     """The real StoreDriver; a bare begin stores three fresh GPU blocks under hashes new to the pool."""
@@ -99,6 +171,7 @@ class SeededStoreDriver(Faults, StoreDriver):
         StoreDriver.__init__(self, offload.cpu_pool, offload.gpu_pool)
         self.offload = offload
         offload.store = self
+        self.worker = Worker()
         self._serial = 0
 
     def hold_gpu_src(
@@ -110,6 +183,7 @@ class SeededStoreDriver(Faults, StoreDriver):
         mine = self.gpu_pool.get_new_blocks(3)  # the request's blocks; vLLM frees its reference right after
         self._serial += 1
         self._pending = [hash(("stored", self._serial, i)) for i in range(3)]
+        write_kv(self.offload.gpu_cache, mine, self._pending)
         super().hold_gpu_src(key, gpu_blocks=mine, hashes=self._pending)
         self.gpu_pool.free(mine)
 
@@ -120,6 +194,14 @@ class SeededStoreDriver(Faults, StoreDriver):
     def publish(self, key: Hashable, /, **p: Any) -> None:
         self._fault("publish")
         super().publish(key)
+
+    def start_copy(self, key: Hashable) -> None:
+        """The store left with this step's metadata: the worker copies the request's GPU blocks into the CPU ones."""
+        gpu_blocks, cpu_blocks = self.transfer(key)
+        self.worker.copy(self.offload.gpu_cache, gpu_blocks, self.offload.cpu_cache, cpu_blocks)
+
+    def copy_over(self, key: Hashable) -> list[str]:
+        return []  # what a completed store wrote is checked where it matters: wherever it is published
 
 
 def load_driver() -> SeededLoadDriver:
@@ -148,14 +230,70 @@ class PoolsAtBaseline:
             assert self.driver.offload.gpu_pool.referenced() == {}
 
 
+ONWARD = {
+    "pinned": "allocated",
+    "load_pending": "dispatch",
+    "loading": "complete",
+    "planned": "dispatch",
+    "storing": "complete",
+}
+"""The event that takes a load or a store one step closer to a completed copy."""
+
+
+class KVBytesMove:
+    """Checks added to a generated machine: the worker copies on ``dispatch``, and the bytes are the stored ones.
+
+    After every step each block published in the CPU prefix cache must hold
+    the KV of its hash (what a later load will read); when the worker reports
+    a load complete, the GPU blocks it was given must hold the KV of the
+    prefix, block by block.
+    """
+
+    driver: SeededLoadDriver | SeededStoreDriver
+    model: Any
+    story: list[str]
+    keys: tuple[str, ...]
+
+    def fire(self, key: str, event: str, fault: int | None = None) -> None:
+        state = self.model.state(key)
+        if (state, event) == ("loading", "complete"):
+            wrong = self.driver.copy_over(key)
+            assert not wrong, self._told(f"{key}'s load completed, but its GPU {', '.join(wrong)} hold other bytes")
+        super().fire(key, event, fault)  # type: ignore[misc]
+        if event == "dispatch" and state in ("load_pending", "planned"):
+            self.driver.start_copy(key)
+
+    @precondition(lambda self: bool(self.on_the_way()))
+    @rule(which=st.integers(0, 2))
+    def move_a_copy_along(self, which: int) -> None:
+        """Phase B, dispatch or the worker's report: random events seldom reach a completed copy, where bytes are checked."""
+        key = self.on_the_way()[which % len(self.on_the_way())]
+        self.fire(key, ONWARD[self.model.state(key)])
+
+    def on_the_way(self) -> list[str]:
+        return [k for k in self.keys if self.model.state(k) in ONWARD]
+
+    @invariant()
+    def published_cpu_blocks_hold_the_bytes_stored_for_their_hash(self) -> None:
+        pool = self.driver.offload.cpu_pool
+        published = [(b, h) for b in range(pool.num_blocks) if (h := pool.hash_of(b)) is not None]
+        wrong = wrong_kv(self.driver.offload.cpu_cache, [b for b, _ in published], [h for _, h in published])
+        assert not wrong, self._told(f"the CPU prefix cache publishes {', '.join(wrong)}, which hold other bytes")
+
+    def _told(self, problem: str) -> str:
+        return "\n  ".join([problem, *self.story])
+
+
 SETTINGS = settings(max_examples=100, stateful_step_count=40, deadline=None, suppress_health_check=list(HealthCheck))
+FIND = settings(SETTINGS, database=None, derandomize=True, report_multiple_bugs=False, phases=(Phase.generate,))
+"""For runs that only need to find a failure, not shrink it."""
 
 
-class LoadWithPoolChecks(PoolsAtBaseline, spec_machine(LOAD_SPEC, load_driver)):  # type: ignore[misc]
+class LoadWithPoolChecks(KVBytesMove, PoolsAtBaseline, spec_machine(LOAD_SPEC, load_driver)):  # type: ignore[misc]
     pass
 
 
-class StoreWithPoolChecks(PoolsAtBaseline, spec_machine(STORE_SPEC, store_driver)):  # type: ignore[misc]
+class StoreWithPoolChecks(KVBytesMove, PoolsAtBaseline, spec_machine(STORE_SPEC, store_driver)):  # type: ignore[misc]
     pass
 
 
@@ -189,9 +327,63 @@ def test_pool_checks_catch_references_leaked_behind_the_books() -> None:
     class Leaky(PoolsAtBaseline, spec_machine(LOAD_SPEC, lambda: LeakyBooksLoadDriver(make_offload()))):  # type: ignore[misc]
         pass
 
-    quiet = settings(SETTINGS, max_examples=50, database=None, derandomize=True, report_multiple_bugs=False)
     with pytest.raises(BlockPoolError, match="CPU ref counts differ from their holders"):
-        run_state_machine_as_test(Leaky, settings=quiet)
+        run_state_machine_as_test(Leaky, settings=FIND)
+
+
+class KeepsTheTail(LoadDriver):
+    """Phase B counts from the wrong end: it keeps the *last* pinned blocks for the load and unpins the first."""
+
+    def plan_load(self, key: Hashable, /, gpu_blocks: Sequence[int] = (), **_: Any) -> None:
+        hit = self._hit[key]
+        drop = len(hit) - len(gpu_blocks)
+        self.cpu_pool.free(hit[:drop])
+        del hit[:drop]
+
+
+class KeepsTheTailLoadDriver(SeededLoadDriver, KeepsTheTail):
+    """Ref counts balance; the wrong CPU blocks, so the KV of the wrong prefix positions, are loaded."""
+
+
+class DropsTheCopyLoadDriver(SeededLoadDriver):
+    """Hands the worker an empty job, as if the plan were lost: the load completes and its GPU blocks keep old bytes."""
+
+    def transfer(self, key: Hashable) -> tuple[list[int], list[int]]:
+        return [], []
+
+
+class PublishesOnAllocStoreDriver(SeededStoreDriver):
+    """Publishes the CPU blocks as soon as it takes them, before the copy has written them."""
+
+    def alloc_cpu_dst(self, key: Hashable, /, hashes: Sequence[int] | None = None, **p: Any) -> None:
+        super().alloc_cpu_dst(key, hashes=hashes)
+        StoreDriver.publish(self, key)
+
+
+@pytest.mark.parametrize(
+    ("spec", "driver", "problem"),
+    [
+        (LOAD_SPEC, KeepsTheTailLoadDriver, "load completed, but its GPU block"),
+        (LOAD_SPEC, DropsTheCopyLoadDriver, "load completed, but its GPU block"),
+        (STORE_SPEC, PublishesOnAllocStoreDriver, "the CPU prefix cache publishes block"),
+    ],
+    ids=["load-wrong-cpu-blocks", "load-without-copy", "store-published-before-copy"],
+)
+def test_bytes_checks_catch_what_ref_counts_cannot(spec: Path, driver: type, problem: str) -> None:
+    """Each driver keeps every ref count exact; only the bytes show the bug."""
+
+    class Buggy(KVBytesMove, PoolsAtBaseline, spec_machine(spec, lambda: driver(make_offload()))):  # type: ignore[misc]
+        pass
+
+    with pytest.raises(AssertionError, match=problem):
+        run_state_machine_as_test(Buggy, settings=FIND)
+
+
+def test_the_prefix_is_stored_as_bytes_through_the_store_driver() -> None:
+    offload = make_offload()
+    cached = offload.cpu_pool.lookup(PREFIX)
+    assert len(cached) == len(PREFIX) and wrong_kv(offload.cpu_cache, cached, PREFIX) == []
+    assert wrong_kv(offload.gpu_cache, [0], [PREFIX[0]]) == ["block 0 (hash 1001)"]
 
 
 @pytest.mark.parametrize(
