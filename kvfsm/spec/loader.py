@@ -202,6 +202,35 @@ class _Schema:
         name_node = self.require(top, kind, root, what, f"Add '{kind}: <name>'.")
         return self.name(name_node, kind) if name_node is not None else None
 
+    def top(
+        self, text: str, what: str, kind: str, allowed: dict[str, str], start: str, other_fix: str
+    ) -> tuple[Node, dict[str, tuple[Node, Node]]]:
+        """The file's root and top-level keys; one KVF001 when it is the other kind of file (machine ↔ system)."""
+        root = compose(text, self.path, what, start)
+        keys = _top_keys(root)
+        other = "system" if kind == "machine" else "machine"
+        if other in keys and kind not in keys:
+            at = self.loc(keys[other])
+            name = "system file" if other == "system" else "machine spec"
+            mine = "machine spec" if kind == "machine" else "system file"
+            raise SpecError(
+                [
+                    Finding(
+                        "KVF001",
+                        "error",
+                        self.path,
+                        at.line,
+                        f"this is a {name} ('{other}:'), not a {mine}",
+                        other_fix,
+                        at.col,
+                    )
+                ]
+            )
+        top = self.mapping(root, what, allowed)
+        if top is None:
+            raise SpecError(self.errors)
+        return root, top
+
     def sequence(self, node: Node, what: str, read: Callable[[Node], T | None]) -> tuple[T, ...]:
         if not isinstance(node, SequenceNode):
             self.error(node, f"{what} must be a list, not {_kind(node)}", "Write one '- {...}' entry per item.")
@@ -435,30 +464,15 @@ def _top_keys(root: Node) -> dict[str, Node]:
 def parse(text: str, path: str = "<string>") -> Spec:
     """Parse spec text; raises :class:`SpecError` listing every schema error (KVF001)."""
     s = _Schema(path)
-    root = compose(
-        text, path, "the spec", "'kvfsm: 1', 'machine: <name>', 'key: <id space>', 'states:' and 'transitions:'"
+    root, top = s.top(
+        text,
+        "the spec",
+        "machine",
+        TOP_KEYS,
+        "'kvfsm: 1', 'machine: <name>', 'key: <id space>', 'states:' and 'transitions:'",
+        "Check it with 'kvfsm check' and explore it with 'kvfsm explore'; draw, test or replay "
+        "one of its roles' machine specs (a role's 'spec:' must name a machine spec).",
     )
-    keys = _top_keys(root)
-    if "system" in keys and "machine" not in keys:
-        at = s.loc(keys["system"])
-        raise SpecError(
-            [
-                Finding(
-                    "KVF001",
-                    "error",
-                    path,
-                    at.line,
-                    "this is a system file ('system:'), not a machine spec",
-                    "Check it with 'kvfsm check' and explore it with 'kvfsm explore'; draw, test or replay "
-                    "one of its roles' machine specs (a role's 'spec:' must name a machine spec).",
-                    at.col,
-                )
-            ]
-        )
-    top = s.mapping(root, "the spec", TOP_KEYS)
-    if top is None:
-        raise SpecError(s.errors)
-
     name = s.header(top, root, "the spec", "machine")
     key_node = s.require(top, "key", root, "the spec", "Add 'key: request_id' (the id space that names instances).")
     key = s.name(key_node, "key") if key_node is not None else None

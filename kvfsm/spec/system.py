@@ -23,7 +23,7 @@ from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from .checks import run_checks
 from .findings import READ_ERROR, Finding, Severity, SpecError
-from .loader import _INT, _NULL, _kind, _Schema, _top_keys, compose
+from .loader import _INT, _NULL, _kind, _Schema
 from .loader import read as read_machine
 from .model import ABORT, NOWHERE, Loc, Spec
 
@@ -297,27 +297,15 @@ def _parse(text: str, path: str) -> _Draft:
     """Read a system file as far as possible: schema errors and the roles' own findings included."""
     s = _Schema(path)
     role_findings: list[Finding] = []
-    root = compose(text, path, "the system file", "'kvfsm: 1', 'system: <name>', 'roles:' and 'messages:'")
-    keys = _top_keys(root)
-    if "machine" in keys and "system" not in keys:
-        at = s.loc(keys["machine"])
-        raise SpecError(
-            [
-                Finding(
-                    "KVF001",
-                    "error",
-                    path,
-                    at.line,
-                    "this is a machine spec ('machine:'), not a system file",
-                    "A system file names its roles: 'system: <name>', 'roles: {<role>: {spec: <machine file>}}', "
-                    "'messages:'. Check a machine spec with 'kvfsm check'.",
-                    at.col,
-                )
-            ]
-        )
-    top = s.mapping(root, "the system", TOP_KEYS)
-    if top is None:
-        raise SpecError(s.errors)
+    root, top = s.top(
+        text,
+        "the system",
+        "system",
+        TOP_KEYS,
+        "'kvfsm: 1', 'system: <name>', 'roles:' and 'messages:'",
+        "A system file names its roles: 'system: <name>', 'roles: {<role>: {spec: <machine file>}}', "
+        "'messages:'. Check a machine spec with 'kvfsm check'.",
+    )
     name = s.header(top, root, "the system", "system")
     doc = s.text(top["doc"][1], "doc") if "doc" in top else ""
 
