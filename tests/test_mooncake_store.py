@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -206,6 +207,17 @@ def test_connect_fails_fast_when_the_port_is_not_a_serving_master() -> None:
         assert time.monotonic() - started < 3
 
 
+def wait_until_stopped(pid: int, timeout: float = 5.0) -> None:
+    """SIGSTOP is delivered asynchronously: wait until every thread of ``pid`` is in the stopped state."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = [stat.read_text().rpartition(")")[2].split()[0] for stat in Path(f"/proc/{pid}/task").glob("*/stat")]
+        if states and all(state in ("T", "t") for state in states):
+            return
+        time.sleep(0.01)
+    pytest.fail(f"mooncake_master {pid} did not stop within {timeout} s of SIGSTOP")
+
+
 @pytest.mark.mooncake
 def test_connect_refuses_a_stopped_master_and_accepts_it_once_resumed() -> None:
     require_wheel()
@@ -213,6 +225,7 @@ def test_connect_refuses_a_stopped_master_and_accepts_it_once_resumed() -> None:
         assert master.pid is not None
         os.kill(master.pid, signal.SIGSTOP)
         try:
+            wait_until_stopped(master.pid)  # else its RPC thread may still hang up on the probe, and setup blocks 90 s
             with pytest.raises(StoreUnavailable, match="did not answer"):
                 connect(master.address, probe_timeout=0.5)
         finally:
