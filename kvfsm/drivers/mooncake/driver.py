@@ -48,6 +48,44 @@ class NotHeld(RuntimeError):
     """A release for something the driver does not hold: the engine released twice, or a driver bug."""
 
 
+class JobQueue(queue.Queue[Hashable]):
+    """A worker thread's queue whose unfinished tasks are held per key: the ``queue_task``/``load_task`` resources.
+
+    :meth:`hold` puts a key (one task per key at a time), :meth:`done` marks
+    its task done; ``key in q`` says whether it holds one. Plain ``put`` and
+    ``task_done`` stay for markers that are no key's (the worker's stop marker).
+    """
+
+    def __init__(self, what: str) -> None:
+        super().__init__()
+        self.what = what
+        self._held: set[Hashable] = set()
+        self._guard = threading.Lock()
+
+    def hold(self, key: Hashable) -> None:
+        with self._guard:
+            if key in self._held:
+                raise RuntimeError(f"{self.what} {key!r} is already queued")
+            self._held.add(key)
+        self.put(key)
+
+    def done(self, key: Hashable) -> None:
+        with self._guard:
+            if key not in self._held:
+                raise NotHeld(f"{self.what} {key!r} has no queue task")
+            self._held.discard(key)
+        self.task_done()
+
+    def __contains__(self, key: object) -> bool:
+        with self._guard:
+            return key in self._held
+
+    def held(self) -> int:
+        """Tasks held by keys; equal to ``unfinished_tasks`` but for a stop marker not yet taken."""
+        with self._guard:
+            return len(self._held)
+
+
 def _exists_codes(keys: list[str], answer: Sequence[int]) -> list[int]:
     """``batch_is_exist``'s answer, checked: 1 or 0 per key, anything else raises."""
     codes = check_codes("batch_is_exist", keys, answer)
@@ -84,13 +122,12 @@ class StoreSender:
         self.store = store
         self.pool = pool
         self.prefix = prefix
-        self.queue: queue.Queue[Hashable] = queue.Queue()
+        self.queue = JobQueue("store job")
         """The sending thread's queue; one task per job holding ``queue_task``."""
         self.stats: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._jobs: dict[Hashable, SaveJob] = {}
         self._by_request: dict[Hashable, set[Hashable]] = {}
-        self._tasks: set[Hashable] = set()
 
     @staticmethod
     def holder(job: Hashable) -> tuple[str, Hashable]:
@@ -136,18 +173,10 @@ class StoreSender:
     # -- queue_task ------------------------------------------------------------
 
     def enqueue_job(self, job: Hashable, /, **_: object) -> None:
-        with self._lock:
-            if job in self._tasks:
-                raise RuntimeError(f"store job {job!r} is already queued")
-            self._tasks.add(job)
-        self.queue.put(job)
+        self.queue.hold(job)
 
     def task_done(self, job: Hashable, /, **_: object) -> None:
-        with self._lock:
-            if job not in self._tasks:
-                raise NotHeld(f"store job {job!r} has no queue task")
-            self._tasks.discard(job)
-        self.queue.task_done()
+        self.queue.done(job)
 
     # -- the work ----------------------------------------------------------------
 
@@ -190,9 +219,8 @@ class StoreSender:
         held = set()
         if self.pool.held_by(self.holder(job)):
             held.add("block_pin")
-        with self._lock:
-            if job in self._tasks:
-                held.add("queue_task")
+        if job in self.queue:
+            held.add("queue_task")
         return held
 
     def live_jobs(self, request_id: Hashable) -> frozenset[Hashable]:
@@ -206,8 +234,7 @@ class StoreSender:
 
     def outstanding_tasks(self) -> int:
         """Queue tasks the driver holds; always equal to ``queue.unfinished_tasks``."""
-        with self._lock:
-            return len(self._tasks)
+        return self.queue.held()
 
 
 @dataclass
@@ -234,12 +261,11 @@ class StoreLoader:
         self.store = store
         self.pool = pool
         self.prefix = prefix
-        self.queue: queue.Queue[Hashable] = queue.Queue()
+        self.queue = JobQueue("load")
         self.stats: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._hits: dict[Hashable, _Hit] = {}
         self._pins: dict[Hashable, _LoadPin] = {}
-        self._tasks: set[Hashable] = set()
         self._unfilled: dict[Hashable, tuple[int, ...]] = {}
 
     @staticmethod
@@ -301,18 +327,10 @@ class StoreLoader:
     # -- load_task ----------------------------------------------------------------
 
     def enqueue_load(self, load: Hashable, /, **_: object) -> None:
-        with self._lock:
-            if load in self._tasks:
-                raise RuntimeError(f"load {load!r} is already queued")
-            self._tasks.add(load)
-        self.queue.put(load)
+        self.queue.hold(load)
 
     def load_task_done(self, load: Hashable, /, **_: object) -> None:
-        with self._lock:
-            if load not in self._tasks:
-                raise NotHeld(f"load {load!r} has no queue task")
-            self._tasks.discard(load)
-        self.queue.task_done()
+        self.queue.done(load)
 
     # -- the work ----------------------------------------------------------------
 
@@ -342,13 +360,12 @@ class StoreLoader:
         held = set()
         if self.pool.held_by(self.holder(load)):
             held.add("load_blocks")
+        if load in self.queue:
+            held.add("load_task")
         with self._lock:
-            if load in self._tasks:
-                held.add("load_task")
             if load in self._hits:
                 held.add("hit")
         return held
 
     def outstanding_tasks(self) -> int:
-        with self._lock:
-            return len(self._tasks)
+        return self.queue.held()
