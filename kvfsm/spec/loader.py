@@ -199,8 +199,7 @@ class _Schema:
                     f"unsupported schema version: kvfsm is {_kind(version_node)}",
                     f"This kvfsm reads schema version {SCHEMA_VERSION}: write 'kvfsm: {SCHEMA_VERSION}'.",
                 )
-        name_node = self.require(top, kind, root, what, f"Add '{kind}: <name>'.")
-        return self.name(name_node, kind) if name_node is not None else None
+        return self.required_name(top, kind, root, what, f"Add '{kind}: <name>'.", kind)
 
     def top(
         self, text: str, what: str, kind: str, allowed: dict[str, str], start: str, other_fix: str
@@ -230,6 +229,13 @@ class _Schema:
         if top is None:
             raise SpecError(self.errors)
         return root, top
+
+    def required_name(
+        self, items: dict[str, tuple[Node, Node]], key: str, owner: Node, what: str, fix: str, label: str
+    ) -> str | None:
+        """The name under ``key``, which must be there; None (with the error recorded) if absent or bad."""
+        node = self.require(items, key, owner, what, fix)
+        return self.name(node, label) if node is not None else None
 
     def sequence(self, node: Node, what: str, read: Callable[[Node], T | None]) -> tuple[T, ...]:
         if not isinstance(node, SequenceNode):
@@ -285,10 +291,14 @@ def _resource(s: _Schema, name: str, knode: Node, node: Node) -> Resource | None
     items = s.mapping(node, what, RESOURCE_KEYS)
     if items is None:
         return None
-    release_node = s.require(
-        items, "release", knode, what, "Every resource needs 'release: <driver method>' so that no path can keep it."
+    release = s.required_name(
+        items,
+        "release",
+        knode,
+        what,
+        "Every resource needs 'release: <driver method>' so that no path can keep it.",
+        f"{what}: release",
     )
-    release = s.name(release_node, f"{what}: release") if release_node is not None else None
     acquire = s.name(items["acquire"][1], f"{what}: acquire") if "acquire" in items else None
     doc = s.text(items["doc"][1], f"{what}: doc") if "doc" in items else ""
     if release is None:
@@ -367,10 +377,8 @@ def _send(s: _Schema, node: Node) -> Send | None:
     if items is None:
         return None
     fix = "Write 'send: {to: <role>, message: <message>}' (or a list of them)."
-    to_node = s.require(items, "to", node, "send", fix)
-    message_node = s.require(items, "message", node, "send", fix)
-    to = s.name(to_node, "send: to") if to_node is not None else None
-    message = s.name(message_node, "send: message") if message_node is not None else None
+    to = s.required_name(items, "to", node, "send", fix, "send: to")
+    message = s.required_name(items, "message", node, "send", fix, "send: message")
     if to is None or message is None:
         return None
     return Send(to, message, s.loc(node))
@@ -474,8 +482,9 @@ def parse(text: str, path: str = "<string>") -> Spec:
         "one of its roles' machine specs (a role's 'spec:' must name a machine spec).",
     )
     name = s.header(top, root, "the spec", "machine")
-    key_node = s.require(top, "key", root, "the spec", "Add 'key: request_id' (the id space that names instances).")
-    key = s.name(key_node, "key") if key_node is not None else None
+    key = s.required_name(
+        top, "key", root, "the spec", "Add 'key: request_id' (the id space that names instances).", "key"
+    )
     doc = s.text(top["doc"][1], "doc") if "doc" in top else ""
 
     params: dict[str, float] = {}

@@ -221,9 +221,8 @@ def _never(s: _Schema, node: Node) -> Never | None:
     if items is None:
         return None
     fix = "Write '- {name: <name>, when: {<role>: <state or {in, holds, lacks}>, ...}}'."
-    name_node = s.require(items, "name", node, "never property", fix)
+    name = s.required_name(items, "name", node, "never property", fix, "property name")
     when_node = s.require(items, "when", node, "never property", fix)
-    name = s.name(name_node, "property name") if name_node is not None else None
     conditions: list[Condition] = []
     if when_node is not None:
         for role, knode, cnode in s.named_mapping(when_node, "when", "role"):
