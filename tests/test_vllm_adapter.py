@@ -87,6 +87,12 @@ class Rig:
             self.step()
         return req
 
+    def load_hit(self, req: SimRequest, blocks: int = 4) -> None:
+        """vLLM's two phases for a CPU hit of ``blocks`` blocks: match (A), allocate, then update (B)."""
+        self.sched.get_num_new_matched_tokens(req, 0)
+        self.allocate(req, blocks)
+        self.sched.update_state_after_alloc(req, req, blocks * BS)
+
     def allocate(self, req: SimRequest, blocks: int) -> None:
         req.blocks = self.offload.gpu_pool.get_new_blocks(blocks)
 
@@ -165,9 +171,7 @@ def test_a_load_copies_the_pinned_blocks_and_reports_the_request_once() -> None:
     rig = Rig()
     rig.store_prefix()
     req = rig.request([*PREFIX, 1])
-    rig.sched.get_num_new_matched_tokens(req, 0)
-    rig.allocate(req, 4)
-    rig.sched.update_state_after_alloc(req, req, 4 * BS)
+    rig.load_hit(req)
     out = rig.step()
     assert out.finished_recving == {req.request_id} and out.invalid_block_ids == set()
     for i, b in enumerate(req.blocks):
@@ -183,9 +187,7 @@ def test_an_abort_mid_load_keeps_both_ends_until_the_worker_reports() -> None:
     rig = Rig(hold=True)
     rig.store_prefix()
     req = rig.request([*PREFIX, 1])
-    rig.sched.get_num_new_matched_tokens(req, 0)
-    rig.allocate(req, 4)
-    rig.sched.update_state_after_alloc(req, req, 4 * BS)
+    rig.load_hit(req)
     rig.step()
     rig.finish(req, RequestStatus.FINISHED_ABORTED)
     rig.offload.gpu_pool.free(req.blocks)  # even if the scheduler let go, the load holds them
@@ -202,9 +204,7 @@ def test_a_failed_load_reports_its_blocks_as_errors_and_releases_everything() ->
     rig = Rig(hold=True)
     rig.store_prefix()
     req = rig.request([*PREFIX, 1])
-    rig.sched.get_num_new_matched_tokens(req, 0)
-    rig.allocate(req, 4)
-    rig.sched.update_state_after_alloc(req, req, 4 * BS)
+    rig.load_hit(req)
     rig.step()
     rig.copier.finish_all(error=RuntimeError("DMA error"))  # type: ignore[union-attr]
     out = rig.step()
@@ -217,9 +217,7 @@ def test_a_lost_report_expires_and_vllm_is_still_told_to_recompute() -> None:
     rig = Rig(hold=True, load_timeout=5.0)
     rig.store_prefix()
     req = rig.request([*PREFIX, 1])
-    rig.sched.get_num_new_matched_tokens(req, 0)
-    rig.allocate(req, 4)
-    rig.sched.update_state_after_alloc(req, req, 4 * BS)
+    rig.load_hit(req)
     rig.step()
     rig.copier.finish_all(report=False)  # type: ignore[union-attr]
     assert rig.step().finished_recving is None
@@ -234,9 +232,7 @@ def test_a_late_duplicate_of_an_old_load_does_not_finish_a_newer_one() -> None:
     rig = Rig(hold=True)
     rig.store_prefix()
     req = rig.request([*PREFIX, 1])
-    rig.sched.get_num_new_matched_tokens(req, 0)
-    rig.allocate(req, 4)
-    rig.sched.update_state_after_alloc(req, req, 4 * BS)
+    rig.load_hit(req)
     rig.step()
     rig.copier.finish_all()  # type: ignore[union-attr]
     first = rig.step()
@@ -246,9 +242,7 @@ def test_a_late_duplicate_of_an_old_load_does_not_finish_a_newer_one() -> None:
 
     rig.offload.gpu_pool.free(req.blocks)  # preempted: vLLM frees and recomputes from scratch
     rig.step(preempted={req.request_id})
-    rig.sched.get_num_new_matched_tokens(req, 0)
-    rig.allocate(req, 4)
-    rig.sched.update_state_after_alloc(req, req, 4 * BS)
+    rig.load_hit(req)
     rig.step()  # the second load is in flight
     late = KVConnectorOutput(finished_recving={req.request_id}, kv_connector_worker_meta=old_meta)
     out = rig.step(deliver=late)
