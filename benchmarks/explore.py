@@ -2,12 +2,12 @@
 """Run the explorer benchmark: kvfsm against SPIN on the PD abort systems, 1 to 6 requests.
 
 Usage: python benchmarks/explore.py [--quick] [--requests N] [--time-limit S] [--no-spin] [--json]
-All logic lives in kvfsm.bench.explore; docs/pd_abort.md explains the figures.
+All logic lives in kvfsm.showcase.bench.explore; docs/pd_abort.md explains the figures.
 """
 
 import sys
 
-from kvfsm.bench.explore import main
+from kvfsm.showcase.bench.explore import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -2,12 +2,12 @@
 """Run the CPU-offload benchmarks: driver block copies vs one contiguous copy, and the connector's scheduler-side cost.
 
 Usage: python benchmarks/offload.py [--quick] [--json]
-All logic lives in kvfsm.bench.offload; docs/cpu_offload.md explains the figures.
+All logic lives in kvfsm.showcase.bench.offload; docs/cpu_offload.md explains the figures.
 """
 
 import sys
 
-from kvfsm.bench.offload import main
+from kvfsm.showcase.bench.offload import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -41,9 +41,9 @@ from kvfsm.drivers.mooncake import (
     connect,
     connect_embedded,
 )
-from kvfsm.drivers.mooncake.modeltest import ModelSender
 from kvfsm.drivers.mooncake.store import import_store_module
-from kvfsm.drivers.mooncake.unfixed import PreFixSender
+from kvfsm.showcase.mooncake_modeltest import ModelSender
+from kvfsm.showcase.prefix_sender import PreFixSender
 
 LEASE_MS = 300
 """Read-lease TTL of the test masters: long enough to observe, short enough to wait out."""

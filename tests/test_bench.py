@@ -13,13 +13,19 @@ from typing import Any
 import pytest
 
 import kvfsm
-from kvfsm.bench import BenchReport, Row, Target, format_table, run
-from kvfsm.bench.__main__ import main
-from kvfsm.bench.handwritten import IGNORE, KV_REQUEST_STATES, HandTracker, kv_request_tracker, pingpong_tracker
-from kvfsm.bench.harness import NullDriver, RecordingDriver, VirtualClock
-from kvfsm.bench.workloads import kv_request_spec, make_lifecycle_trackers, pingpong_spec
 from kvfsm.engine import compile_program
 from kvfsm.engine.program import IGNORED, CEdge
+from kvfsm.showcase.bench import BenchReport, Row, Target, format_table, run
+from kvfsm.showcase.bench.__main__ import main
+from kvfsm.showcase.bench.handwritten import (
+    IGNORE,
+    KV_REQUEST_STATES,
+    HandTracker,
+    kv_request_tracker,
+    pingpong_tracker,
+)
+from kvfsm.showcase.bench.harness import NullDriver, RecordingDriver, VirtualClock
+from kvfsm.showcase.bench.workloads import kv_request_spec, make_lifecycle_trackers, pingpong_spec
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from kvfsm.bench import offload
+from kvfsm.showcase.bench import offload
 
 
 def test_quick_run_measures_every_cell_and_every_call_and_renders_them() -> None:

@@ -18,8 +18,8 @@ from kvfsm.adapters.vllm import CpuOffloadScheduler, CpuOffloadWorker
 from kvfsm.adapters.vllm_api import KVConnectorOutput, RequestStatus
 from kvfsm.drivers.cpu_offload import CpuOffload, LoadDriver
 from kvfsm.drivers.kv_cache import KVLayout
-from kvfsm.sim import StepOutput, run_worker
-from kvfsm.sim.workload import SimRequest
+from kvfsm.showcase.sim import StepOutput, run_worker
+from kvfsm.showcase.sim.workload import SimRequest
 
 BS = 4
 LAYOUT = KVLayout(num_layers=2, block_size=BS, num_kv_heads=2, head_size=4)

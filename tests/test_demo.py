@@ -20,7 +20,7 @@ import pytest
 
 from kvfsm.cli import main
 from kvfsm.cli.demo import PART_NAMES
-from kvfsm.demo import NAMES, SPECS
+from kvfsm.showcase.demo import NAMES, SPECS
 from kvfsm.spec import is_system_file
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,7 +52,7 @@ def test_the_quick_demo_exits_zero_with_every_part_as_expected(quick: tuple[int,
 
 def test_every_bundled_spec_is_checked_and_none_has_an_error(quick: tuple[int, dict[str, Any], Path]) -> None:
     specs = quick[1]["parts"]["check"]["specs"]
-    bundled = sorted(str(p.relative_to(ROOT)) for p in SPECS.rglob("*.yaml"))
+    bundled = sorted(str(p.relative_to(SPECS.parent)) for p in SPECS.rglob("*.yaml"))
     assert sorted(s["spec"] for s in specs) == bundled
     kinds = {s["spec"]: s["kind"] for s in specs}
     assert kinds["specs/pd_abort/merged_fix.yaml"] == "system" and kinds["specs/kv_request.yaml"] == "machine"

@@ -259,7 +259,7 @@ def test_lost_message_is_drawn_crossed_out(tmp_path: Path) -> None:
 
 
 def test_bench_runs_every_setting_and_tabulates_it() -> None:
-    from kvfsm.bench.explore import format_markdown, run
+    from kvfsm.showcase.bench.explore import format_markdown, run
 
     runs = run(systems=("merged_fix",), requests=(1, 2), spin=False, time_limit=30)
     assert {(r.setting, r.requests) for r in runs} == {

@@ -5,7 +5,7 @@ machines here add the two rules a connector really runs (the scheduler saving
 a job, the sending or load thread working through one) so that the store
 calls themselves are exercised, not only the refusals and aborts around them,
 and one invariant over the whole pool and queue. The drivers are the real
-ones (:mod:`kvfsm.drivers.mooncake.modeltest` only plans jobs begun without a
+ones (:mod:`kvfsm.showcase.mooncake_modeltest` only plans jobs begun without a
 payload and injects faults into the store calls behind the actions).
 
 The pre-fix copy of the sender (releases on the success path only, seed 000)
@@ -30,7 +30,7 @@ from mooncake_fixtures import (  # noqa: F401
 
 import kvfsm.testing
 from kvfsm.drivers.mooncake import bundled_spec
-from kvfsm.drivers.mooncake.modeltest import (
+from kvfsm.showcase.mooncake_modeltest import (
     BLOCKS_PER_JOB,
     ModelLoader,
     ModelSender,

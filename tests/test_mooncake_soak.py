@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 from mooncake_fixtures import mooncake_master_fixture, real_store_fixture  # noqa: F401
 
-from kvfsm.bench.mooncake import HandSendWorker, per_job, soak, throughput
 from kvfsm.drivers.mooncake import BlockPool, EmbeddedMaster, FaultyStore, MooncakeStore, connect_embedded, raising
+from kvfsm.showcase.bench.mooncake import HandSendWorker, per_job, soak, throughput
 
 
 def check_clean(requests: int, store: MooncakeStore) -> None:

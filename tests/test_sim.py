@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from kvfsm.adapters.vllm import CpuOffloadScheduler
 from kvfsm.drivers.cpu_offload import StoreDriver
-from kvfsm.sim import SimConfig, SimReport, Simulation, Workload, simulate
+from kvfsm.showcase.sim import SimConfig, SimReport, Simulation, Workload, simulate
 
 
 def assert_clean(report: SimReport) -> None:

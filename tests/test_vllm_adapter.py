@@ -13,8 +13,8 @@ from kvfsm.adapters.vllm import CpuOffloadScheduler, CpuOffloadWorker, CpuOffloa
 from kvfsm.adapters.vllm_api import KVConnectorOutput, RequestStatus
 from kvfsm.drivers.cpu_offload import CpuOffload
 from kvfsm.drivers.kv_cache import Copy, Done, KVLayout, copy_blocks
-from kvfsm.sim import StepOutput, run_worker
-from kvfsm.sim.workload import SimRequest
+from kvfsm.showcase.sim import StepOutput, run_worker
+from kvfsm.showcase.sim.workload import SimRequest
 
 BS = 4
 LAYOUT = KVLayout(num_layers=1, block_size=BS, num_kv_heads=1, head_size=4)

@@ -3,7 +3,7 @@
 Names, fields and conventions follow vLLM v1 (``vllm/v1/request.py``,
 ``vllm/v1/outputs.py``, ``vllm/distributed/kv_transfer/kv_connector/v1/base.py``).
 vLLM's own objects satisfy these protocols, so a connector written against them
-runs inside vLLM unchanged; the simulator (:mod:`kvfsm.sim`) supplies its own.
+runs inside vLLM unchanged; the simulator (:mod:`kvfsm.showcase.sim`) supplies its own.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ def register(sub: Subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
-    from .. import bench
+    from ..showcase import bench
 
     with Progress(console=err, transient=True) as progress:
         task = progress.add_task("benchmarks", total=None)
@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     if args.format == "json":
         out.print_json(json.dumps(report.as_dict()))
         return EXIT_OK if report.passed or report.quick else EXIT_FINDINGS
-    from ..bench.report import fmt_number
+    from ..showcase.bench.report import fmt_number
 
     section = None
     table = None

@@ -16,11 +16,20 @@ from rich.table import Table
 from .common import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, Subparsers, err, out
 
 if TYPE_CHECKING:
-    from ..bench.mooncake import SoakResult
-    from ..demo import CheckPart, DemoReport, DiagramPart, ExplorePart, MooncakePart, OffloadPart, Options, Part
+    from ..showcase.bench.mooncake import SoakResult
+    from ..showcase.demo import (
+        CheckPart,
+        DemoReport,
+        DiagramPart,
+        ExplorePart,
+        MooncakePart,
+        OffloadPart,
+        Options,
+        Part,
+    )
 
 PART_NAMES = "check, diagrams, offload, mooncake, explore"
-"""For --help without importing the parts (they import torch); a test pins it to kvfsm.demo.NAMES."""
+"""For --help without importing the parts (they import torch); a test pins it to kvfsm.showcase.demo.NAMES."""
 
 
 def register(sub: Subparsers) -> None:
@@ -48,8 +57,8 @@ def register(sub: Subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..demo import SPECS, Options
-    from ..demo import run as run_demo
+    from ..showcase.demo import SPECS, Options
+    from ..showcase.demo import run as run_demo
 
     specs: Path = args.specs or SPECS
     if not specs.is_dir():
@@ -75,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
 def _with_progress(options: Options, catch: bool) -> DemoReport:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from ..demo import run as run_demo
+    from ..showcase.demo import run as run_demo
 
     columns = (
         SpinnerColumn(),
@@ -108,7 +117,7 @@ def _header(title: str, verdict: str, seconds: float) -> None:
 
 
 def _render(report: DemoReport) -> None:
-    from ..demo import CheckPart, DiagramPart, ExplorePart, FailedPart, MooncakePart, OffloadPart
+    from ..showcase.demo import CheckPart, DiagramPart, ExplorePart, FailedPart, MooncakePart, OffloadPart
 
     size = "quick sizes" if report.quick else "default sizes"
     out.print(

@@ -105,7 +105,7 @@ def copy_blocks(
     One ``torch._foreach_copy_`` over per-block views: every block is one
     contiguous memcpy (a DMA between devices), all issued by one call. A
     gather (``index_select``) into a staging buffer and a scatter
-    (``index_copy_``) would touch every byte twice; ``kvfsm.bench.offload``
+    (``index_copy_``) would touch every byte twice; ``kvfsm.showcase.bench.offload``
     measures both against one contiguous ``copy_``.
     """
     if src.layout != dst.layout:

@@ -21,11 +21,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..adapters.vllm import CpuOffloadMetadata, CpuOffloadScheduler, CpuOffloadWorker
-from ..adapters.vllm_api import KVConnectorOutput, RequestStatus
-from ..drivers.block_pool import BlockPool
-from ..drivers.cpu_offload import CpuOffload
-from ..drivers.kv_cache import KVLayout
+from ...adapters.vllm import CpuOffloadMetadata, CpuOffloadScheduler, CpuOffloadWorker
+from ...adapters.vllm_api import KVConnectorOutput, RequestStatus
+from ...drivers.block_pool import BlockPool
+from ...drivers.cpu_offload import CpuOffload
+from ...drivers.kv_cache import KVLayout
 from .report import SimReport
 from .runner import Channel, DelayedCopier, KVPattern, run_worker
 from .workload import SimRequest, Workload, make_requests, poisson

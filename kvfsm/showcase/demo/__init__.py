@@ -10,7 +10,7 @@ part came out as kvfsm promises. Nothing needs to be started: no
 renders it; docs/demo.md explains each part.
 """
 
-from ..spec.bundled import SPECS
+from ...spec.bundled import SPECS
 from .parts import FULL, QUICK, Sizes
 from .report import (
     CheckPart,

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..adapters.vllm import CpuOffloadMetadata, CpuOffloadWorker, CpuOffloadWorkerMeta
-from ..adapters.vllm_api import KVConnectorOutput
-from ..drivers.kv_cache import Copy, Done, KVCache, KVLayout, copy_blocks
+from ...adapters.vllm import CpuOffloadMetadata, CpuOffloadWorker, CpuOffloadWorkerMeta
+from ...adapters.vllm_api import KVConnectorOutput
+from ...drivers.kv_cache import Copy, Done, KVCache, KVLayout, copy_blocks
 
 _MOD = 65_521
 

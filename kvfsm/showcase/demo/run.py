@@ -7,7 +7,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..spec.bundled import SPECS
+from ...spec.bundled import SPECS
 from . import parts
 from .report import DemoReport, FailedPart, PartResult
 

@@ -31,7 +31,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..drivers.mooncake import (
+from ...drivers.mooncake import (
     BlockPool,
     FaultyStore,
     KVStore,
@@ -41,8 +41,8 @@ from ..drivers.mooncake import (
     block_key,
     connect,
 )
-from ..drivers.mooncake.codes import check_codes
-from ..errors import ActionError
+from ...drivers.mooncake.codes import check_codes
+from ...errors import ActionError
 
 BLOCK_BYTES = 16 << 10
 
@@ -430,7 +430,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             real = per_job(store, jobs=max(100, 1000 // scale), label="real master")
         finally:
             store.close()
-        from ..drivers.mooncake import EmbeddedMaster, connect_embedded
+        from ...drivers.mooncake import EmbeddedMaster, connect_embedded
 
         emb = per_job(
             connect_embedded(EmbeddedMaster(), global_segment_size=4 << 30),

@@ -10,9 +10,9 @@ in front of the real store. Everything else is the production code path.
 
 From the command line, against the embedded store or a running master::
 
-    kvfsm test specs/mooncake_store_send.yaml --driver kvfsm.drivers.mooncake.modeltest:embedded_sender
+    kvfsm test specs/mooncake_store_send.yaml --driver kvfsm.showcase.mooncake_modeltest:embedded_sender
     KVFSM_MOONCAKE_MASTER=127.0.0.1:50051 \\
-        kvfsm test specs/mooncake_store_send.yaml --driver kvfsm.drivers.mooncake.modeltest:real_sender
+        kvfsm test specs/mooncake_store_send.yaml --driver kvfsm.showcase.mooncake_modeltest:real_sender
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ from typing import Any
 
 import torch
 
-from . import codes as C
-from .driver import StoreLoader, StoreSender
-from .embedded import EmbeddedMaster, connect_embedded
-from .faults import Fault, FaultyStore, raising, returning
-from .pool import BlockPool
-from .store import KVStore, connect
+from ..drivers.mooncake import codes as C
+from ..drivers.mooncake.driver import StoreLoader, StoreSender
+from ..drivers.mooncake.embedded import EmbeddedMaster, connect_embedded
+from ..drivers.mooncake.faults import Fault, FaultyStore, raising, returning
+from ..drivers.mooncake.pool import BlockPool
+from ..drivers.mooncake.store import KVStore, connect
 
 NUM_BLOCKS = 32
 BLOCK_BYTES = 4096

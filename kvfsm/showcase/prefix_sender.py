@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
-from .driver import StoreSender
+from ..drivers.mooncake.driver import StoreSender
 
 
 class PreFixSender(StoreSender):

@@ -15,7 +15,7 @@ counterexample on a violated system (kvfsm: a search with ``first=True``;
 SPIN: when pan reports the violation) and the time of the whole search on a
 verified one.
 
-``python -m kvfsm.bench.explore`` or ``python benchmarks/explore.py`` prints
+``python -m kvfsm.showcase.bench.explore`` or ``python benchmarks/explore.py`` prints
 the table (Markdown).
 """
 
@@ -32,10 +32,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..explore import explore
-from ..gen.promela import check_with_spin, to_promela
-from ..spec.bundled import PD_ABORT
-from ..spec.system import System, load_system
+from ...explore import explore
+from ...gen.promela import check_with_spin, to_promela
+from ...spec.bundled import PD_ABORT
+from ...spec.system import System, load_system
 
 SETTINGS = ("kvfsm", "kvfsm symmetry", "kvfsm plain", "SPIN")
 
@@ -163,7 +163,7 @@ def format_markdown(runs: Sequence[Run]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvfsm.bench.explore", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m kvfsm.showcase.bench.explore", description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=6, help="up to this many requests (default 6)")
     parser.add_argument("--time-limit", type=float, default=60.0, help="seconds per run (default 60)")
     parser.add_argument("--no-spin", action="store_true", help="leave SPIN out")

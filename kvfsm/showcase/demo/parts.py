@@ -3,7 +3,7 @@
 Nothing here is new machinery: each part runs what the rest of kvfsm already
 is (the static checks, the diagram generator, the scheduler simulator, the
 Mooncake soak, the explorer) at a size that takes seconds, and wraps the
-result in a :mod:`~kvfsm.demo.report` type that judges it.
+result in a :mod:`~kvfsm.showcase.demo.report` type that judges it.
 """
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ...drivers.mooncake import EmbeddedMaster, StoreSender, connect_embedded
+from ...explore import explore
+from ...gen.diagram import to_mermaid, to_svg
+from ...spec import SpecError, check, is_system_file, read
+from ...spec.bundled import PD_ABORT
 from ..bench.mooncake import SoakResult, soak
-from ..drivers.mooncake import EmbeddedMaster, StoreSender, connect_embedded
-from ..drivers.mooncake.unfixed import PreFixSender
-from ..explore import explore
-from ..gen.diagram import to_mermaid, to_svg
+from ..prefix_sender import PreFixSender
 from ..sim import SimConfig, Simulation, Workload
-from ..spec import SpecError, check, is_system_file, read
-from ..spec.bundled import PD_ABORT
 from .report import CheckPart, DiagramPart, Drawing, ExplorePart, MooncakePart, OffloadPart, SpecVerdict
 
 FAULT_RATE = 0.10

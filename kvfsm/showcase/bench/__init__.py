@@ -2,7 +2,7 @@
 
 ``run()`` measures everything in one process and returns a :class:`BenchReport`
 (rows of figures with ratios to their baselines, and the issue's targets judged
-on them); ``format_table`` renders it as plain text. ``python -m kvfsm.bench``
+on them); ``format_table`` renders it as plain text. ``python -m kvfsm.showcase.bench``
 and ``benchmarks/engine.py`` print that table. See benchmarks/README.md.
 """
 

@@ -12,7 +12,7 @@ import math
 import random
 from dataclasses import dataclass, field
 
-from ..adapters.vllm_api import RequestStatus
+from ...adapters.vllm_api import RequestStatus
 
 VOCAB = 32_000
 

@@ -1,4 +1,4 @@
-"""``python -m kvfsm.bench [--quick] [--json]``: run the benchmark and print its table (or JSON).
+"""``python -m kvfsm.showcase.bench [--quick] [--json]``: run the benchmark and print its table (or JSON).
 
 Exits 1 when a full run misses a target; a quick run always exits 0 (its figures mean nothing).
 """
@@ -13,7 +13,7 @@ from . import format_table, run
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvfsm.bench", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m kvfsm.showcase.bench", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test, figures not meaningful")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--spec", help="path of kv_request.yaml (default: the bundled one)")

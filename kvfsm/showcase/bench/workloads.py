@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..engine import Tracker
-from ..spec import Spec, load, parse, run_checks
-from ..spec.bundled import SPECS
+from ...engine import Tracker
+from ...spec import Spec, load, parse, run_checks
+from ...spec.bundled import SPECS
 from .handwritten import kv_request_tracker, pingpong_tracker
 from .harness import NullDriver, VirtualClock, Workload, interleaved, time_once
 from .report import BenchReport, Row, Target

@@ -22,7 +22,7 @@ import threading
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
-from ..errors import DuplicateKey, IllegalTransition
+from ...errors import DuplicateKey, IllegalTransition
 
 Action = Callable[..., Any]
 Edge = tuple[int, tuple[Action, ...], tuple[Action, ...], float | None, bool]

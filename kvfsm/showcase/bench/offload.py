@@ -28,10 +28,10 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ..adapters.vllm import CpuOffloadMetadata, CpuOffloadScheduler, CpuOffloadWorker
-from ..adapters.vllm_api import KVConnectorOutput, RequestStatus
-from ..drivers.cpu_offload import CpuOffload
-from ..drivers.kv_cache import Copy, Done, KVCache, KVLayout, copy_blocks
+from ...adapters.vllm import CpuOffloadMetadata, CpuOffloadScheduler, CpuOffloadWorker
+from ...adapters.vllm_api import KVConnectorOutput, RequestStatus
+from ...drivers.cpu_offload import CpuOffload
+from ...drivers.kv_cache import Copy, Done, KVCache, KVLayout, copy_blocks
 from ..sim.runner import run_worker
 from .harness import interleaved
 
@@ -342,7 +342,7 @@ def format_table(report: OffloadReport) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvfsm.bench.offload", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m kvfsm.showcase.bench.offload", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test, figures mean nothing")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)

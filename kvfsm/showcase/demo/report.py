@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
+from ...explore import ExploreResult, Trace
 from ..bench.mooncake import SoakResult
-from ..explore import ExploreResult, Trace
 from ..sim import SimReport
 
 
