@@ -8,7 +8,7 @@ import json
 from rich.markup import escape
 from rich.table import Table
 
-from .common import EXIT_FINDINGS, EXIT_OK, Subparsers, err, out
+from .common import EXIT_FINDINGS, EXIT_OK, Subparsers, err, missing_extra, out
 
 
 def register(sub: Subparsers) -> None:
@@ -23,7 +23,10 @@ def register(sub: Subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
-    from ..showcase import bench
+    try:
+        from ..showcase import bench
+    except ImportError as exc:
+        return missing_extra("bench", "showcase", exc)
 
     with Progress(console=err, transient=True) as progress:
         task = progress.add_task("benchmarks", total=None)

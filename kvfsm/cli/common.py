@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
@@ -38,3 +39,17 @@ def write_output(path: Path, data: bytes | str, flag: str) -> None:
         raise OutputError(f"{flag} {path} is a directory; name a file in it") from None
     except OSError as exc:
         raise OutputError(f"cannot write {flag} {path}: {exc.strerror or exc}; choose a writable path") from None
+
+
+def missing_extra(command: str, extra: str, exc: ImportError) -> int:
+    """Say in one line which extra installs the module ``command`` could not import, and return the usage exit code.
+
+    Only a third-party module that is really absent is reported so; any other
+    ImportError (one of kvfsm's own modules, a broken install) is a bug and is
+    raised again for the CLI's internal-error path.
+    """
+    module = (exc.name or "").partition(".")[0]
+    if not module or module == "kvfsm" or find_spec(module) is not None:
+        raise exc
+    err.print(f"kvfsm {command} needs {module}, which is not installed: pip install 'kvfsm[{extra}]'")
+    return EXIT_USAGE

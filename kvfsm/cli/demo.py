@@ -13,7 +13,7 @@ from rich.markup import escape
 from rich.padding import Padding
 from rich.table import Table
 
-from .common import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, Subparsers, err, out
+from .common import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, Subparsers, err, missing_extra, out
 
 if TYPE_CHECKING:
     from ..showcase.bench.mooncake import SoakResult
@@ -57,8 +57,11 @@ def register(sub: Subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..showcase.demo import SPECS, Options
-    from ..showcase.demo import run as run_demo
+    try:
+        from ..showcase.demo import SPECS, Options
+        from ..showcase.demo import run as run_demo
+    except ImportError as exc:
+        return missing_extra("demo", "showcase", exc)
 
     specs: Path = args.specs or SPECS
     if not specs.is_dir():
