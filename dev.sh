@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up a fresh clone (idempotent, quick when nothing changed) and run a job:
+# Set up a fresh clone with everything (kvfsm[dev]: every extra, the Debian
+# packages the tests use; idempotent, quick when nothing changed) and run a job:
 #   ./dev.sh demo     the main job: kvfsm demo on the embedded default (docs/demo.md)
 #   ./dev.sh test     lint, types and the test suite (what CI runs)
 #   ./dev.sh bench    the performance comparison
@@ -43,7 +44,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     # torch first, pinned, so the range in [dev] is met by the CPU wheel on disk.
     pip_install torch==2.13.0
     pip_install -e ".[dev]"
-    "$VENV/bin/python" -c "import kvfsm, torch, yaml, hypothesis, graphviz, zmq, msgspec"
+    "$VENV/bin/python" -c "import kvfsm, torch, numpy, yaml, hypothesis, msgspec, zmq, transitions, statemachine"
     echo "$want" > "$stamp"
 fi
 export PATH="$PWD/$VENV/bin:$PATH"
