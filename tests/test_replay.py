@@ -15,6 +15,7 @@ import io
 import itertools
 import json
 import random
+import re
 import subprocess
 import sys
 import threading
@@ -29,13 +30,18 @@ import torch
 
 import kvfsm
 from kvfsm import ActionError, BindingError, IllegalTransition, Tracker
-from kvfsm.replay import Divergence, JsonlJournal, Replay, check_log
+from kvfsm.replay import JsonlJournal, LogReport, check_log, codes
+from kvfsm.spec import Finding
+from kvfsm.spec.bundled import SPECS
+from kvfsm.testing.clock import VirtualClock
 
 ROOT = Path(__file__).resolve().parents[1]
-CANONICAL = ROOT / "specs" / "kv_request.yaml"
+CANONICAL = SPECS / "kv_request.yaml"
 SPEC = kvfsm.load(CANONICAL)
 FINALS = set(SPEC.finals)
 TIMEOUT = SPEC.params["transfer_timeout"]
+START = 1000.0
+"""Where the tests' clocks start, so times in messages are easy to tell apart from durations."""
 
 
 # -- a driver that really holds what kv_request says -------------------------------------
@@ -104,20 +110,13 @@ class KvDriver:
         return len(self.free) == self.blocks and not self.pinned and not self.queued and slots == self.capacity
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, tracker: Tracker, seconds: float, *, poll: bool = True) -> None:
-        """Move time on; a healthy poll loop fires each deadline the moment it is due."""
-        target = self.now + seconds
-        while poll and (due := tracker.next_deadline()) is not None and due <= target:
-            self.now = max(self.now, due)
-            tracker.poll()
-        self.now = target
+def advance(clock: VirtualClock, tracker: Tracker, seconds: float, *, poll: bool = True) -> None:
+    """Move time on; a healthy poll loop fires each deadline the moment it is due."""
+    target = clock.now + seconds
+    while poll and (due := tracker.next_deadline()) is not None and due <= target:
+        clock.now = max(clock.now, due)
+        tracker.poll()
+    clock.now = target
 
 
 EVENTS = ["enqueue", "enqueue", "start", "start", "complete", "complete", "fail", "abort", "expire"]
@@ -135,7 +134,7 @@ class Run:
 def workload(path: Path, *, seed: int = 7, steps: int = 1500) -> Run:
     """Drive a journaled Tracker through a varied, seeded workload and close it."""
     rng = random.Random(seed)
-    clock, driver = Clock(), KvDriver()
+    clock, driver = VirtualClock(START), KvDriver()
     keys: list[Hashable] = [f"req-{i}" for i in range(18)] + list(range(6))
     failures = 0
     with JsonlJournal(path, machine=SPEC.name, append=False) as journal:
@@ -145,7 +144,7 @@ def workload(path: Path, *, seed: int = 7, steps: int = 1500) -> Run:
             state = tracker.state(key)
             try:
                 if roll < 0.06:
-                    clock.advance(tracker, rng.uniform(0.0, 20.0))
+                    advance(clock, tracker, rng.uniform(0.0, 20.0))
                 elif roll < 0.09:
                     driver.faults.append(rng.choice(["enqueue_job", "start_transfer"]))
                 elif roll < 0.11:
@@ -192,15 +191,22 @@ def line(doc: dict[str, Any]) -> bytes:
     return json.dumps(doc, separators=(",", ":")).encode() + b"\n"
 
 
-def replay(tmp_path: Path, lines: list[bytes], **options: Any) -> Replay:
+def check_edited(tmp_path: Path, lines: list[bytes], **options: Any) -> LogReport:
     path = tmp_path / "edited.jsonl"
     path.write_bytes(b"".join(lines))
     return check_log(SPEC, path, **options)
 
 
-def first(report: Replay) -> Divergence:
+def first(report: LogReport) -> Finding:
     assert report.first is not None, "the edited log was accepted"
     return report.first
+
+
+def key_of(finding: Finding) -> Any:
+    """The key a finding names, as the log wrote it (a message says ``key "req-7"`` or ``key 7``)."""
+    found = re.search(r"\bkey (\S+?)(?=[ :,)]|$)", finding.message)
+    assert found is not None, f"no key named in: {finding.message}"
+    return json.loads(found.group(1))
 
 
 def instance_lines(lines: list[bytes], key: Any, generation: int) -> list[int]:
@@ -224,7 +230,7 @@ def test_workload_is_varied_and_leaves_the_driver_idle(recorded: Run) -> None:
 
 def test_log_the_tracker_wrote_conforms(recorded: Run) -> None:
     report = check_log(SPEC, recorded.path)
-    assert report.divergences == ()
+    assert report.findings == ()
     assert report.conforms and report.live == 0 and report.sessions == 1
     assert report.records == len(lines_of(recorded.path)) - 1
 
@@ -244,8 +250,8 @@ def test_changed_target_is_rejected_at_its_line(recorded: Run, tmp_path: Path) -
     lines = lines_of(recorded.path)
     i, doc = next((i, d) for i, d in records(lines) if d["event"] == "complete")
     lines[i] = line({**doc, "to": "failed"})
-    d = first(replay(tmp_path, lines))
-    assert (d.kind, d.line, d.key) == ("wrong-target", i + 1, doc["key"])
+    d = first(check_edited(tmp_path, lines))
+    assert (d.code, d.line, key_of(d)) == (codes.WRONG_TARGET, i + 1, doc["key"])
     assert "'done'" in d.message and f"{CANONICAL}:" in d.message
 
 
@@ -260,12 +266,12 @@ def test_deleted_release_line_leaves_the_instance_holding(recorded: Run, tmp_pat
     )
     entered = max(j for j in instance_lines(lines, doc["key"], doc["generation"]) if j < i)
     del lines[i]
-    report = replay(tmp_path, lines)
+    report = check_edited(tmp_path, lines)
     d = first(report)
-    assert (d.kind, d.line, d.key) == ("unreleased", entered + 1, doc["key"])
+    assert (d.code, d.line, key_of(d)) == (codes.UNRELEASED, entered + 1, doc["key"])
     assert "'queued' holding gpu_blocks, queue_slot" in d.message
     assert report.total == 1
-    assert replay(tmp_path, lines, allow_live=True).conforms
+    assert check_edited(tmp_path, lines, allow_live=True).conforms
 
 
 def test_deleted_final_line_shows_at_the_keys_next_begin(recorded: Run, tmp_path: Path) -> None:
@@ -275,8 +281,8 @@ def test_deleted_final_line_shows_at_the_keys_next_begin(recorded: Run, tmp_path
         (i, d, j) for i, d in records(lines) if d["to"] in FINALS for j, b in begins if b["key"] == d["key"] and j > i
     )
     del lines[i]
-    d = first(replay(tmp_path, lines))
-    assert (d.kind, d.line, d.key) == ("duplicate-begin", nxt, doc["key"])  # nxt - 1 + 1: one line gone
+    d = first(check_edited(tmp_path, lines))
+    assert (d.code, d.line, key_of(d)) == (codes.DUPLICATE_BEGIN, nxt, doc["key"])  # nxt - 1 + 1: one line gone
 
 
 def test_swapped_lines_are_rejected_where_the_order_breaks(recorded: Run, tmp_path: Path) -> None:
@@ -284,8 +290,8 @@ def test_swapped_lines_are_rejected_where_the_order_breaks(recorded: Run, tmp_pa
     i, doc = next((i, d) for i, d in records(lines) if d["event"] == "enqueue")
     j = next(j for j in instance_lines(lines, doc["key"], doc["generation"]) if j > i)
     lines[i], lines[j] = lines[j], lines[i]
-    d = first(replay(tmp_path, lines))
-    assert (d.kind, d.line, d.key) == ("wrong-source", i + 1, doc["key"])
+    d = first(check_edited(tmp_path, lines))
+    assert (d.code, d.line, key_of(d)) == (codes.WRONG_SOURCE, i + 1, doc["key"])
     assert "'pinned'" in d.message
 
 
@@ -295,19 +301,19 @@ def test_overrun_deadline_is_rejected_at_the_late_line(recorded: Run, tmp_path: 
     entered = max(j for j in instance_lines(lines, doc["key"], doc["generation"]) if j < i)
     since = json.loads(lines[entered])["time"]
     lines[i] = line({**doc, "time": since + TIMEOUT + 1.5})
-    report = replay(tmp_path, lines)
+    report = check_edited(tmp_path, lines)
     d = first(report)
-    assert (d.kind, d.line, d.key) == ("overrun", i + 1, doc["key"])
+    assert (d.code, d.line, key_of(d)) == (codes.OVERRUN, i + 1, doc["key"])
     assert "transfer_timeout=30s" in d.message and f"line {entered + 1}" in d.message
-    assert replay(tmp_path, lines, tolerance=2.0).by_kind.get("overrun", 0) == 0
+    assert check_edited(tmp_path, lines, tolerance=2.0).by_code.get(codes.OVERRUN, 0) == 0
 
 
 def test_duplicated_begin_is_rejected_at_the_copy(recorded: Run, tmp_path: Path) -> None:
     lines = lines_of(recorded.path)
     i, doc = next((i, d) for i, d in records(lines) if d["event"] == "begin" and i > 20)
     lines.insert(i + 1, lines[i])
-    d = first(replay(tmp_path, lines))
-    assert (d.kind, d.line, d.key) == ("duplicate-begin", i + 2, doc["key"])
+    d = first(check_edited(tmp_path, lines))
+    assert (d.code, d.line, key_of(d)) == (codes.DUPLICATE_BEGIN, i + 2, doc["key"])
 
 
 def test_malformed_lines_are_reported_by_line_and_the_rest_still_checked(recorded: Run, tmp_path: Path) -> None:
@@ -324,23 +330,23 @@ def test_malformed_lines_are_reported_by_line_and_the_rest_still_checked(recorde
     at = [10, 40, 41, 90, 200, 300]
     for offset, (where, text) in enumerate(zip(at, bad, strict=True)):
         lines.insert(where + offset, text)
-    report = replay(tmp_path, lines)
-    assert [(d.kind, d.line) for d in report.divergences] == [
-        ("malformed", where + offset + 1) for offset, where in enumerate(at)
+    report = check_edited(tmp_path, lines)
+    assert [(d.code, d.line) for d in report.findings] == [
+        (codes.MALFORMED, where + offset + 1) for offset, where in enumerate(at)
     ]
-    assert "generation" in report.divergences[2].message and "`to`" in report.divergences[3].message
+    assert "generation" in report.findings[2].message and "`to`" in report.findings[3].message
 
 
 def test_truncated_log_is_rejected_at_its_cut_line(recorded: Run, tmp_path: Path) -> None:
     lines = lines_of(recorded.path)
     cut = len(lines) // 2
     lines = [*lines[:cut], lines[cut][: len(lines[cut]) // 2]]
-    report = replay(tmp_path, lines)
+    report = check_edited(tmp_path, lines)
     d = first(report)
-    assert (d.kind, d.line) == ("truncated", cut + 1)
-    assert report.by_kind.get("unreleased", 0) == report.live > 0
-    only = replay(tmp_path, lines, allow_live=True)
-    assert [(d.kind, d.line) for d in only.divergences] == [("truncated", cut + 1)]
+    assert (d.code, d.line) == (codes.TRUNCATED, cut + 1)
+    assert report.by_code.get(codes.UNRELEASED, 0) == report.live > 0
+    only = check_edited(tmp_path, lines, allow_live=True)
+    assert [(d.code, d.line) for d in only.findings] == [(codes.TRUNCATED, cut + 1)]
 
 
 def test_truncated_gzip_log_is_reported_not_raised(recorded: Run, tmp_path: Path) -> None:
@@ -350,7 +356,7 @@ def test_truncated_gzip_log_is_reported_not_raised(recorded: Run, tmp_path: Path
     assert check_log(SPEC, whole).conforms
     whole.write_bytes(packed[: len(packed) // 2])
     report = check_log(SPEC, whole, allow_live=True)
-    assert [d.kind for d in report.divergences] == ["truncated"]
+    assert [d.code for d in report.findings] == [codes.TRUNCATED]
 
 
 def test_deleted_begin_makes_the_next_line_an_unknown_instance(recorded: Run, tmp_path: Path) -> None:
@@ -358,24 +364,24 @@ def test_deleted_begin_makes_the_next_line_an_unknown_instance(recorded: Run, tm
     i, doc = next((i, d) for i, d in records(lines) if d["event"] == "begin" and i > 5)
     j = next(j for j in instance_lines(lines, doc["key"], doc["generation"]) if j > i)
     del lines[i]
-    d = first(replay(tmp_path, lines))
-    assert (d.kind, d.line, d.key) == ("unknown-instance", j, doc["key"])
+    d = first(check_edited(tmp_path, lines))
+    assert (d.code, d.line, key_of(d)) == (codes.UNKNOWN_INSTANCE, j, doc["key"])
 
 
 def test_changed_generation_is_rejected(recorded: Run, tmp_path: Path) -> None:
     lines = lines_of(recorded.path)
     i, doc = next((i, d) for i, d in records(lines) if d["event"] == "start")
     lines[i] = line({**doc, "generation": doc["generation"] + 1000})
-    d = first(replay(tmp_path, lines))
-    assert (d.kind, d.line) == ("generation", i + 1)
+    d = first(check_edited(tmp_path, lines))
+    assert (d.code, d.line) == (codes.GENERATION, i + 1)
 
 
 def test_logged_ignored_event_is_illegal_and_says_so(recorded: Run, tmp_path: Path) -> None:
     lines = lines_of(recorded.path)
     i, doc = next((i, d) for i, d in records(lines) if d["to"] == "done")
     lines.insert(i + 1, line({**doc, "event": "abort", "from": "done", "to": "aborted"}))
-    d = first(replay(tmp_path, lines))
-    assert (d.kind, d.line) == ("illegal", i + 2)
+    d = first(check_edited(tmp_path, lines))
+    assert (d.code, d.line) == (codes.ILLEGAL, i + 2)
     assert "ignored there" in d.message and "never logs" in d.message
 
 
@@ -385,15 +391,15 @@ def test_time_running_backwards_is_rejected(recorded: Run, tmp_path: Path) -> No
         (j, d, e) for (_i, d), (j, e) in itertools.pairwise(records(lines)) if e["time"] > d["time"] + 1
     )
     lines[j] = line({**later, "time": doc["time"] - 5})
-    d = first(replay(tmp_path, lines))
-    assert (d.kind, d.line) == ("time-backwards", j + 1)
+    d = first(check_edited(tmp_path, lines))
+    assert (d.code, d.line) == (codes.TIME_BACKWARDS, j + 1)
 
 
 def test_log_of_another_machine_is_rejected_at_its_header(recorded: Run, tmp_path: Path) -> None:
     lines = lines_of(recorded.path)
     lines[0] = line({**json.loads(lines[0]), "machine": "mooncake_store_send"})
-    d = first(replay(tmp_path, lines))
-    assert (d.kind, d.line) == ("machine", 1)
+    d = first(check_edited(tmp_path, lines))
+    assert (d.code, d.line) == (codes.WRONG_MACHINE, 1)
 
 
 # -- deadlines and params as a deployment sets them ---------------------------------------------------
@@ -401,7 +407,7 @@ def test_log_of_another_machine_is_rejected_at_its_header(recorded: Run, tmp_pat
 
 def stalled(path: Path, *, timeout_param: dict[str, float] | None = None, stall: float) -> None:
     """One transfer that runs ``stall`` seconds before the poll loop (or the peer) gets to it."""
-    clock, driver = Clock(), KvDriver()
+    clock, driver = VirtualClock(START), KvDriver()
     with JsonlJournal(path, machine=SPEC.name, append=False) as journal:
         tracker = Tracker(SPEC, driver, clock=clock, params=timeout_param, observer=journal)
         for key in ("slow", "quick"):
@@ -410,7 +416,7 @@ def stalled(path: Path, *, timeout_param: dict[str, float] | None = None, stall:
             tracker.fire(key, "enqueue")
             tracker.fire(key, "start")
         tracker.fire("quick", "complete")
-        clock.advance(tracker, stall, poll=False)
+        advance(clock, tracker, stall, poll=False)
         tracker.poll()
         tracker.close()
 
@@ -421,7 +427,7 @@ def test_stalled_poll_loop_shows_as_an_overrun_on_the_timeout_line(tmp_path: Pat
     report = check_log(SPEC, path)
     d = first(report)
     expire = next(i for i, doc in records(lines_of(path)) if doc["event"] == "expire")
-    assert (d.kind, d.line, d.key) == ("overrun", expire + 1, "slow")
+    assert (d.code, d.line, key_of(d)) == (codes.OVERRUN, expire + 1, "slow")
     assert "'expire' was due at t=1030.000" in d.message
     stalled(path, stall=TIMEOUT)
     assert check_log(SPEC, path).conforms
@@ -432,7 +438,7 @@ def test_overridden_timeout_is_checked_with_the_deployments_param(tmp_path: Path
     stalled(path, timeout_param={"transfer_timeout": 50.0}, stall=40.0)
     lines = lines_of(path)
     assert not any(doc["event"] == "expire" for _i, doc in records(lines))
-    assert [d.kind for d in check_log(SPEC, path).divergences] == ["overrun"]
+    assert [d.code for d in check_log(SPEC, path).findings] == [codes.OVERRUN]
     assert check_log(SPEC, path, params={"transfer_timeout": 50.0}).conforms
     with pytest.raises(BindingError, match="declared: transfer_timeout"):
         check_log(SPEC, path, params={"transfer_timout": 50.0})
@@ -446,10 +452,10 @@ def test_instance_left_past_its_deadline_at_the_end_is_an_overrun(tmp_path: Path
     lines.append(
         line({"key": "late", "generation": 99, "event": "abort", "from": "pinned", "to": "aborted", "time": 2000})
     )
-    report = replay(tmp_path, lines)
+    report = check_edited(tmp_path, lines)
     started = next(i for i, d in records(lines) if d["key"] == "slow" and d["event"] == "start")
-    assert [(d.kind, d.line, d.key) for d in report.divergences] == [("overrun", started + 1, "slow")]
-    assert "still there at the end of the log" in report.divergences[0].message
+    assert [(d.code, d.line, key_of(d)) for d in report.findings] == [(codes.OVERRUN, started + 1, "slow")]
+    assert "still there at the end of the log" in report.findings[0].message
 
 
 # -- sessions: one file appended to across restarts ------------------------------------------------------
@@ -458,7 +464,7 @@ def test_instance_left_past_its_deadline_at_the_end_is_an_overrun(tmp_path: Path
 def test_restarted_tracker_appends_a_new_session(tmp_path: Path) -> None:
     path = tmp_path / "appended.jsonl"
     for _restart in range(2):
-        driver, clock = KvDriver(), Clock()
+        driver, clock = KvDriver(), VirtualClock(START)
         with JsonlJournal(path, machine=SPEC.name) as journal:
             tracker = Tracker(SPEC, driver, clock=clock, observer=journal)
             for key in ("a", "b"):
@@ -474,15 +480,15 @@ def test_crashed_session_reports_what_it_left_holding_at_the_restart(tmp_path: P
     path = tmp_path / "crashed.jsonl"
     with JsonlJournal(path, machine=SPEC.name) as journal:
         driver = KvDriver()
-        tracker = Tracker(SPEC, driver, clock=Clock(), observer=journal)
+        tracker = Tracker(SPEC, driver, clock=VirtualClock(START), observer=journal)
         driver.pin("a")
         tracker.begin("a")  # the process dies here: no close()
     with JsonlJournal(path, machine=SPEC.name) as journal:
-        tracker = Tracker(SPEC, KvDriver(), clock=Clock(), observer=journal)
+        tracker = Tracker(SPEC, KvDriver(), clock=VirtualClock(START), observer=journal)
         tracker.close()
     report = check_log(SPEC, path)
-    assert [(d.kind, d.line, d.key) for d in report.divergences] == [("unreleased", 2, "a")]
-    assert "restart at line 3" in report.divergences[0].message
+    assert [(d.code, d.line, key_of(d)) for d in report.findings] == [(codes.UNRELEASED, 2, "a")]
+    assert "restart at line 3" in report.findings[0].message
 
 
 # -- the journal itself -----------------------------------------------------------------------------------
@@ -492,7 +498,7 @@ def tracker_with(
     journal: JsonlJournal, clock: Callable[[], float] | None = None, **driver_options: int
 ) -> tuple[Tracker, KvDriver]:
     driver = KvDriver(**driver_options)
-    return Tracker(SPEC, driver, clock=clock or Clock(), observer=journal), driver
+    return Tracker(SPEC, driver, clock=clock or VirtualClock(START), observer=journal), driver
 
 
 def test_str_and_int_keys_stay_distinct_and_tuples_round_trip(tmp_path: Path) -> None:
@@ -539,7 +545,7 @@ def test_line_buffered_journal_writes_each_line_at_once(tmp_path: Path) -> None:
 
 def test_buffered_journal_writes_on_flush_and_once_its_interval_passes(tmp_path: Path) -> None:
     path = tmp_path / "buffered.jsonl"
-    clock = Clock()
+    clock = VirtualClock(START)
     with JsonlJournal(path, flush_interval=1.0) as journal:
         tracker, driver = tracker_with(journal, clock)
         driver.pin("a")
@@ -594,7 +600,7 @@ def test_text_stream_target_is_flushed_and_left_open() -> None:
 def test_journal_from_worker_threads_with_a_concurrent_flusher_conforms(tmp_path: Path) -> None:
     path = tmp_path / "threads.jsonl"
     journal = JsonlJournal(path, append=False, buffer_bytes=512)
-    clock = Clock()
+    clock = VirtualClock(START)
     tracker, driver = tracker_with(journal, clock, blocks=2_500)
     stop = threading.Event()
     pin_lock = threading.Lock()
@@ -655,7 +661,7 @@ def test_cli_accepts_the_real_log(recorded: Run) -> None:
     assert "conforms" in result.stdout
 
 
-def test_cli_prints_the_first_divergence_with_its_line_and_exits_one(recorded: Run, tmp_path: Path) -> None:
+def test_cli_prints_the_first_finding_with_its_line_and_exits_one(recorded: Run, tmp_path: Path) -> None:
     lines = lines_of(recorded.path)
     edits = [i for i, d in records(lines) if d["event"] == "complete"][:3]
     for i in edits:
@@ -664,13 +670,14 @@ def test_cli_prints_the_first_divergence_with_its_line_and_exits_one(recorded: R
     path.write_bytes(b"".join(lines))
     result = kvfsm_cli("replay", str(CANONICAL), str(path))
     assert result.returncode == 1
-    assert result.stdout.count("wrong-target:") == 1 and f"{path}:{edits[0] + 1}:" in result.stdout
+    assert result.stdout.count(codes.WRONG_TARGET) == 2 and f"{path}:{edits[0] + 1}:" in result.stdout
     assert "--all lists them" in result.stdout
     every = kvfsm_cli("replay", str(CANONICAL), str(path), "--all")
     assert [f"{path}:{i + 1}:" in every.stdout for i in edits] == [True] * 3
     doc = json.loads(kvfsm_cli("replay", str(CANONICAL), str(path), "--format", "json").stdout)
-    assert doc["conforms"] is False and doc["total"] >= 3
-    assert doc["divergences"][0]["line"] == edits[0] + 1 and doc["divergences"][0]["kind"] == "wrong-target"
+    assert doc["conforms"] is False and doc["errors"] == doc["total"] >= 3
+    found = doc["files"][0]["findings"][0]
+    assert (found["code"], found["line"], found["path"]) == (codes.WRONG_TARGET, edits[0] + 1, str(path))
 
 
 def test_cli_reads_stdin_and_takes_params(tmp_path: Path) -> None:

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 
 from ..errors import KvfsmError
+from ..spec.findings import Finding
 
 EXIT_OK, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
 
@@ -53,3 +55,30 @@ def missing_extra(command: str, extra: str, exc: ImportError) -> int:
         raise exc
     err.print(f"kvfsm {command} needs {module}, which is not installed: pip install 'kvfsm[{extra}]'")
     return EXIT_USAGE
+
+
+def print_finding(f: Finding) -> None:
+    """One finding as text, as every command shows findings: ``path:line: severity CODE message``, then its fix."""
+    colour = "red" if f.severity == "error" else "yellow"
+    where = f"{f.path}:{f.line}" if f.line else f.path
+    out.print(f"[bold]{escape(where)}[/]: [{colour}]{f.severity} {f.code}[/] {escape(f.message)}")
+    if f.fix:
+        out.print(f"    [dim]fix:[/] {escape(f.fix)}")
+
+
+def findings_json(files: Sequence[tuple[str, Sequence[Finding]]]) -> dict[str, Any]:
+    """Findings per file as every command's ``--format json`` prints them.
+
+    ``{"files": [{"path", "clean", "findings": [Finding.as_dict()]}], "errors", "warnings"}``;
+    a command adds its own keys beside these.
+    """
+    every = [f for _path, fs in files for f in fs]
+    errors = sum(f.severity == "error" for f in every)
+    return {
+        "files": [
+            {"path": path, "clean": not any(f.severity == "error" for f in fs), "findings": [f.as_dict() for f in fs]}
+            for path, fs in files
+        ],
+        "errors": errors,
+        "warnings": len(every) - errors,
+    }

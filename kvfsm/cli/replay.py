@@ -1,4 +1,4 @@
-"""``kvfsm replay``: check a transition journal a Tracker wrote against its spec."""
+"""``kvfsm replay``: check a transition journal a Tracker wrote against its spec, reported as KVF3xx findings."""
 
 from __future__ import annotations
 
@@ -7,26 +7,25 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO
+from typing import BinaryIO
 
 from rich.markup import escape
 
+from ..replay import DEFAULT_TOLERANCE, LogReport, check_log
+from ..replay.codes import NAMES
 from ..spec import SpecError, load
-from .common import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, Subparsers, err, out
-
-if TYPE_CHECKING:
-    from ..replay import Divergence, Replay
+from .common import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, Subparsers, err, findings_json, out, print_finding
 
 
 def register(sub: Subparsers) -> None:
     p = sub.add_parser(
         "replay",
-        help="check a transition log a Tracker wrote against its spec (exit 0 conforms, 1 diverges, 2 unusable)",
-        description="Replay a JSON-lines transition journal (kvfsm.replay.JsonlJournal) on the spec and report "
-        "illegal transitions, resources never released and deadlines overrun, by log line.",
+        help="check a transition log a Tracker wrote against its spec (exit 0 conforms, 1 findings, 2 unusable)",
+        description="Check a JSON-lines transition journal (kvfsm.replay.JsonlJournal) against its spec and report "
+        "illegal transitions, resources never released and deadlines overrun, by log line (KVF3xx findings).",
     )
     p.add_argument("spec", type=Path, metavar="SPEC", help="the spec file the tracker ran")
-    p.add_argument("log", metavar="LOG", help="the journal file (.gz is read as gzip; - reads stdin)")
+    p.add_argument("log", metavar="LOG", help="the journal file, plain or gzip (- reads stdin)")
     p.add_argument(
         "--param",
         action="append",
@@ -37,16 +36,16 @@ def register(sub: Subparsers) -> None:
     p.add_argument(
         "--tolerance",
         type=float,
-        default=None,
+        default=DEFAULT_TOLERANCE,
         metavar="SECONDS",
-        help="slack before a deadline counts as overrun (default 1.0)",
+        help=f"slack before a deadline counts as overrun (default {DEFAULT_TOLERANCE:g})",
     )
     p.add_argument(
         "--allow-live",
         action="store_true",
         help="accept instances still holding resources at the end (a log cut from a running process)",
     )
-    p.add_argument("--all", action="store_true", help="list every divergence, not just the first")
+    p.add_argument("--all", action="store_true", help="list every finding, not just the first")
     p.add_argument("--format", choices=("text", "json"), default="text")
     p.set_defaults(run=run)
 
@@ -67,17 +66,11 @@ def _params(pairs: list[str]) -> dict[str, float] | str:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        from ..replay import DEFAULT_TOLERANCE, check_log
-    except ModuleNotFoundError as exc:  # msgspec is an optional dependency of the library
-        err.print(f"[red]kvfsm replay: needs {exc.name} (pip install {exc.name})[/]")
-        return EXIT_USAGE
     params = _params(args.param)
     if isinstance(params, str):
         err.print(f"[red]kvfsm replay: {escape(params)}[/]")
         return EXIT_USAGE
-    tolerance = DEFAULT_TOLERANCE if args.tolerance is None else args.tolerance
-    if not math.isfinite(tolerance) or tolerance < 0:
+    if not math.isfinite(args.tolerance) or args.tolerance < 0:
         err.print(f"[red]kvfsm replay: --tolerance must be a number of seconds >= 0, not {args.tolerance}[/]")
         return EXIT_USAGE
     try:
@@ -97,22 +90,29 @@ def run(args: argparse.Namespace) -> int:
         source,
         name="<stdin>" if args.log == "-" else None,
         params=params,
-        tolerance=tolerance,
+        tolerance=args.tolerance,
         allow_live=args.allow_live,
     )
     if args.format == "json":
-        doc = report.as_dict()
-        doc["spec"] = str(args.spec)
-        out.print_json(json.dumps(doc))
+        out.print_json(json.dumps(_json(report, args.spec)))
     else:
         _render(report, every=args.all)
     return EXIT_OK if report.conforms else EXIT_FINDINGS
 
 
-def _render(report: Replay, *, every: bool) -> None:
-    shown = report.divergences if every else report.divergences[:1]
-    for d in shown:
-        _divergence(d)
+def _json(report: LogReport, spec: Path) -> dict[str, object]:
+    """``kvfsm check``'s JSON shape for the log's findings, with what was checked beside it."""
+    doc = findings_json([(report.path, report.findings)])
+    doc["errors"] = report.total  # every finding is an error; only the first KEEP are listed
+    summary = report.as_dict()
+    del summary["findings"], summary["path"]
+    return {**doc, "spec": str(spec), **summary}
+
+
+def _render(report: LogReport, *, every: bool) -> None:
+    shown = report.findings if every else report.findings[:1]
+    for f in shown:
+        print_finding(f)
     summary = (
         f"{report.path}: {report.records} transition(s) of {report.instances} instance(s) of "
         f"{report.machine!r} in {report.lines} line(s)"
@@ -120,16 +120,10 @@ def _render(report: Replay, *, every: bool) -> None:
     if report.conforms:
         out.print(f"[green]✓ {escape(summary)}: conforms[/]")
         return
-    counts = ", ".join(f"{n} {kind}" for kind, n in sorted(report.by_kind.items()))
-    out.print(f"[red]{escape(summary)}: {report.total} divergence(s) ({escape(counts)})[/]")
+    counts = ", ".join(f"{n} {code} {NAMES.get(code, '')}".rstrip() for code, n in sorted(report.by_code.items()))
+    out.print(f"[red]{escape(summary)}: {report.total} finding(s) ({escape(counts)})[/]")
     hidden = report.total - len(shown)
     if hidden and not every:
         out.print(f"[dim]{hidden} more; --all lists them[/]")
     elif hidden:
         out.print(f"[dim]{hidden} more not listed: only the first {len(shown)} are kept[/]")
-
-
-def _divergence(d: Divergence) -> None:
-    out.print(f"[bold]{escape(d.path)}:{d.line}[/]: [red]{d.kind}:[/] {escape(d.message)}")
-    if d.fix:
-        out.print(f"    [dim]fix:[/] {escape(d.fix)}")

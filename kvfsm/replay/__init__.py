@@ -1,22 +1,23 @@
 """Runtime conformance: a Tracker's transitions as a JSON-lines journal, checked offline against the spec.
 
 :class:`JsonlJournal` is a Tracker observer that writes the journal;
-:func:`check_log` (``kvfsm replay``) replays it on the spec model and reports
-where the deployment left the declared lifecycle.
+:func:`check_log` (``kvfsm replay``) checks it on the spec model and reports
+where the deployment left the declared lifecycle, as KVF3xx findings
+(:mod:`kvfsm.replay.codes`).
 """
 
-from .check import DEFAULT_TOLERANCE, Divergence, DivergenceKind, LogChecker, Replay, check_log
+from . import codes
+from .check import DEFAULT_TOLERANCE, LogChecker, LogReport, check_log
 from .journal import JsonlJournal
 from .record import Header, Record
 
 __all__ = [
     "DEFAULT_TOLERANCE",
-    "Divergence",
-    "DivergenceKind",
     "Header",
     "JsonlJournal",
     "LogChecker",
+    "LogReport",
     "Record",
-    "Replay",
     "check_log",
+    "codes",
 ]

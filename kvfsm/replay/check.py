@@ -1,95 +1,85 @@
 """Check a transition journal against its spec: where a real deployment left the declared lifecycle.
 
-The checker replays the log line by line on the spec model's own semantics
-(``edges()``, ``ignored()``, ``holds()``, the states' timeouts and the params),
-keeping for every instance the state its last line put it in, and reports:
+The checker replays the log line by line and keeps, for every instance, the
+state its last line put it in. What the machine allows it asks the spec model
+once, at the start, and nowhere else: the transition ``table`` (wildcards
+expanded), the legal no-ops (``ignores``), what each state holds
+(``holds()``), the initial and final states, and each state's timeout with its
+param resolved (``param()``). Every result is a :class:`~kvfsm.spec.Finding`
+with a KVF3xx code (:mod:`kvfsm.replay.codes`), in the order a line is judged:
 
-- lines that are not journal lines (bad JSON, missing fields, wrong types), and
-  a last line cut short;
-- events for keys with no instance, a ``begin`` for a key that is still live,
-  generations that disagree with the instance's or do not increase at ``begin``;
-- a ``from`` that is not the state the instance was in, an event that is not a
-  transition from ``from`` (an *ignored* event is one too: the Tracker never
-  logs no-ops), a ``to`` that is not the transition's target;
-- a state with a timeout held longer than its ``after`` plus a tolerance,
-  whether the instance left it late or never left it before the log ends;
+- a log that cannot be read past some line (KVF300), a line that is not a
+  journal line (KVF301), a last line cut short (KVF302);
+- a session header of another machine (KVF303);
+- events for keys with no instance (KVF304), a ``begin`` for a key that is
+  still live (KVF305), generations that disagree with the instance's or do not
+  increase at ``begin`` (KVF306);
+- a ``from`` that is not the state the instance was in (KVF307), an event that
+  is not a transition from ``from`` (KVF308; an *ignored* event is one too: the
+  Tracker never logs no-ops), a ``to`` that is not the transition's target
+  (KVF309);
+- a state with a timeout held longer than its ``after`` plus a tolerance
+  (KVF310), whether the instance left it late or never left it before the log
+  ends;
+- time that runs backwards (KVF311: a tracker's clock is monotonic);
 - instances that end the log (or a session, when the log restarts) in a state
-  that holds resources;
-- time that runs backwards (a tracker's clock is monotonic).
+  that holds resources (KVF312).
 
-Each line gets at most one divergence, the first of the list above that it
-shows; after it the checker believes the line (the instance is now in its
-``to``), so one missing or edited line is reported once, not on every later
-line of the instance.
+Each line gets at most one finding, the first of the list above that it shows;
+after it the checker believes the line (the instance is now in its ``to``, the
+clock reads its ``time``), so one missing or edited line is reported once, not
+on every later line of the instance. No input makes the checker raise: bytes
+that are not a journal line are a finding at their line, and the lines after
+them are checked.
 """
 
 from __future__ import annotations
 
-import gzip
 import os
+import re
 from collections import Counter, deque
 from collections.abc import Hashable, Iterable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 
 from ..errors import BindingError
-from ..spec import Spec, load
+from ..spec import Finding, Spec, load
 from ..spec.model import Edge
+from . import codes
+from .read import STOPS, log_lines, why_stopped
 from .record import BEGIN, Header, Record
-
-DivergenceKind = Literal[
-    "malformed",
-    "truncated",
-    "machine",
-    "unknown-instance",
-    "duplicate-begin",
-    "generation",
-    "wrong-source",
-    "illegal",
-    "wrong-target",
-    "overrun",
-    "time-backwards",
-    "unreleased",
-]
 
 DEFAULT_TOLERANCE = 1.0
 """Seconds a deadline may be overrun before it counts: time is stamped after a transition's actions
 run, and a poll loop fires timeouts at its own pace."""
 
 KEEP = 1000
-"""Divergences kept in a :class:`Replay` (all are counted)."""
+"""Findings kept in a :class:`LogReport` (all are counted)."""
 
 RECENT_FINALS = 100_000
 """Finished instances remembered, so a late line for one is judged against its final state; older
 ones are forgotten (a line for them then reads as an unknown instance) to keep memory bounded."""
 
+KEY_DEPTH = 32
+"""Deepest nesting of arrays and objects accepted in a key. Tracker keys are ids, tuples of ids or
+small dataclasses; a bound keeps every later step on a key (hashing, quoting) shallow."""
 
-@dataclass(frozen=True, slots=True)
-class Divergence:
-    """One place the log leaves the spec: which line, what is wrong, and what to look at."""
+SHOWN = 80
+"""Most characters of a value from the log quoted in a message, so a huge field cannot bloat a report."""
 
-    kind: DivergenceKind
-    path: str
-    line: int
-    message: str
-    fix: str = ""
-    key: Any = None
-    """The instance's key as the log wrote it (a JSON value), or None for a line with no usable key."""
+UNDECODABLE: tuple[type[BaseException], ...] = (msgspec.MsgspecError, ValueError, RecursionError)
+"""What decoding arbitrary bytes can raise: msgspec's errors, UnicodeDecodeError (a ValueError) for a
+string that is not UTF-8, RecursionError for nesting deeper than the decoder can follow."""
 
-    def __str__(self) -> str:
-        text = f"{self.path}:{self.line}: {self.message} ({self.kind})."
-        return f"{text} {self.fix}" if self.fix else text
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+_AT_BYTE = re.compile(r"\(byte (\d+)\)")
 
 
 @dataclass(frozen=True, slots=True)
-class Replay:
-    """What checking one log found; ``conforms`` when nothing diverged."""
+class LogReport:
+    """What checking one log found; ``conforms`` when nothing was found."""
 
     path: str
     machine: str
@@ -103,26 +93,36 @@ class Replay:
     """Tracker runs in the log: one per header line (or one, for a log without headers)."""
     live: int
     """Instances not in a final state when the log ends."""
-    divergences: tuple[Divergence, ...]
-    """The first :data:`KEEP` divergences, in the order the log shows them."""
+    findings: tuple[Finding, ...]
+    """The first :data:`KEEP` findings, in the order the log shows them."""
     total: int
-    """Every divergence, kept or not."""
-    by_kind: Mapping[str, int] = field(default_factory=dict)
+    """Every finding, kept or not."""
+    by_code: Mapping[str, int] = field(default_factory=dict)
+    """How many findings of each KVF3xx code, kept or not."""
 
     @property
     def conforms(self) -> bool:
         return self.total == 0
 
     @property
-    def first(self) -> Divergence | None:
-        return self.divergences[0] if self.divergences else None
+    def first(self) -> Finding | None:
+        return self.findings[0] if self.findings else None
 
     def as_dict(self) -> dict[str, Any]:
-        doc = asdict(self)
-        doc["divergences"] = [d.as_dict() for d in self.divergences]
-        doc["by_kind"] = dict(self.by_kind)
-        doc["conforms"] = self.conforms
-        return doc
+        """The report as plain data; ``findings`` in the shape ``kvfsm check --format json`` prints them."""
+        return {
+            "path": self.path,
+            "machine": self.machine,
+            "lines": self.lines,
+            "records": self.records,
+            "instances": self.instances,
+            "sessions": self.sessions,
+            "live": self.live,
+            "conforms": self.conforms,
+            "total": self.total,
+            "by_code": dict(self.by_code),
+            "findings": [f.as_dict() for f in self.findings],
+        }
 
 
 class _Instance:
@@ -143,22 +143,61 @@ class _Instance:
         """When ``state``'s timeout was due (entry time + after), or None."""
 
 
-def _hashable(value: Any) -> Hashable:
-    """A JSON value as a dict key: arrays become tuples (a tuple key is logged as an array)."""
+class _KeyTooDeep(Exception):
+    """A key nested deeper than :data:`KEY_DEPTH`."""
+
+
+_NOT_A_LINE: tuple[type[BaseException], ...] = (*UNDECODABLE, _KeyTooDeep)
+"""Everything that makes a line no journal line, caught where the line is read."""
+
+
+def _hashable(value: Any, depth: int = 0) -> Hashable:
+    """A JSON value as a dict key: arrays become tuples (a tuple key is logged as an array), objects frozensets."""
     if isinstance(value, list):
-        return tuple(_hashable(v) for v in value)
+        if depth >= KEY_DEPTH:
+            raise _KeyTooDeep
+        return tuple(_hashable(v, depth + 1) for v in value)
     if isinstance(value, dict):
-        return tuple(sorted((k, _hashable(v)) for k, v in value.items()))
+        if depth >= KEY_DEPTH:
+            raise _KeyTooDeep
+        return frozenset((k, _hashable(v, depth + 1)) for k, v in value.items())
     return value  # type: ignore[no-any-return]
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= SHOWN else f"{text[:SHOWN]}…({len(text)} characters)"
+
+
+def _q(text: str) -> str:
+    """A name from the log, quoted like ``repr`` and clipped to :data:`SHOWN` characters."""
+    return _clip(repr(text))
 
 
 def _show(key: Any) -> str:
     """``key "req-7"`` or ``key 7``: as logged, so a string key and a number stay apart."""
-    return f"key {msgspec.json.encode(key).decode()}"
+    return f"key {_clip(msgspec.json.encode(key).decode())}"
 
 
 def _t(seconds: float) -> str:
     return f"{seconds:.3f}"
+
+
+def _not_a_line(raw: bytes, exc: BaseException) -> tuple[str, int]:
+    """Why ``raw`` did not decode (one of :data:`UNDECODABLE`, or a key too deep), and the column to point at."""
+    if isinstance(exc, _KeyTooDeep):
+        return f"its key is nested more than {KEY_DEPTH} levels deep, deeper than any key a tracker logs", 1
+    if isinstance(exc, RecursionError):
+        return "its JSON is nested too deeply to read", 1
+    if isinstance(exc, UnicodeDecodeError):
+        try:
+            raw.decode()
+        except UnicodeDecodeError as bad:
+            return f"byte 0x{raw[bad.start]:02x} at column {bad.start + 1} is not UTF-8, which JSON text must be", (
+                bad.start + 1
+            )
+        return f"it is not UTF-8 ({exc})", 1
+    at = _AT_BYTE.search(str(exc))
+    return _clip(str(exc)), int(at.group(1)) + 1 if at else 1
 
 
 class LogChecker:
@@ -189,13 +228,9 @@ class LogChecker:
         self.tolerance = tolerance
         self.allow_live = allow_live
         self._keep = keep
-        self._edges: dict[tuple[str, str], Edge] = {}
-        accepts: dict[str, list[str]] = {name: [] for name in spec.states}
-        for edge in spec.edges():
-            self._edges.setdefault((edge.source, edge.event), edge)
-            accepts.setdefault(edge.source, []).append(edge.event)
-        self._accepts = {s: ", ".join(dict.fromkeys(evs)) or "nothing" for s, evs in accepts.items()}
-        self._ignored = {(state, event) for state, event, _rule in spec.ignored()}
+        # What the machine allows, asked of the spec model here and only here.
+        self._edges: Mapping[tuple[str, str], Edge] = spec.table
+        self._ignored = spec.ignores
         self._timeouts: dict[str, tuple[float, str, str | None]] = {}
         """state -> (seconds, the event it fires, the param that sets it or None)."""
         for name, state in spec.states.items():
@@ -205,12 +240,13 @@ class LogChecker:
                 self._timeouts[name] = (spec.param(after, params), state.timeout.fire, param)
         self._finals = frozenset(spec.finals)
         self._initial = spec.initial.name
+        # What the log has said so far.
         self._records = msgspec.json.Decoder(Record)
         self._headers = msgspec.json.Decoder(Header)
-        self._divergences: list[Divergence] = []
-        self._by_kind: Counter[str] = Counter()
+        self._findings: list[Finding] = []
+        self._by_code: Counter[str] = Counter()
         self._reported = 0
-        """The last line a divergence was reported for (each line gets at most one)."""
+        """The last line a finding was reported for (each line gets at most one)."""
         self._line = 0
         self._nrecords = 0
         self._ninstances = 0
@@ -227,22 +263,15 @@ class LogChecker:
     # -- input -----------------------------------------------------------------------
 
     def feed(self, raw: bytes) -> None:
-        """Check the next line (as read, newline included if it had one)."""
+        """Check the next line (as read, newline included if it had one); any bytes at all."""
         self._line += 1
         if not raw.strip():
             return
         try:
             line = self._decode(raw)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            if raw.endswith(b"\n"):
-                self._report(
-                    "malformed",
-                    self._line,
-                    f"not a journal line: {exc}",
-                    "Each line is one JSON object with key, generation, event, from, to and time.",
-                )
-            else:
-                self.cut(self._line, f"the last line is cut short ({exc}) and has no newline")
+            key = _hashable(line.key) if isinstance(line, Record) else None
+        except _NOT_A_LINE as exc:
+            self._malformed(raw, exc)
             return
         if isinstance(line, Header):
             self._session(line)
@@ -252,9 +281,9 @@ class LogChecker:
             self._sessions += 1
             self._open = True
         if line.from_ == "":
-            self._begin(line)
+            self._begin(line, key)
         else:
-            self._step(line)
+            self._step(line, key)
         self._clock(line)
 
     @property
@@ -265,21 +294,30 @@ class LogChecker:
     @property
     def truncated(self) -> bool:
         """Whether the log was found cut short."""
-        return self._by_kind["truncated"] > 0
+        return self._by_code[codes.TRUNCATED] > 0
 
     def cut(self, line: int, message: str) -> None:
-        """The log ends abruptly at ``line`` (a truncated file or stream)."""
+        """The log ends abruptly at ``line`` (a truncated file or stream): ``message`` says how."""
         self._report(
-            "truncated",
+            codes.TRUNCATED,
             line,
-            message,
-            "The log was truncated or is still being written; its tail is missing.",
+            f"{message}: the transitions after this point are missing",
+            "The log was truncated, or is still being written (--allow-live accepts what its tail would release).",
         )
 
-    def finish(self) -> Replay:
+    def unreadable(self, line: int, message: str) -> None:
+        """Reading the log stopped at ``line`` for a reason other than its end: ``message`` says which."""
+        self._report(
+            codes.UNREADABLE,
+            line,
+            f"{message}: reading stopped, so nothing from this line on is checked",
+            "Recover the readable part (gzip -dc LOG > part.jsonl) and check that, or check an intact copy.",
+        )
+
+    def finish(self) -> LogReport:
         """End of the log: report what it leaves live, and return everything found."""
         self._end_session(None)
-        return Replay(
+        return LogReport(
             path=self.path,
             machine=self.spec.name,
             lines=self._line,
@@ -287,9 +325,9 @@ class LogChecker:
             instances=self._ninstances,
             sessions=self._sessions,
             live=self._left_live,
-            divergences=tuple(self._divergences),
-            total=sum(self._by_kind.values()),
-            by_kind=dict(self._by_kind),
+            findings=tuple(self._findings),
+            total=sum(self._by_code.values()),
+            by_code=dict(self._by_code),
         )
 
     # -- one line --------------------------------------------------------------------
@@ -303,6 +341,20 @@ class LogChecker:
             except msgspec.ValidationError:
                 raise exc from None
 
+    def _malformed(self, raw: bytes, exc: BaseException) -> None:
+        why, col = _not_a_line(raw, exc)
+        if not raw.endswith(b"\n"):
+            self.cut(self._line, f"the last line is cut short ({why}) and has no newline")
+            return
+        self._report(
+            codes.MALFORMED,
+            self._line,
+            f"not a journal line: {why}; it is skipped, so what it recorded is missing from the check",
+            "Each line is one JSON object with key, generation, event, from, to and time, as JsonlJournal "
+            "writes it: was the file edited, or written by something else too?",
+            col=col,
+        )
+
     def _session(self, header: Header) -> None:
         """A header: a tracker (re)started writing here; what the previous run left live is judged now."""
         if self._open:
@@ -314,108 +366,105 @@ class LogChecker:
         self._time = self._generation = None
         if header.machine is not None and header.machine != self.spec.name:
             self._report(
-                "machine",
+                codes.WRONG_MACHINE,
                 self._line,
-                f"this log was written by a tracker of machine {header.machine!r}, not {self.spec.name!r}",
+                f"this log was written by a tracker of machine {_q(header.machine)}, not {self.spec.name!r}: "
+                "its lines will not match this spec's transitions",
                 "Check the log against the spec its tracker ran.",
             )
 
-    def _begin(self, rec: Record) -> None:
-        n, key = self._line, _hashable(rec.key)
+    def _begin(self, rec: Record, key: Hashable) -> None:
+        n = self._line
         if rec.event != BEGIN:
             self._report(
-                "malformed",
+                codes.MALFORMED,
                 n,
-                f"a line with an empty 'from' starts an instance, but its event is {rec.event!r}",
+                f"not a journal line: an empty 'from' starts an instance, but its event is {_q(rec.event)}, "
+                "not 'begin'; it is skipped",
                 "Only begin lines have an empty 'from'; every other line names the state the instance left.",
-                rec.key,
             )
             return
         old = self._live.get(key)
         if old is not None and old.state not in self._finals:
             self._report(
-                "duplicate-begin",
+                codes.DUPLICATE_BEGIN,
                 n,
                 f"begin for {_show(rec.key)} while its instance from line {old.line} (generation "
-                f"{old.generation}) is still live in {old.state!r}",
+                f"{old.generation}) is still live in {old.state!r}: what that instance held is never "
+                "released in this log",
                 "The Tracker refuses begin for a live key, so a line that finished the earlier instance is "
                 "missing, or two trackers wrote this log.",
-                rec.key,
             )
         if self._generation is not None and rec.generation <= self._generation:
             self._report(
-                "generation",
+                codes.GENERATION,
                 n,
                 f"begin for {_show(rec.key)} has generation {rec.generation}, not above {self._generation} "
-                f"of the begin at line {self._generation_line}",
+                f"of the begin at line {self._generation_line}: late events could be applied to the wrong "
+                "instance",
                 "A tracker numbers instances in begin order, so this line is out of order, duplicated, or "
                 "from another tracker.",
-                rec.key,
             )
         if self._generation is None or rec.generation > self._generation:
             self._generation, self._generation_line = rec.generation, n
         if rec.to != self._initial:
             self._report(
-                "wrong-target",
+                codes.WRONG_TARGET,
                 n,
-                f"begin for {_show(rec.key)} entered {rec.to!r}, but the initial state of "
-                f"{self.spec.name!r} is {self._initial!r}",
+                f"begin for {_show(rec.key)} entered {_q(rec.to)}, but the initial state of "
+                f"{self.spec.name!r} is {self._initial!r}: the instance started outside the declared lifecycle",
                 "Check the log against the spec its tracker ran.",
-                rec.key,
             )
         self._ninstances += 1
         self._enter(key, _Instance(rec.key, rec.generation, rec.to, n), rec.time)
 
-    def _step(self, rec: Record) -> None:
-        n, key, src, event = self._line, _hashable(rec.key), rec.from_, rec.event
-        who = f"{event!r} for {_show(rec.key)}"
+    def _step(self, rec: Record, key: Hashable) -> None:
+        n, src, event = self._line, rec.from_, rec.event
+        who = f"{_q(event)} for {_show(rec.key)}"
         inst = self._live.get(key)
         if inst is None:
             self._report(
-                "unknown-instance",
+                codes.UNKNOWN_INSTANCE,
                 n,
-                f"{who} ({src} → {rec.to}), which has no instance: no begin line for it"
-                + (" since the log restarted" if self._sessions > 1 else ""),
+                f"{who} ({_clip(src)} → {_clip(rec.to)}) has no instance: no begin line for it"
+                + (" since the log restarted" if self._sessions > 1 else "")
+                + ", so what it acquired is not accounted for",
                 "A log must start where its tracker started; was its head cut off or rotated away?",
-                rec.key,
             )
             inst = _Instance(rec.key, rec.generation, src, n)
         elif rec.generation != inst.generation:
             self._report(
-                "generation",
+                codes.GENERATION,
                 n,
                 f"{who} carries generation {rec.generation}, but the instance begun at line {inst.begun} "
-                f"is generation {inst.generation}",
+                f"is generation {inst.generation}: an event of another instance was applied to this one",
                 "Events of a finished generation are never applied by the Tracker; the log mixes instances.",
-                rec.key,
             )
         if src != inst.state:
             self._report(
-                "wrong-source",
+                codes.WRONG_SOURCE,
                 n,
-                f"{who} leaves {src!r}, but the instance is in {inst.state!r} (since line {inst.line})",
+                f"{who} leaves {_q(src)}, but the instance is in {inst.state!r} (since line {inst.line}): "
+                "a transition in between is unaccounted for",
                 "A transition line is missing or out of order before this one.",
-                rec.key,
             )
             inst.due = None  # when it entered src is unknown: no deadline to judge
         edge = self._edges.get((src, event))
         if edge is None:
             self._report(
-                "illegal",
+                codes.ILLEGAL,
                 n,
-                f"{who} in {src!r}: {self._why_illegal(src, event)}",
+                f"{who} in {_q(src)}: {self._why_illegal(src, event)}",
                 "A Tracker logs only transitions its spec has: is this the spec the tracker ran?",
-                rec.key,
             )
         elif edge.target != rec.to:
             loc = edge.transition.loc
             self._report(
-                "wrong-target",
+                codes.WRONG_TARGET,
                 n,
-                f"{who} went from {src!r} to {rec.to!r}, but the spec's transition ({loc.path}:{loc.line}) goes to "
-                f"{edge.target!r}",
+                f"{who} went from {src!r} to {_q(rec.to)}, but the spec's transition ({loc.path}:{loc.line}) goes "
+                f"to {edge.target!r}: the instance now holds what {_q(rec.to)} holds, not what the spec says",
                 "Check the log against the spec its tracker ran.",
-                rec.key,
             )
         if inst.due is not None and rec.time > inst.due + self.tolerance:
             self._overrun(inst, rec.time, n, f"to t={_t(rec.time)}", once=True)
@@ -440,13 +489,12 @@ class LogChecker:
         last = self._time
         if last is not None and rec.time < last:
             self._report(
-                "time-backwards",
+                codes.TIME_BACKWARDS,
                 self._line,
-                f"time runs backwards: t={_t(rec.time)} after t={_t(last)} at line {self._time_line}",
+                f"time runs backwards: t={_t(rec.time)} after t={_t(last)} at line {self._time_line}, so the "
+                "deadlines judged around it are measured on a broken clock",
                 "A tracker's clock is monotonic, so lines are out of order or from two trackers.",
-                rec.key,
             )
-            return
         self._time, self._time_line = rec.time, self._line
 
     # -- the end of a session -------------------------------------------------------------
@@ -465,13 +513,12 @@ class LogChecker:
             holds = self.spec.holds(inst.state)
             if holds and not self.allow_live:
                 self._report(
-                    "unreleased",
+                    codes.UNRELEASED,
                     inst.line,
                     f"{_show(inst.key)} ends in {inst.state!r} holding {', '.join(holds)} at {end}: no line "
-                    f"releases them",
-                    "A path that leaves this state is missing (a leak), or the log was cut while the process "
-                    "ran (--allow-live accepts that).",
-                    inst.key,
+                    "releases them, so they stay held (a leak)",
+                    "A path that leaves this state is missing, or the log was cut while the process ran "
+                    "(--allow-live accepts that).",
                     once=False,
                 )
 
@@ -485,32 +532,31 @@ class LogChecker:
         if param is not None:
             fix += f" A deployment that overrides {param} is checked with --param {param}=SECONDS."
         self._report(
-            "overrun",
+            codes.OVERRUN,
             line,
             f"{_show(inst.key)} stayed in {inst.state!r} from t={_t(inst.since)} (line {inst.line}) {until}, "
-            f"{_t(now - inst.due)}s past its deadline ({after}): {fire!r} was due at t={_t(inst.due)}",
+            f"{_t(now - inst.due)}s past its deadline ({after}): {fire!r} was due at t={_t(inst.due)}, and what "
+            f"{inst.state!r} holds stayed pinned that long",
             f"{fix} --tolerance (now {self.tolerance:g}s) widens the slack.",
-            inst.key,
             once=once,
         )
 
     def _why_illegal(self, src: str, event: str) -> str:
         if src not in self.spec.states:
-            return f"{src!r} is not a state of {self.spec.name!r} (states: {', '.join(self.spec.states)})"
+            return f"{_q(src)} is not a state of {self.spec.name!r} (states: {', '.join(self.spec.states)})"
         if (src, event) in self._ignored:
             return "the event is ignored there, a legal no-op, which the Tracker never logs"
-        return f"not a transition of {self.spec.name!r}; {src!r} accepts {self._accepts.get(src, 'nothing')}"
+        accepted = ", ".join(e for s, e in self._edges if s == src) or "nothing"  # a finding's cost only
+        return f"not a transition of {self.spec.name!r}; {src!r} accepts {accepted}"
 
-    def _report(
-        self, kind: DivergenceKind, line: int, message: str, fix: str = "", key: Any = None, *, once: bool = True
-    ) -> None:
+    def _report(self, code: str, line: int, message: str, fix: str, *, col: int = 1, once: bool = True) -> None:
         if once:
             if self._reported == line:
                 return
             self._reported = line
-        self._by_kind[kind] += 1
-        if len(self._divergences) < self._keep:
-            self._divergences.append(Divergence(kind, self.path, line, message, fix, key))
+        self._by_code[code] += 1
+        if len(self._findings) < self._keep:
+            self._findings.append(Finding(code, "error", self.path, line, message, fix, col))
 
 
 def check_log(
@@ -522,34 +568,27 @@ def check_log(
     tolerance: float = DEFAULT_TOLERANCE,
     allow_live: bool = False,
     keep: int = KEEP,
-) -> Replay:
-    """Check a journal (a path, ``.gz`` read as gzip, or an iterable of byte lines) against ``spec``.
+) -> LogReport:
+    """Check a journal (a path or binary stream, plain or gzip, or an iterable of byte lines) against ``spec``.
 
-    Raises OSError when the log cannot be read, :class:`~kvfsm.SpecError` for a
-    spec path that does not load, and :class:`~kvfsm.BindingError` for params
-    the spec does not declare.
+    Raises OSError when a log path cannot be opened (a log that stops being
+    readable partway is a KVF300 finding instead), :class:`~kvfsm.SpecError`
+    for a spec path that does not load, and :class:`~kvfsm.BindingError` for
+    params the spec does not declare.
     """
     if not isinstance(spec, Spec):
         spec = load(Path(spec))
-    if isinstance(log, str | os.PathLike):
-        path = Path(log)
-        checker = LogChecker(
-            spec, path=name or str(path), params=params, tolerance=tolerance, allow_live=allow_live, keep=keep
-        )
-        with gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb") as stream:
-            _feed(checker, stream)
-    else:
-        checker = LogChecker(
-            spec, path=name or "<stream>", params=params, tolerance=tolerance, allow_live=allow_live, keep=keep
-        )
-        _feed(checker, log)
+    if name is None:
+        name = str(log) if isinstance(log, str | os.PathLike) else str(getattr(log, "name", "<stream>"))
+    checker = LogChecker(spec, path=name, params=params, tolerance=tolerance, allow_live=allow_live, keep=keep)
+    with log_lines(log) as lines:
+        try:
+            for raw in lines:
+                checker.feed(raw)
+        except STOPS as exc:  # raised by the reading, never by feed()
+            stop = why_stopped(exc)
+            if stop.cut and not checker.truncated:
+                checker.cut(checker.lines + 1, stop.why)
+            elif not stop.cut:
+                checker.unreadable(checker.lines + 1, stop.why)
     return checker.finish()
-
-
-def _feed(checker: LogChecker, lines: Iterable[bytes]) -> None:
-    try:
-        for raw in lines:
-            checker.feed(raw)
-    except EOFError as exc:  # a gzip stream cut short
-        if not checker.truncated:
-            checker.cut(checker.lines + 1, f"the compressed log ends abruptly ({exc})")
