@@ -10,6 +10,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
+from rich.markup import escape
 
 from ..errors import KvfsmError
 from ..spec.findings import Finding
@@ -53,7 +54,7 @@ def missing_extra(command: str, extra: str, exc: ImportError) -> int:
     module = (exc.name or "").partition(".")[0]
     if not module or module == "kvfsm" or find_spec(module) is not None:
         raise exc
-    err.print(f"kvfsm {command} needs {module}, which is not installed: pip install 'kvfsm[{extra}]'")
+    err.print(escape(f"kvfsm {command} needs {module}, which is not installed: pip install 'kvfsm[{extra}]'"))
     return EXIT_USAGE
 
 
