@@ -10,7 +10,6 @@ from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
-from rich.markup import escape
 
 from ..errors import KvfsmError
 from ..spec.findings import Finding
