@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from .spec.findings import Finding, SpecError
+if TYPE_CHECKING:
+    from .spec.findings import Finding
 
 __all__ = [
     "ActionError",
@@ -14,16 +15,25 @@ __all__ = [
     "BindingError",
     "DuplicateKey",
     "Failure",
-    "Finding",
     "IllegalTransition",
     "KvfsmError",
+    "PayloadError",
+    "ReentrantCall",
     "SpecError",
     "TrackerClosed",
 ]
 
 
 class KvfsmError(Exception):
-    """Base of every error kvfsm raises at run time."""
+    """Base of every error kvfsm raises."""
+
+
+class SpecError(KvfsmError):
+    """A spec that cannot be used: carries every error finding, each with file and line."""
+
+    def __init__(self, findings: Iterable[Finding]) -> None:
+        self.findings = tuple(findings)
+        super().__init__("\n".join(str(f) for f in self.findings))
 
 
 class IllegalTransition(KvfsmError):
@@ -37,7 +47,8 @@ class IllegalTransition(KvfsmError):
         )
 
 
-Phase = Literal["do", "acquire", "release", "observer"]
+Phase = Literal["do", "acquire", "release", "observer", "queued"]
+"""Where a failure happened: a driver action of that kind, the observer, or a call an action queued."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,10 +68,15 @@ class Failure:
 
 
 class ActionError(KvfsmError):
-    """Driver actions raised. The instances are already in defined states (see each Failure)."""
+    """Driver actions raised. The instances are already in defined states (see each Failure).
 
-    def __init__(self, failures: Sequence[Failure]) -> None:
+    ``result`` is what the call would have returned had nothing raised: the
+    new state for ``fire``, the timeouts that fired for ``poll``.
+    """
+
+    def __init__(self, failures: Sequence[Failure], result: Any = None) -> None:
         self.failures = tuple(failures)
+        self.result = result
         lines = "\n  ".join(str(f) for f in self.failures)
         super().__init__(f"{len(self.failures)} driver action(s) failed:\n  {lines}")
         if self.failures:
@@ -77,6 +93,14 @@ class DuplicateKey(KvfsmError):
 
 class TrackerClosed(KvfsmError):
     """The tracker was closed; it accepts no more events."""
+
+
+class ReentrantCall(KvfsmError):
+    """A call a driver action may not make on its own tracker (``poll`` or ``close``); nothing changed."""
+
+
+class PayloadError(KvfsmError, TypeError):
+    """``fire``/``begin`` given payload keys the spec does not declare for that event; nothing changed."""
 
 
 AnomalyKind = Literal["unknown", "stale", "forced"]

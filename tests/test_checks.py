@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import kvfsm.spec as spec_api
-from kvfsm.spec import Finding, SpecError, parse, run_checks
+from kvfsm.spec import Finding, SpecError, read_text, run_checks
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -43,7 +43,7 @@ def _found(findings: list[Finding]) -> set[tuple[str, int]]:
 
 
 def _checked(text: str) -> list[Finding]:
-    return run_checks(parse(text, "inline.yaml"))
+    return run_checks(read_text(text, "inline.yaml"))
 
 
 # -- the spec collections --------------------------------------------------------

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import kvfsm
-from kvfsm.spec import SpecError, parse
+from kvfsm.spec import SpecError, read_text
 from kvfsm.spec.system import check_system, is_system_file, load_system
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -105,7 +105,7 @@ def codes(findings: list[kvfsm.Finding]) -> list[tuple[str, str, str, int]]:
 
 
 def test_send_is_read_as_one_message_or_a_list_with_lines() -> None:
-    spec = parse(
+    spec = read_text(
         "kvfsm: 1\nmachine: m\nkey: k\nstates:\n  a: {initial: true, waits: local}\n  b: {final: success}\n"
         "transitions:\n"
         "  - {event: go, from: a, to: b, send: {to: peer, message: hello}}\n"
@@ -136,7 +136,7 @@ def test_malformed_send_is_a_schema_error_on_its_line(send: str, message: str) -
         f"transitions:\n  - {{event: go, from: a, to: b, send: {send}}}\n"
     )
     with pytest.raises(SpecError) as info:
-        parse(text, "m.yaml")
+        read_text(text, "m.yaml")
     assert [(f.code, f.line) for f in info.value.findings] == [("KVF001", 8)]
     assert message in info.value.findings[0].message
 

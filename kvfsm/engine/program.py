@@ -9,11 +9,13 @@ over short tuples; nothing on the per-event path looks at the spec again.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import BindingError
+from ..spec import well_formed
 from ..spec.model import Spec
 
 Action = Callable[..., Any]
@@ -94,6 +96,9 @@ class Program:
     """Pseudo-edge entering the initial state: its acquires run at ``begin``. Its
     ``releases`` are the initial resources with no acquire action: held from the
     moment ``begin`` is called, so released if an acquire of ``begin`` fails."""
+    payloads: Mapping[str, frozenset[str]]
+    """Event → the payload keys ``fire`` accepts for it; ``begin`` is :attr:`begin_payload`."""
+    begin_payload: frozenset[str]
 
 
 def _bind(driver: object, name: str, missing: list[str]) -> Action:
@@ -104,12 +109,79 @@ def _bind(driver: object, name: str, missing: list[str]) -> Action:
     return method  # type: ignore[no-any-return]
 
 
+def _signature_problems(name: str, method: Action, carried: Mapping[str, frozenset[str]]) -> list[str]:
+    """What makes ``method(key, **payload)`` fail for some event that calls it.
+
+    ``carried`` maps each event that calls the method to the payload keys the
+    spec declares for it (empty for a release: releases get the key alone).
+    A method whose signature cannot be read (a builtin) is trusted.
+    """
+    try:
+        params = list(inspect.signature(method).parameters.values())
+    except (TypeError, ValueError):
+        return []
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    if not params or (params[0].kind not in positional and params[0].kind is not inspect.Parameter.VAR_POSITIONAL):
+        return [f"{name}() must take the key as its first positional parameter"]
+    rest = params[1:] if params[0].kind in positional else params
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in rest)
+    keywords = {
+        p.name for p in rest if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    }
+    required = {p.name for p in rest if p.default is inspect.Parameter.empty and p.name in keywords}
+    required |= {p.name for p in rest if p.kind is inspect.Parameter.POSITIONAL_ONLY and p.default is p.empty}
+    problems = []
+    for event, names in carried.items():
+        unknown = sorted(names - keywords) if not takes_any else []
+        if unknown:
+            problems.append(
+                f"{name}() is called on {event!r} with payload {', '.join(unknown)}, which it does not take"
+            )
+        lacking = sorted(required - names)
+        if lacking:
+            what = f"on {event!r}" if event != RELEASE else "as a release, with the key alone"
+            fix = (
+                "declare it with 'payload: [...]' on the transition, or give it a default"
+                if event != RELEASE
+                else "give it a default, or keep what the release needs in the driver, by key"
+            )
+            problems.append(f"{name}() requires {', '.join(lacking)}, but is called {what} without it ({fix})")
+    return problems
+
+
+RELEASE = "<release>"
+"""How :func:`_signature_problems` names the call of a release action: with the key only."""
+
+
 def _missing(*_a: object, **_k: object) -> None:  # pragma: no cover - never called: binding fails first
     raise AssertionError
 
 
+def _driver_problems(spec: Spec, driver: object) -> list[str]:
+    """Signature mismatches between the driver's actions and the payload the spec says each receives."""
+    carried: dict[str, dict[str, frozenset[str]]] = {}
+    for resource in spec.resources.values():
+        carried.setdefault(resource.release, {})[RELEASE] = frozenset()
+    for e in spec.edges():
+        for action in spec.raising_actions(e):
+            carried.setdefault(action, {})[e.event] = spec.payloads.get(e.event, frozenset())
+    for r in spec.acquires(None, spec.initial.name):
+        acquire = spec.resources[r].acquire
+        if acquire:
+            carried.setdefault(acquire, {})["begin"] = frozenset(spec.begin_payload)
+    problems: list[str] = []
+    for name in sorted(carried):
+        problems += _signature_problems(name, getattr(driver, name), carried[name])
+    return problems
+
+
 def compile_program(spec: Spec, driver: object, params: Mapping[str, float] | None = None) -> Program:
-    """Bind ``driver``'s methods to ``spec``; raises :class:`BindingError` naming every gap."""
+    """Bind ``driver``'s methods to ``spec``; raises :class:`BindingError` naming every gap.
+
+    ``spec`` must be well formed (:func:`kvfsm.spec.well_formed`, else
+    :class:`SpecError`): the tables below take that for granted.
+    """
+    well_formed(spec)
     params = dict(params or {})
     problems = spec.param_problems(params)
     if problems:
@@ -121,7 +193,13 @@ def compile_program(spec: Spec, driver: object, params: Mapping[str, float] | No
     if missing:
         names = ", ".join(sorted(set(missing)))
         raise BindingError(
-            f"driver {type(driver).__name__} lacks method(s) {names} that machine {spec.name!r} ({spec.path}) names; each is called as method(key, **payload)"
+            f"driver {type(driver).__name__} lacks method(s) {names} that machine {spec.name!r} ({spec.path}) names; "
+            "each do/acquire is called as method(key, **payload) and each release as method(key)"
+        )
+    problems = _driver_problems(spec, driver)
+    if problems:
+        raise BindingError(
+            f"driver {type(driver).__name__} does not fit machine {spec.name!r} ({spec.path}): " + "; ".join(problems)
         )
 
     states = tuple(CState(s.name, i, s.is_final, s.holds) for i, s in enumerate(spec.states.values()))
@@ -147,9 +225,9 @@ def compile_program(spec: Spec, driver: object, params: Mapping[str, float] | No
             rel,
         )
 
-    for e in spec.edges():
-        by_name[e.source].row[e.event] = edge(e.event, e.source, e.target, e.do)
-    for state_name, event, _rule in spec.ignored():
+    for (source, event), e in spec.table.items():
+        by_name[source].row[event] = edge(event, source, e.target, e.do)
+    for state_name, event, _rule in spec.ignored():  # in declaration order, so messages list events stably
         by_name[state_name].row.setdefault(event, IGNORED)
     for s in spec.states.values():
         cs = by_name[s.name]
@@ -160,4 +238,5 @@ def compile_program(spec: Spec, driver: object, params: Mapping[str, float] | No
             handler = cs.row.get(spec.on_error)
             cs.error_edge = handler if isinstance(handler, CEdge) else None
     initial = spec.initial.name
-    return Program(spec, states, by_name, edge("begin", None, initial, None))
+    begin = edge("begin", None, initial, None)
+    return Program(spec, states, by_name, begin, spec.payloads, frozenset(spec.begin_payload))

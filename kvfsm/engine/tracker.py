@@ -6,13 +6,16 @@ definition, so the ledger cannot drift from the state. Generations, links and
 deadlines live in side tables that only the instances using them touch.
 
 One re-entrant lock makes every public call atomic (``threadsafe=False`` drops
-it for a tracker used by one thread only). An event fired from inside
-a driver action is queued and runs once the current transition is complete
-(run to completion).
+it for a tracker used by one thread only). Driver actions run inside a call,
+and what they may call back is settled by one rule per method (see
+:class:`Tracker`): nothing an action does can make the Tracker see an
+instance in the middle of a transition.
 """
 
 from __future__ import annotations
 
+import difflib
+import math
 import threading
 import time
 from collections import Counter, deque
@@ -20,7 +23,7 @@ from collections.abc import Callable, Hashable, Iterable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from ..errors import (
     ActionError,
@@ -30,7 +33,9 @@ from ..errors import (
     Failure,
     IllegalTransition,
     KvfsmError,
+    PayloadError,
     Phase,
+    ReentrantCall,
     TrackerClosed,
 )
 from ..spec import Spec, load
@@ -43,6 +48,16 @@ Observer = Callable[[Hashable, int, str, str, str, float], None]
 
 ANOMALY_LIMIT = 10_000
 """Anomaly records kept between drains; older ones are dropped (the counts keep counting)."""
+
+ID_LIMIT = 256
+"""Characters of an id kept in an anomaly record: a flood of huge ids cannot grow memory without bound."""
+
+_BEGIN: Final[Any] = object()
+"""Queue entry kind: a ``begin`` an action asked for."""
+_RETIRE: Final[Any] = object()
+"""Queue entry kind: instances ``finished()`` drained while a transition was running, retired once it is over."""
+
+_EMPTY: frozenset[str] = frozenset()
 
 
 class Tracker:
@@ -62,13 +77,36 @@ class Tracker:
       or the key being begun again before its previous instance was drained);
     - ``_deadlines.armed`` holds ``key`` iff ``_live[key]`` has a timeout;
     - ``_links[space][id] == (key, generation)``, and ``_linked[key]`` lists
-      the ``(space, id)`` pairs to forget when key's instance is drained.
+      the ``(space, id)`` pairs to forget when key's instance is drained;
+    - ``_busy`` is true exactly while a call is running driver actions or the
+      observer; ``_queue`` is empty whenever no call is running.
+
+    Calls made from inside a driver action or the observer (re-entrant calls):
+
+    - ``begin``, ``fire`` and ``fire_by`` are queued and run, in order, once
+      the current transition is complete (run to completion); they return
+      ``None``, and what goes wrong in them (an action raising, an illegal
+      event, a duplicate key, a closed tracker) is reported by the
+      :class:`ActionError` of the outermost call, as a failure of phase
+      ``queued`` where no action raised;
+    - ``finished()`` returns what finished as usual; those instances are
+      retired once the running transition is complete, never during it;
+    - ``poll()`` and ``close()`` raise :class:`ReentrantCall` (nothing
+      changed): they belong to the loop that owns the tracker;
+    - every query (``state``, ``held``, ``accepts``, ``route``,
+      ``generation``, ``census``, ``holding``, ``live``, ``next_deadline``,
+      ``anomalies``) and ``link`` are safe and answer at once.
+
+    A driver action that raises a ``BaseException`` that is not an
+    ``Exception`` (``KeyboardInterrupt``, ``SystemExit``) is handled like any
+    failure first (the other releases run, on_error fires), then re-raised by
+    the outermost call with the :class:`ActionError` as its cause.
     """
 
     __slots__ = (
-        "spec", "driver", "counts", "_program", "_begin_edge", "_clock", "_observer", "_lock", "_guard", "_live", "_gens",
-        "_links", "_linked", "_deadlines", "_finished", "_queue", "_busy", "_closed", "_failures", "_anomalies",
-        "_serial",
+        "spec", "driver", "counts", "_program", "_begin_edge", "_payloads", "_clock", "_observer", "_lock", "_guard",
+        "_live", "_gens", "_links", "_linked", "_deadlines", "_finished", "_queue", "_busy", "_closed", "_failures",
+        "_anomalies", "_serial",
     )  # fmt: skip
 
     def __init__(
@@ -84,11 +122,14 @@ class Tracker:
     ) -> None:
         """Bind ``driver`` to ``spec`` (a model or a path to load and check).
 
-        ``clock`` must be monotonic (deadlines fire in arming order per state);
-        ``params`` override the spec's; ``spaces`` declares the id spaces that
-        :meth:`link` and :meth:`fire_by` accept besides the spec's key.
-        ``threadsafe=False`` skips the lock every call takes (about a third of
-        a ``fire`` here): only for a tracker that one thread alone ever calls.
+        ``spec`` must pass the static checks (a model built in code is checked
+        here). ``clock`` should be monotonic; one that is not is held at its
+        latest reading whenever it runs backwards (counted as
+        ``clock_backwards``), so deadlines stay in order. ``params`` override
+        the spec's; ``spaces`` declares the id spaces that :meth:`link` and
+        :meth:`fire_by` accept besides the spec's key. ``threadsafe=False``
+        skips the lock every call takes (about a third of a ``fire`` here):
+        only for a tracker that one thread alone ever calls.
         """
         if not isinstance(spec, Spec):
             spec = load(spec)
@@ -96,23 +137,7 @@ class Tracker:
         self.driver = driver
         self._program = compile_program(spec, driver, params)
         self._begin_edge = self._program.begin
-        self._clock = clock
-        self._observer = observer
-        self._lock = threading.RLock() if threadsafe else None
-        self._guard: AbstractContextManager[Any] = self._lock if self._lock is not None else nullcontext()
-        """What the non-hot methods hold; ``begin`` and ``fire`` test ``_lock`` directly."""
-        self._live: dict[Hashable, CState] = {}
-        self._gens: dict[Hashable, int] = {}
-        self._links: dict[str, dict[Hashable, tuple[Hashable, int]]] = {space: {} for space in spaces}
-        self._linked: dict[Hashable, list[tuple[str, Hashable]]] = {}
-        self._deadlines = Deadlines(len(self._program.states))
-        self._finished: list[tuple[Hashable, CState]] = []
-        self._queue: deque[tuple[Hashable, str, dict[str, Any]]] = deque()
-        self._busy = False
-        self._closed = False
-        self._serial = 0
-        self._failures: list[Failure] = []
-        self._anomalies: deque[Anomaly] = deque(maxlen=ANOMALY_LIMIT)
+        self._payloads = self._program.payloads
         self.counts: dict[str, int] = dict.fromkeys(
             (
                 "ignored",
@@ -124,10 +149,29 @@ class Tracker:
                 "action_errors",
                 "release_errors",
                 "observer_errors",
+                "queued_errors",
+                "clock_backwards",
             ),
             0,
         )
         """Running totals; ``unknown`` and ``stale`` count events that were dropped, not raised."""
+        self._clock = clock if clock is time.monotonic else self._held_back(clock)
+        self._observer = observer
+        self._lock = threading.RLock() if threadsafe else None
+        self._guard: AbstractContextManager[Any] = self._lock if self._lock is not None else nullcontext()
+        """What the non-hot methods hold; ``begin`` and ``fire`` test ``_lock`` directly."""
+        self._live: dict[Hashable, CState] = {}
+        self._gens: dict[Hashable, int] = {}
+        self._links: dict[str, dict[Hashable, tuple[Hashable, int]]] = {space: {} for space in spaces}
+        self._linked: dict[Hashable, list[tuple[str, Hashable]]] = {}
+        self._deadlines = Deadlines(len(self._program.states))
+        self._finished: list[tuple[Hashable, CState]] = []
+        self._queue: deque[tuple[Hashable, Any, dict[str, Any]]] = deque()
+        self._busy = False
+        self._closed = False
+        self._serial = 0
+        self._failures: list[Failure] = []
+        self._anomalies: deque[Anomaly] = deque(maxlen=ANOMALY_LIMIT)
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -137,51 +181,28 @@ class Tracker:
         A key whose earlier instance has finished may be begun again: the new
         instance is a new generation, and ids linked to the old one go stale.
         Raises :class:`DuplicateKey` while the earlier instance is still live,
-        and :class:`ActionError` if an acquire raised (nothing is then held).
+        :class:`PayloadError` for payload the spec's ``begin`` does not
+        declare, and :class:`ActionError` if an acquire raised (nothing is
+        then held).
         """
         lock = self._lock
         if lock is not None:
             lock.acquire()
         try:
-            if self._closed:
-                raise TrackerClosed(f"tracker for {self.spec.name!r} is closed; begin({key!r}) refused")
-            live = self._live
-            old = live.get(key)
-            if old is not None and not old.final:
-                raise DuplicateKey(
-                    f"{key!r} is already live in state {old.name!r}; finish it before beginning it again"
-                )
-            edge = self._begin_edge
-            outer = self._busy
-            if edge.acquires:
-                self._busy = True
-                try:
-                    for done, acquire in enumerate(edge.acquire_fns):
-                        try:
-                            acquire(key, **payload) if payload else acquire(key)
-                        except Exception as exc:
-                            self._acquire_failed(key, edge, payload, done, exc, "(not begun)")
-                            if not outer:
-                                self._raise_failures()
-                            return
-                finally:
-                    self._busy = outer
-            target = live[key] = edge.target
-            if (old is not None and key in self._gens) or self._observer is not None:
-                self._gens[key] = self._serial = self._serial + 1
-            if target.after is not None:
-                self._deadlines.arm(key, target.index, self._clock() + target.after)
-            if self._observer is not None:
-                self._notify(key, "begin", "", target.name)
-            if not outer:
+            if self._busy:
+                self._enqueue(key, _BEGIN, payload)
+                return
+            self._busy = True
+            try:
+                self._begin(key, payload)
                 if self._queue:
-                    self._busy = True
-                    try:
-                        self._drain()
-                    finally:
-                        self._busy = False
-                if self._failures:
-                    self._raise_failures()
+                    self._drain()
+            finally:
+                self._busy = False
+                if self._queue:  # only after an internal error: never let it run inside a later call
+                    self._queue.clear()
+            if self._failures:
+                self._raise_failures(None)
         finally:
             if lock is not None:
                 lock.release()
@@ -190,18 +211,20 @@ class Tracker:
         """Apply ``event`` to ``key``'s instance; returns its state afterwards.
 
         Raises :class:`IllegalTransition` (nothing changed) for an event the
-        state neither handles nor ignores, and :class:`ActionError` after a
-        driver action raised (the instance is already in a defined state).
-        An unknown key is counted and reported by :meth:`anomalies`, and
-        ``None`` is returned; so is an event fired from inside an action, which
-        is queued and runs once the current transition is complete.
+        state neither handles nor ignores, :class:`PayloadError` (nothing
+        changed) for payload keys the spec does not declare for the event, and
+        :class:`ActionError` after a driver action raised (the instance is
+        already in a defined state). An unknown key is counted and reported by
+        :meth:`anomalies`, and ``None`` is returned; so is an event fired from
+        inside an action, which is queued and runs once the current transition
+        is complete.
         """
         lock = self._lock
         if lock is not None:
             lock.acquire()
         try:
             if self._busy:
-                self._queue.append((key, event, payload))
+                self._enqueue(key, event, payload)
                 return None
             state = self._live.get(key)
             if state is None:
@@ -209,6 +232,8 @@ class Tracker:
                     raise TrackerClosed(f"tracker for {self.spec.name!r} is closed; {event!r} for {key!r} refused")
                 self._anomaly("unknown", self.spec.key, key, event)
                 return None
+            if payload and not payload.keys() <= self._payloads.get(event, _EMPTY):
+                raise self._payload_error(event, payload)
             edge = state.row.get(event)
             if edge is None or edge is IGNORED:
                 if self._closed:  # after close() every instance is final, so only this path sees it
@@ -219,11 +244,13 @@ class Tracker:
                 state = self._step(key, state, edge, payload)
                 if self._queue:
                     self._drain()
-                    state = self._live[key]
+                    state = self._live.get(key, state)  # retired meanwhile: it ended where the step left it
             finally:
                 self._busy = False
+                if self._queue:
+                    self._queue.clear()
             if self._failures:
-                self._raise_failures()
+                self._raise_failures(state.name)
             return state.name
         finally:
             if lock is not None:
@@ -243,14 +270,16 @@ class Tracker:
             return None if key is None else self.fire(key, event, **payload)
 
     def link(self, key: Hashable, space: str, ident: Hashable) -> None:
-        """Let ``ident`` in id space ``space`` name ``key``'s current instance."""
+        """Let ``ident`` in id space ``space`` name ``key``'s current instance (linking it again changes nothing)."""
         with self._guard:
             if key not in self._live:
                 raise KvfsmError(f"cannot link {space}={ident!r}: {key!r} has no instance")
             table = self._space(space)
             gen = self._generation(key)
             other = table.get(ident)
-            if other is not None and other != (key, gen) and self._current(*other) and not self._live[other[0]].final:
+            if other == (key, gen):
+                return
+            if other is not None and self._current(*other) and not self._live[other[0]].final:
                 raise KvfsmError(f"{space}={ident!r} already names live {other[0]!r}; an id may name one live instance")
             table[ident] = (key, gen)
             self._linked.setdefault(key, []).append((space, ident))
@@ -267,15 +296,22 @@ class Tracker:
         """Fire every timeout due at ``now`` (default: the clock); returns ``(key, event, new state)``.
 
         Due timeouts fire state by state in declaration order, and in arming
-        order within a state.
+        order within a state. If actions raised, the :class:`ActionError`
+        carries what fired as its ``result``.
         """
         with self._guard:
+            if self._busy:
+                raise ReentrantCall(
+                    "poll() called from inside a driver action or the observer; poll from the loop that owns "
+                    "the tracker (a timeout that fired inside a transition would see it half done)"
+                )
             if now is None:
                 now = self._clock()
+            elif isinstance(now, bool) or not isinstance(now, int | float) or not math.isfinite(now):
+                raise ValueError(f"poll(now={now!r}): now must be a finite number of seconds on the tracker's clock")
             fired: list[tuple[Hashable, str, str]] = []
             states = self._program.states
             self._deadlines.sweep()
-            outer = self._busy
             self._busy = True
             try:
                 for key, index in self._deadlines.pop_due(now):
@@ -283,46 +319,57 @@ class Tracker:
                     event = state.timeout_event
                     assert event is not None, "armed only in states with a timeout"
                     self.counts["timeouts"] += 1
-                    self._step(key, state, state.row[event], {})
-                    if not outer:
+                    end = self._step(key, state, state.row[event], {})
+                    if self._queue:
                         self._drain()
-                    fired.append((key, event, self._live[key].name))
+                    fired.append((key, event, self._live.get(key, end).name))
             finally:
-                self._busy = outer
-            if self._failures and not outer:
-                self._raise_failures()
+                self._busy = False
+                if self._queue:
+                    self._queue.clear()
+            if self._failures:
+                self._raise_failures(fired)
             return fired
 
     def close(self) -> None:
         """Shut down: abort every live instance and release all it holds, then refuse new work.
 
-        An instance that abort cannot finish (no abort edge, or abort's action
-        failed and on_error kept it live) has its resources released directly
-        and is reported as a ``forced`` anomaly.
+        Each instance is aborted from the state it is in when its turn comes
+        (an earlier abort's release may have moved it). A ``begin`` an action
+        asks for while closing is refused (a ``queued`` failure). An instance
+        that abort cannot finish (abort's action failed and on_error kept it
+        live) has its resources released directly and is reported as a
+        ``forced`` anomaly.
         """
         with self._guard:
+            if self._busy:
+                raise ReentrantCall(
+                    "close() called from inside a driver action or the observer; close the tracker from the "
+                    "thread that owns it, once the current call has returned"
+                )
             if self._closed:
                 return
-            if self._busy:
-                raise KvfsmError(
-                    "close() called from inside a driver action; close the tracker from the thread that owns it"
-                )
+            self._closed = True
             self._busy = True
             try:
-                for key, state in list(self._live.items()):
-                    if state.final:
+                for key in list(self._live):
+                    state = self._live.get(key)
+                    if state is None or state.final:
                         continue
                     edge = state.row.get(ABORT)
                     if isinstance(edge, CEdge):
                         self._step(key, state, edge, {})
-                        self._drain()
-                    if not self._live[key].final:
-                        self._force_release(key)
+                        if self._queue:
+                            self._drain()
+                    state = self._live.get(key)
+                    if state is not None and not state.final:
+                        self._force_release(key, state)
             finally:
                 self._busy = False
-                self._closed = True
+                if self._queue:
+                    self._queue.clear()
             if self._failures:
-                self._raise_failures()
+                self._raise_failures(None)
 
     # -- queries -------------------------------------------------------------
 
@@ -336,6 +383,15 @@ class Tracker:
         state = self._live.get(key)
         return state.holds if state is not None else ()
 
+    def accepts(self, key: Hashable, event: str) -> bool:
+        """Whether ``fire(key, event)`` would take a transition now (an ignored event is not one).
+
+        Lets code that must decide what to do next ask the spec instead of
+        comparing state names it copied from it.
+        """
+        state = self._live.get(key)
+        return state is not None and isinstance(state.row.get(event), CEdge)
+
     def generation(self, key: Hashable) -> int | None:
         """The generation of ``key``'s current instance (unique in this tracker), or None if it has none."""
         with self._guard:
@@ -344,23 +400,16 @@ class Tracker:
     def finished(self) -> list[tuple[Hashable, str]]:
         """Drain ``(key, final state)`` for every instance finished since the last call, in order.
 
-        Drained instances are retired: their key and linked ids stop naming them.
+        Drained instances are retired: their key and linked ids stop naming
+        them (from inside an action: once the running transition is complete).
         """
         with self._guard:
             done, self._finished = self._finished, []
-            live, gens, linked = self._live, self._gens, self._linked
-            for key, state in done:
-                current = live.pop(key, None)
-                if current is state:
-                    if gens:
-                        gens.pop(key, None)
-                    if linked and key in linked:
-                        self._unlink(key, keep_from=None)
-                    continue
-                if current is not None:  # key begun again since: its new instance stays
-                    live[key] = current
-                if linked and key in linked:
-                    self._unlink(key, keep_from=gens.get(key))
+            if self._busy:
+                self._queue.append((None, _RETIRE, {"done": done}))
+            else:
+                self._retire(done)
+                self._deadlines.sweep()
             return [(key, state.name) for key, state in done]
 
     def census(self) -> dict[str, int]:
@@ -409,7 +458,7 @@ class Tracker:
             if do is not None:
                 try:
                     do(key, **payload) if payload else do(key)
-                except Exception as exc:
+                except BaseException as exc:
                     return self._on_error(
                         key, source, edge, self._record(key, edge.event, edge.do_name or "", "do", exc, source.name)
                     )
@@ -417,8 +466,8 @@ class Tracker:
             for acquire in edge.acquire_fns:
                 try:
                     acquire(key, **payload) if payload else acquire(key)
-                except Exception as exc:
-                    failure = self._acquire_failed(key, edge, payload, done, exc, source.name)
+                except BaseException as exc:
+                    failure = self._acquire_failed(key, edge, done, exc, source.name)
                     return self._on_error(key, source, edge, failure)
                 done += 1  # noqa: SIM113 - enumerate() costs an object per event here
         target = self._live[key] = edge.target
@@ -432,32 +481,59 @@ class Tracker:
             self._finished.append((key, target))
         for release in edge.release_fns:
             try:
-                release(key, **payload) if payload else release(key)
-            except Exception as exc:
+                release(key)
+            except BaseException as exc:
                 self._release_failed(key, edge, release, exc, target)
         if self._observer is not None:
             self._notify(key, edge.event, source.name, target.name)
         return target
+
+    def _begin(self, key: Hashable, payload: dict[str, Any]) -> None:
+        """Create key's instance in the initial state; the caller has set ``_busy``.
+
+        Raises (nothing changed) for a closed tracker, a live key or undeclared
+        payload; a raising acquire is recorded and leaves no instance.
+        """
+        if self._closed:
+            raise TrackerClosed(f"tracker for {self.spec.name!r} is closed; begin({key!r}) refused")
+        live = self._live
+        old = live.get(key)
+        if old is not None and not old.final:
+            raise DuplicateKey(f"{key!r} is already live in state {old.name!r}; finish it before beginning it again")
+        if payload and not payload.keys() <= self._program.begin_payload:
+            raise self._payload_error("begin", payload)
+        edge = self._begin_edge
+        for done, acquire in enumerate(edge.acquire_fns):
+            try:
+                acquire(key, **payload) if payload else acquire(key)
+            except BaseException as exc:
+                self._acquire_failed(key, edge, done, exc, "(not begun)")
+                return
+        target = live[key] = edge.target
+        if (old is not None and key in self._gens) or self._observer is not None:
+            self._gens[key] = self._serial = self._serial + 1
+        if target.after is not None:
+            self._deadlines.arm(key, target.index, self._clock() + target.after)
+        if self._observer is not None:
+            self._notify(key, "begin", "", target.name)
 
     def _notify(self, key: Hashable, event: str, source: str, target: str) -> None:
         """Tell the observer; one that raises is reported like a failed action and changes nothing."""
         assert self._observer is not None
         try:
             self._observer(key, self._gens[key], event, source, target, self._clock())
-        except Exception as exc:
+        except BaseException as exc:
             self.counts["observer_errors"] += 1
             self._failures.append(
                 Failure(key, event, getattr(self._observer, "__name__", "observer"), "observer", exc, target)
             )
 
-    def _release_failed(self, key: Hashable, edge: CEdge, release: Action, exc: Exception, target: CState) -> None:
+    def _release_failed(self, key: Hashable, edge: CEdge, release: Action, exc: BaseException, target: CState) -> None:
         name = next(n for n, fn in edge.releases if fn is release)
         self.counts["release_errors"] += 1
         self._failures.append(Failure(key, edge.event, name, "release", exc, target.name))
 
-    def _acquire_failed(
-        self, key: Hashable, edge: CEdge, payload: dict[str, Any], done: int, exc: Exception, where: str
-    ) -> int:
+    def _acquire_failed(self, key: Hashable, edge: CEdge, done: int, exc: BaseException, where: str) -> int:
         """Acquire number ``done`` raised: record it, undo the ones before (and, at begin, release
         what the initial state holds without an acquire). Returns the failure's index."""
         index = self._record(key, edge.event, edge.acquires[done][0], "acquire", exc, where)
@@ -466,15 +542,15 @@ class Tracker:
             undo.extend(edge.releases)
         for name, release in undo:
             try:
-                release(key, **payload) if payload else release(key)
-            except Exception as uexc:
+                release(key)
+            except BaseException as uexc:
                 self.counts["release_errors"] += 1
                 self._failures.append(Failure(key, edge.event, name, "release", uexc, where))
         return index
 
     def _record(self, key: Hashable, event: str, action: str, phase: Phase, exc: BaseException, where: str) -> int:
         """Keep a failure for the caller; returns its index so its end state can be filled in."""
-        self.counts["action_errors"] += 1
+        self.counts["queued_errors" if phase == "queued" else "action_errors"] += 1
         self._failures.append(Failure(key, event, action, phase, exc, where))
         return len(self._failures) - 1
 
@@ -502,33 +578,71 @@ class Tracker:
         self.counts["ignored"] += 1
         return state.name
 
+    # -- calls made from inside actions ------------------------------------------
+
+    def _enqueue(self, key: Hashable, event: Any, payload: dict[str, Any]) -> None:
+        """Queue a call an action made; a key or event that could never run is refused to the action now."""
+        hash(key)  # an unhashable key raises TypeError into the action that passed it, not into a later call
+        if event is not _BEGIN and type(event) is not str:
+            raise TypeError(f"an event is a name (str), not {event!r}")
+        self._queue.append((key, event, payload))
+
     def _drain(self) -> None:
-        """Run events queued from inside actions, oldest first, until none remain."""
+        """Run what actions queued, oldest first, until none remain; each entry's failure is its own.
+
+        Runs with ``_busy`` set and no transition in progress, so retiring
+        instances here is safe.
+        """
         queue = self._queue
         while queue:
             key, event, payload = queue.popleft()
-            state = self._live.get(key)
-            if state is None:
-                self._anomaly("unknown", self.spec.key, key, event)
+            if event is _RETIRE:
+                self._retire(payload["done"])
                 continue
-            edge = state.row.get(event)
-            if edge is None or edge is IGNORED:
-                try:
+            try:
+                if event is _BEGIN:
+                    self._begin(key, payload)
+                    continue
+                state = self._live.get(key)
+                if state is None:
+                    self._anomaly("unknown", self.spec.key, key, event)
+                    continue
+                if payload and not payload.keys() <= self._payloads.get(event, _EMPTY):
+                    raise self._payload_error(event, payload)
+                edge = state.row.get(event)
+                if edge is None or edge is IGNORED:
                     self._refuse(key, state, event, edge)
-                except IllegalTransition as exc:
-                    self._record(key, event, "<queued event>", "do", exc, state.name)
-            else:
-                self._step(key, state, edge, payload)
+                else:
+                    self._step(key, state, edge, payload)
+            except KvfsmError as exc:
+                name = "begin" if event is _BEGIN else event
+                current = self._live.get(key)
+                self._record(key, name, f"<queued {name}>", "queued", exc, current.name if current else "(none)")
 
-    def _force_release(self, key: Hashable) -> None:
+    def _retire(self, done: list[tuple[Hashable, CState]]) -> None:
+        """Forget drained instances: their keys (unless begun again since) and their linked ids."""
+        live, gens, linked = self._live, self._gens, self._linked
+        for key, state in done:
+            current = live.get(key)
+            if current is state:
+                del live[key]
+                if gens:
+                    gens.pop(key, None)
+                if linked and key in linked:
+                    self._unlink(key, keep_from=None)
+                continue
+            if linked and key in linked:  # key begun again since: its new instance stays
+                self._unlink(key, keep_from=gens.get(key))
+
+    def _force_release(self, key: Hashable, state: CState) -> None:
         """Release everything ``key`` holds without a transition (close() of an unfinishable instance)."""
-        state = self._live.pop(key)
+        del self._live[key]
         self._anomaly("forced", self.spec.key, key, ABORT)
         for r in state.holds:
             action = self.spec.resources[r].release
             try:
                 getattr(self.driver, action)(key)
-            except Exception as exc:
+            except BaseException as exc:
                 self.counts["release_errors"] += 1
                 self._failures.append(Failure(key, ABORT, action, "release", exc, state.name))
         if state.after is not None:
@@ -588,10 +702,65 @@ class Tracker:
 
     # -- reporting -------------------------------------------------------------
 
+    def _held_back(self, clock: Callable[[], float]) -> Callable[[], float]:
+        """``clock``, held at its latest reading whenever it runs backwards (or reads NaN).
+
+        Deadlines are kept per state in arming order, which a clock running
+        backwards would break; held back, time stands still until the clock
+        catches up, and the count says it happened.
+        """
+        latest = -math.inf
+        counts = self.counts
+
+        def now() -> float:
+            nonlocal latest
+            reading = clock()
+            if reading >= latest:  # False for NaN too
+                latest = reading
+                return reading
+            counts["clock_backwards"] += 1
+            if latest == -math.inf:
+                raise KvfsmError(f"the tracker's clock read {reading!r}: a clock must return seconds as a number")
+            return latest
+
+        return now
+
     def _anomaly(self, kind: AnomalyKind, space: str, ident: Hashable, event: str) -> None:
         self.counts[kind] += 1
-        self._anomalies.append(Anomaly(kind, space, ident, event))
+        self._anomalies.append(Anomaly(kind, space, _bounded(ident), _bounded(event)))
 
-    def _raise_failures(self) -> None:
+    def _payload_error(self, event: str, payload: Mapping[str, Any]) -> PayloadError:
+        allowed = self._program.begin_payload if event == "begin" else self._payloads.get(event, _EMPTY)
+        unknown = sorted(set(payload) - allowed)
+        declared = ", ".join(sorted(allowed)) or "nothing"
+        hints = [f"{name!r} → {m[0]!r}" for name in unknown if (m := difflib.get_close_matches(name, allowed, n=1))]
+        guess = f" Did you mean {'; '.join(hints)}?" if hints else ""
+        where = "begin" if event == "begin" else f"event {event!r}"
+        return PayloadError(
+            f"{where} of machine {self.spec.name!r} carries {', '.join(map(repr, unknown))}, which the spec does not "
+            f"declare (it declares: {declared}); nothing changed.{guess} Declare what an event carries with "
+            f"'payload: [...]' on its transitions ('begin: {{payload: [...]}}' for begin)."
+        )
+
+    def _raise_failures(self, result: Any) -> None:
         failures, self._failures = self._failures, []
-        raise ActionError(failures)
+        error = ActionError(failures, result)
+        fatal = next((f.error for f in failures if not isinstance(f.error, Exception)), None)
+        if fatal is not None:
+            raise fatal from error
+        raise error
+
+
+def _bounded(value: Any) -> Any:
+    """``value`` if small; else a truncated text of it, so anomaly records stay small whatever ids arrive."""
+    if value is None or isinstance(value, float) or (isinstance(value, int) and value.bit_length() <= 4 * ID_LIMIT):
+        return value
+    if isinstance(value, str):
+        return value if len(value) <= ID_LIMIT else value[:ID_LIMIT] + "…"
+    if isinstance(value, bytes):
+        return value if len(value) <= ID_LIMIT else value[:ID_LIMIT] + b"..."
+    try:
+        text = repr(value)
+    except Exception:
+        return f"<unprintable {type(value).__name__}>"
+    return value if len(text) <= ID_LIMIT else text[:ID_LIMIT] + "…"

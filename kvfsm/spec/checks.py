@@ -104,9 +104,8 @@ def check_references(spec: Spec) -> Iterable[Finding]:
                     f"Declare it under 'params:' (e.g. '{after}: 30.0') or write the seconds directly.",
                 )
             fire = state.timeout.fire
-            accepting = [e for e in spec.edges() if e.source == state.name and e.event == fire]
-            if not accepting and not state.is_final:  # a final state's timeout is KVF111 already
-                only_ignored = any(st == state.name and ev == fire for st, ev, _ in spec.ignored())
+            if not spec.accepts(state.name, fire) and not state.is_final:  # a final's timeout is KVF111 already
+                only_ignored = (state.name, fire) in spec.ignores
                 how = (
                     "only ignores: the deadline would pass and nothing would happen"
                     if only_ignored

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
+
+from ..errors import SpecError
+
+__all__ = ["READ_ERROR", "Finding", "Severity", "SpecError"]
 
 Severity = Literal["error", "warning"]
 
@@ -30,11 +33,3 @@ class Finding:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-class SpecError(Exception):
-    """A spec that cannot be used: carries every error finding, each with file and line."""
-
-    def __init__(self, findings: Iterable[Finding]) -> None:
-        self.findings = tuple(findings)
-        super().__init__("\n".join(str(f) for f in self.findings))

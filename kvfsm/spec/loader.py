@@ -22,6 +22,8 @@ from .findings import READ_ERROR, Finding, SpecError
 from .model import WILDCARD, IgnoreRule, Loc, Resource, Send, Spec, State, Timeout, Transition
 
 SCHEMA_VERSION = 1
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+"""libyaml's loader where PyYAML was built with it (much faster on big specs); errors are re-read without it."""
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 T = TypeVar("T")
 _NULL = "tag:yaml.org,2002:null"
@@ -40,11 +42,13 @@ TOP_KEYS = {
     "transitions": "the transitions (required)",
     "ignore": "legal no-op events",
     "on_error": "event fired when an action raises",
+    "begin": "what begin() carries: {payload: [names]}",
 }
+BEGIN_KEYS = ("payload", "doc")
 RESOURCE_KEYS = ("release", "acquire", "doc")
 STATE_KEYS = ("initial", "final", "holds", "waits", "timeout", "doc")
 TIMEOUT_KEYS = ("after", "fire")
-TRANSITION_KEYS = ("event", "from", "to", "do", "doc", "send")
+TRANSITION_KEYS = ("event", "from", "to", "do", "doc", "send", "payload")
 SEND_KEYS = ("to", "message")
 IGNORE_KEYS = ("event", "in")
 
@@ -271,7 +275,7 @@ def _to_number(node: Node) -> float | None:
         return None
     try:
         return float(SafeConstructor().construct_object(node))
-    except (yaml.YAMLError, TypeError, ValueError):
+    except (yaml.YAMLError, TypeError, ValueError, OverflowError):
         return None
 
 
@@ -410,9 +414,20 @@ def _transition(s: _Schema, node: Node) -> Transition | None:
     do = s.name(items["do"][1], "transition do") if "do" in items else None
     doc = s.text(items["doc"][1], "transition doc") if "doc" in items else ""
     sends = _sends(s, items["send"][1]) if "send" in items else ()
+    payload = s.names(items["payload"][1], "transition payload", empty=True) if "payload" in items else ()
     if event is None or not sources or target is None:
         return None
-    return Transition(event, sources, target, do, doc, s.loc(node), sends)
+    return Transition(event, sources, target, do, doc, s.loc(node), sends, payload)
+
+
+def _begin(s: _Schema, node: Node) -> tuple[str, ...]:
+    """``begin: {payload: [names]}``: the keyword arguments begin() carries to the initial acquires."""
+    items = s.mapping(node, "begin", BEGIN_KEYS)
+    if items is None:
+        return ()
+    if "doc" in items:
+        s.text(items["doc"][1], "begin doc")
+    return s.names(items["payload"][1], "begin payload", empty=True) if "payload" in items else ()
 
 
 def _ignore(s: _Schema, node: Node) -> IgnoreRule | None:
@@ -451,7 +466,10 @@ def _syntax_error(exc: yaml.MarkedYAMLError, path: str) -> Finding:
 def compose(text: str, path: str, what: str, start: str) -> Node:
     """YAML text → a node tree with marks; one KVF001 for a syntax error, a too-deep nesting or no content."""
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        try:
+            root = yaml.compose(text, Loader=_LOADER)
+        except yaml.YAMLError:  # read it again the slow way: the pure-Python parser's messages are better
+            root = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.MarkedYAMLError as exc:
         raise SpecError([_syntax_error(exc, path)]) from None
     except yaml.YAMLError as exc:
@@ -469,8 +487,8 @@ def _top_keys(root: Node) -> dict[str, Node]:
     return {k.value: k for k, _v in root.value if isinstance(k, ScalarNode)} if isinstance(root, MappingNode) else {}
 
 
-def parse(text: str, path: str = "<string>") -> Spec:
-    """Parse spec text; raises :class:`SpecError` listing every schema error (KVF001)."""
+def read_text(text: str, path: str = "<string>") -> Spec:
+    """Read spec text (schema only: see :func:`kvfsm.parse` for the checks); raises :class:`SpecError` listing every KVF001."""
     s = _Schema(path)
     root, top = s.top(
         text,
@@ -520,6 +538,7 @@ def parse(text: str, path: str = "<string>") -> Spec:
 
     ignore = s.sequence(top["ignore"][1], "ignore", lambda n: _ignore(s, n)) if "ignore" in top else ()
     on_error = s.name(top["on_error"][1], "on_error") if "on_error" in top else None
+    begin_payload = _begin(s, top["begin"][1]) if "begin" in top else ()
 
     if s.errors or name is None or key is None:
         raise SpecError(sorted(s.errors, key=lambda f: (f.line, f.col)))
@@ -536,6 +555,7 @@ def parse(text: str, path: str = "<string>") -> Spec:
         doc=doc,
         path=path,
         locs=locs,
+        begin_payload=begin_payload,
     )
 
 
@@ -578,4 +598,4 @@ def read(path: str | Path) -> Spec:
                 )
             ]
         ) from None
-    return parse(text, shown)
+    return read_text(text, shown)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Literal
 
 WILDCARD = "*"
@@ -100,6 +101,8 @@ class Transition:
     loc: Loc = NOWHERE
     sends: tuple[Send, ...] = ()
     """Messages sent when the transition happens, in the order written."""
+    payload: tuple[str, ...] = ()
+    """The keyword arguments the event carries to this transition's ``do`` and acquire actions."""
 
     @property
     def wildcard(self) -> bool:
@@ -142,6 +145,8 @@ class Spec:
     path: str = "<memory>"
     locs: Mapping[str, Loc] = field(default_factory=dict)
     """Where each top-level key was written (for findings about the spec as a whole)."""
+    begin_payload: tuple[str, ...] = ()
+    """The keyword arguments ``begin`` carries to the initial state's acquire actions."""
 
     # -- derived structure -------------------------------------------------
 
@@ -200,6 +205,41 @@ class Spec:
                         for name in self.states:
                             if (name, event) not in handled and name not in rule.states:
                                 yield name, event, rule
+
+    @cached_property
+    def table(self) -> Mapping[tuple[str, str], Edge]:
+        """``(state, event) → edge``: the one lookup every consumer asks "what does event do here?".
+
+        The first declaration wins where a broken spec gives a pair two
+        targets (KVF105 reports it); the engine and every oracle read this.
+        """
+        out: dict[tuple[str, str], Edge] = {}
+        for e in self.edges():
+            out.setdefault((e.source, e.event), e)
+        return out
+
+    @cached_property
+    def ignores(self) -> frozenset[tuple[str, str]]:
+        """``(state, event)`` pairs that are legal no-ops and not transitions."""
+        table = self.table
+        return frozenset((s, e) for s, e, _rule in self.ignored() if (s, e) not in table)
+
+    def accepts(self, state: str, event: str) -> bool:
+        """Whether ``event`` takes a transition from ``state`` (ignored events do not)."""
+        return (state, event) in self.table
+
+    @property
+    def live(self) -> tuple[str, ...]:
+        """The non-final states, in declaration order."""
+        return tuple(s.name for s in self.states.values() if not s.is_final)
+
+    @cached_property
+    def payloads(self) -> Mapping[str, frozenset[str]]:
+        """Event → the payload keys it may carry: the union of what its transitions declare."""
+        out: dict[str, set[str]] = {}
+        for t in self.transitions:
+            out.setdefault(t.event, set()).update(t.payload)
+        return {event: frozenset(names) for event, names in out.items()}
 
     def holds(self, state: str) -> tuple[str, ...]:
         st = self.states.get(state)

@@ -23,7 +23,7 @@ from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from .checks import run_checks
 from .findings import READ_ERROR, Finding, Severity, SpecError
-from .loader import _INT, _NULL, _kind, _Schema
+from .loader import _INT, _LOADER, _NULL, _kind, _Schema
 from .loader import read as read_machine
 from .model import ABORT, NOWHERE, Loc, Spec
 
@@ -174,7 +174,7 @@ class System:
 def is_system_text(text: str) -> bool:
     """Whether YAML text is a system file (its top-level mapping has ``system``), not a machine spec."""
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        root = yaml.compose(text, Loader=_LOADER)
     except (yaml.YAMLError, RecursionError):
         return False
     return isinstance(root, MappingNode) and any(

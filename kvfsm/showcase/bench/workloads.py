@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ...engine import Tracker
-from ...spec import Spec, load, parse, run_checks
+from ...spec import Spec, load, read_text, run_checks
 from ...spec.bundled import SPECS
 from .handwritten import kv_request_tracker, pingpong_tracker
 from .harness import NullDriver, VirtualClock, Workload, interleaved, time_once
@@ -124,7 +124,7 @@ def kv_request_spec(path: str | Path | None = None) -> Spec:
 
 
 def pingpong_spec() -> Spec:
-    spec = parse(PINGPONG, "<bench pingpong>")
+    spec = read_text(PINGPONG, "<bench pingpong>")
     errors = [f for f in run_checks(spec) if f.severity == "error"]
     assert not errors, errors
     return spec
