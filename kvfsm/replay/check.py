@@ -269,7 +269,11 @@ class LogChecker:
             return
         try:
             line = self._decode(raw)
-            key = _hashable(line.key) if isinstance(line, Record) else None
+            key: Hashable = None
+            if type(line) is Record:
+                key = line.key
+                if type(key) is not str and type(key) is not int:  # the common keys need no conversion
+                    key = _hashable(key)
         except _NOT_A_LINE as exc:
             self._malformed(raw, exc)
             return
