@@ -14,6 +14,8 @@ from .errors import (
     Failure,
     IllegalTransition,
     KvfsmError,
+    PayloadError,
+    ReentrantCall,
     TrackerClosed,
 )
 from .spec import Finding, Spec, SpecError, check, load, parse
@@ -29,6 +31,8 @@ __all__ = [
     "Finding",
     "IllegalTransition",
     "KvfsmError",
+    "PayloadError",
+    "ReentrantCall",
     "Spec",
     "SpecError",
     "Tracker",

@@ -582,3 +582,10 @@ def test_a_list_where_one_value_belongs_gets_a_fix() -> None:
     with pytest.raises(SpecError) as caught:
         read_text(text, "t.yaml")
     assert any("single value" in f.message and f.fix for f in caught.value.findings)
+
+
+def test_a_number_too_large_for_a_float_is_kvf001_not_an_internal_error() -> None:
+    text = CANONICAL.read_text()
+    huge = re.sub(r"transfer_timeout: [0-9.]+", "transfer_timeout: " + "9" * 400, text, count=1)
+    finding = _only(huge)
+    assert finding.code == "KVF001" and "out of range" in finding.message

@@ -24,6 +24,8 @@ from .model import WILDCARD, IgnoreRule, Loc, Resource, Send, Spec, State, Timeo
 SCHEMA_VERSION = 1
 _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 """libyaml's loader where PyYAML was built with it (much faster on big specs); errors are re-read without it."""
+_NUMERAL = re.compile(r"[-+]?[0-9][0-9_]*\Z")
+"""An integer literal: one that is no float is too large for one."""
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 T = TypeVar("T")
 _NULL = "tag:yaml.org,2002:null"
@@ -152,6 +154,9 @@ class _Schema:
         if value is None:
             return None
         number = _to_number(node)
+        if number is None and node.tag in (_INT, _FLOAT) and _NUMERAL.match(value):
+            self.error(node, f"{what} is out of range: {value[:40]}…", "Write plain seconds, e.g. 30.0.")
+            return None
         if number is None:
             self.error(node, f"{what} must be a number, not {_kind(node)}", "Write plain seconds, unquoted, e.g. 30.0.")
             return None
