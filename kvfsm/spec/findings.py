@@ -1,4 +1,4 @@
-"""Findings: what the loader and the static checks report about a spec."""
+"""Findings: what the loader, the static checks and the log check (``kvfsm replay``, KVF3xx) report."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ READ_ERROR = "KVF000"
 
 @dataclass(frozen=True, slots=True)
 class Finding:
-    """One problem in a spec: a stable code, where it is, what is wrong and how to mend it."""
+    """One problem in a spec or a transition log: a stable code, where it is, what is wrong and how to mend it."""
 
     code: str
     severity: Severity
