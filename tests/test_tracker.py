@@ -16,7 +16,6 @@ from typing import Any
 import pytest
 
 import kvfsm
-from kvfsm.spec import read_text
 from kvfsm import (
     ActionError,
     Anomaly,
@@ -27,6 +26,7 @@ from kvfsm import (
     Tracker,
     TrackerClosed,
 )
+from kvfsm.spec import read_text
 
 SPEC_TEXT = """
 kvfsm: 1
