@@ -24,6 +24,7 @@ once, and the tracker refuses new work.
 
 from __future__ import annotations
 
+import io
 import math
 from collections import Counter, defaultdict
 from collections.abc import Callable, Hashable
@@ -36,6 +37,7 @@ from hypothesis import strategies as st
 
 import kvfsm
 from kvfsm import ActionError, KvfsmError, ReentrantCall, Tracker, TrackerClosed
+from kvfsm.replay import JsonlJournal, check_log
 from kvfsm.spec import Spec, read_text
 from kvfsm.testing.clock import VirtualClock
 from kvfsm.testing.strategies import specs
@@ -87,6 +89,11 @@ class Rig:
     journal: list[tuple[Hashable, int, str, str, str]] = field(default_factory=list)
     reported: Counter[Hashable] = field(default_factory=Counter)
     interrupts: int = 0
+    log: io.BytesIO = field(default_factory=io.BytesIO)
+    jsonl: JsonlJournal = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.jsonl = JsonlJournal(self.log, machine=self.spec.name, buffer_bytes=0)
 
     # -- the driver -------------------------------------------------------------
 
@@ -108,8 +115,9 @@ class Rig:
         act.__name__ = name
         return act
 
-    def observer(self, key: Hashable, gen: int, event: str, source: str, target: str, _now: float) -> None:
+    def observer(self, key: Hashable, gen: int, event: str, source: str, target: str, now: float) -> None:
         self.journal.append((key, gen, event, source, target))
+        self.jsonl(key, gen, event, source, target, now)
         self.maybe_call_back(f"observer({key!r}, {event!r})")
         self.maybe_raise("observer")
 
@@ -219,6 +227,11 @@ def test_calls_from_inside_actions_never_corrupt_the_tracker(spec: Spec, data: s
     assert rig.reported == entered, "every instance that finished must be reported by finished() exactly once"
     with pytest.raises(TrackerClosed):
         t.begin("a")
+    rig.jsonl.flush()
+    report = check_log(
+        spec, rig.log.getvalue().splitlines(keepends=True), tolerance=10.0, allow_live=t.counts["forced"] > 0
+    )
+    assert report.conforms, [str(f) for f in report.findings]
 
 
 # -- each kind of re-entrant call, pinned down on a small spec ------------------------------------
