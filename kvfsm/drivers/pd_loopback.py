@@ -92,60 +92,55 @@ class PDLoopback:
         return {float(v) for v in data.flatten().tolist()}
 
     def check(self) -> None:
-        """Raise :class:`BlockPoolError` unless each pool's references are exactly the pages its driver holds."""
-        for name, pool, owned in (
-            ("decode", self.decode_pool, self.decode.references()),
-            ("prefill", self.prefill_pool, self.prefill.references()),
+        """Raise :class:`BlockPoolError` unless both pools keep their invariants and only the drivers hold pages."""
+        for name, pool, holders in (
+            ("decode", self.decode_pool, ("prealloc", "kv_pages")),
+            ("prefill", self.prefill_pool, ("src_pages",)),
         ):
             pool.check()
-            if pool.referenced() != owned:
-                raise BlockPoolError(f"{name} pool references {pool.referenced()}, its driver holds {owned}")
+            stray = [h for h in pool.holdings() if not (isinstance(h, tuple) and h[0] in holders)]
+            if stray:
+                raise BlockPoolError(f"{name} pool has holders no driver knows: {stray}")
 
 
 class DecodeDriver:
     """Decode's side of a room: ``kv_pages`` are pages of decode's pool, freed back to it.
 
     The Tracker runs a transition's ``do`` before its acquires, so on
-    ``bootstrapped`` :meth:`send_metadata` preallocates the pages and sends
-    their indices (SGLang's prealloc queue: allocate, then ``receiver.init``),
-    and :meth:`alloc_kv_pages` makes them the room's. ``_pages[room]`` exists
-    exactly while the spec says the room holds ``kv_pages``.
+    ``bootstrapped`` :meth:`send_metadata` preallocates the pages (held by
+    ``("prealloc", room)``) and sends their indices (SGLang's prealloc queue:
+    allocate, then ``receiver.init``), and :meth:`alloc_kv_pages` makes them
+    the room's (held by ``("kv_pages", room)``), which is what
+    :meth:`observe` reads. ``_pages[room]`` keeps their order.
     """
 
     def __init__(self, loop: PDLoopback) -> None:
         self.loop = loop
-        self._prealloc: dict[Hashable, list[int]] = {}
         self._pages: dict[Hashable, list[int]] = {}
 
-    def send_metadata(self, room: Hashable, /, **_: Any) -> None:
-        pages = self.loop.decode_pool.get_new_blocks(self.loop.pages_per_room)
-        self._prealloc[room] = pages
+    def send_metadata(self, room: Hashable, /) -> None:
+        pages = self.loop.decode_pool.allocate(("prealloc", room), self.loop.pages_per_room)
         self.loop.metadata[room] = Metadata(room, tuple(pages))
 
-    def alloc_kv_pages(self, room: Hashable, /, **_: Any) -> None:
-        self._pages[room] = self._prealloc.pop(room)
+    def alloc_kv_pages(self, room: Hashable, /) -> None:
+        pool = self.loop.decode_pool
+        pages = list(self.loop.metadata[room].pages)
+        pool.pin(("kv_pages", room), pages)
+        pool.release(("prealloc", room))
+        self._pages[room] = pages
 
-    def release_kv_cache(self, room: Hashable, /, **_: Any) -> None:
+    def release_kv_cache(self, room: Hashable, /) -> None:
         """Free the room's pages back to the pool: the next request may take them at once."""
-        self.loop.decode_pool.free(self._pages.pop(room))
+        self._pages.pop(room, None)
+        self.loop.decode_pool.release(("kv_pages", room))
 
     def pages(self, room: Hashable) -> list[int]:
         """The pages ``room`` holds now (a copy; empty once freed)."""
         return list(self._pages.get(room, ()))
 
     def observe(self, room: Hashable) -> set[str]:
-        """``kv_pages`` while the pool really keeps a reference on every page of the room."""
-        pages = self._pages.get(room)
-        ref = self.loop.decode_pool.ref_cnt
-        return {"kv_pages"} if pages and all(ref[p] > 0 for p in pages) else set()
-
-    def references(self) -> dict[int, int]:
-        """Pool references this driver owns, per page."""
-        owned: dict[int, int] = {}
-        for pages in (*self._prealloc.values(), *self._pages.values()):
-            for p in pages:
-                owned[p] = owned.get(p, 0) + 1
-        return owned
+        """``kv_pages`` while the pool really has the room as a holder of its pages."""
+        return {"kv_pages"} if self.loop.decode_pool.held_by(("kv_pages", room)) else set()
 
 
 class PrefillDriver:
@@ -163,11 +158,11 @@ class PrefillDriver:
     def before_fire(self, room: Hashable, event: str, resources: Collection[str]) -> None:
         """Take the room's own pages and fill them with its KV (the forward pass, as a known pattern)."""
         if "src_pages" in resources:
-            pages = self.loop.prefill_pool.get_new_blocks(self.loop.pages_per_room)
+            pages = self.loop.prefill_pool.allocate(("src_pages", room), self.loop.pages_per_room)
             self.loop.prefill_cache.storage[pages] = pattern(room)
             self._src[room] = pages
 
-    def send_kv(self, room: Hashable, /, **_: Any) -> None:
+    def send_kv(self, room: Hashable, /) -> None:
         """The transfer: copy the room's pages into decode's cache at the indices its metadata named."""
         meta = self.loop.metadata.get(room)
         if meta is None:
@@ -178,16 +173,12 @@ class PrefillDriver:
         moved = copy_blocks(self.loop.prefill_cache, src, self.loop.decode_cache, meta.pages)
         self.loop.writes.append(Write(room, tuple(src), meta.pages, moved))
 
-    def release_kv_cache(self, room: Hashable, /, **_: Any) -> None:
-        self.loop.prefill_pool.free(self._src.pop(room))
+    def release_kv_cache(self, room: Hashable, /) -> None:
+        self._src.pop(room, None)
+        self.loop.prefill_pool.release(("src_pages", room))
 
     def observe(self, room: Hashable) -> set[str]:
-        pages = self._src.get(room)
-        ref = self.loop.prefill_pool.ref_cnt
-        return {"src_pages"} if pages and all(ref[p] > 0 for p in pages) else set()
-
-    def references(self) -> dict[int, int]:
-        return {p: 1 for pages in self._src.values() for p in pages}
+        return {"src_pages"} if self.loop.prefill_pool.held_by(("src_pages", room)) else set()
 
 
 DriverFactory = Callable[[], object]
