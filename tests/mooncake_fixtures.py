@@ -30,7 +30,7 @@ import torch
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
 from kvfsm.drivers.mooncake import (
-    BlockPool,
+    BlockBuffer,
     EmbeddedMaster,
     Finished,
     MasterProcess,
@@ -140,22 +140,22 @@ def unique(prefix: str = "t") -> str:
 # -- requests over a block pool ----------------------------------------------------
 
 
-def chain_hashes(pool: BlockPool, blocks: Sequence[int], parent: bytes = b"") -> list[bytes]:
+def chain_hashes(buffer: BlockBuffer, blocks: Sequence[int], parent: bytes = b"") -> list[bytes]:
     """vLLM-style block hashes: each covers its block's bytes and every block before it."""
     out = []
     for b in blocks:
-        parent = hashlib.sha256(parent + pool.kv[b].numpy().tobytes()).digest()[:16]
+        parent = hashlib.sha256(parent + buffer.kv[b].numpy().tobytes()).digest()[:16]
         out.append(parent)
     return out
 
 
-def new_request(pool: BlockPool, request_id: str, n: int, seed: int) -> tuple[list[int], list[bytes]]:
+def new_request(buffer: BlockBuffer, request_id: str, n: int, seed: int) -> tuple[list[int], list[bytes]]:
     """Allocate ``n`` blocks for ``request_id``, fill them with seeded random bytes, hash them."""
-    blocks = pool.allocate(request_id, n)
+    blocks = buffer.pool.allocate(request_id, n)
     gen = torch.Generator().manual_seed(seed)
     for b in blocks:
-        pool.kv[b].copy_(torch.randint(0, 256, (pool.block_bytes,), dtype=torch.uint8, generator=gen))
-    return blocks, chain_hashes(pool, blocks)
+        buffer.kv[b].copy_(torch.randint(0, 256, (buffer.block_bytes,), dtype=torch.uint8, generator=gen))
+    return blocks, chain_hashes(buffer, blocks)
 
 
 def settle(worker: MooncakeStoreWorker, timeout: float = 20.0, step: float = 0.002) -> list[Finished]:
@@ -179,17 +179,20 @@ def settle(worker: MooncakeStoreWorker, timeout: float = 20.0, step: float = 0.0
         time.sleep(step)
 
 
-def assert_everything_released(worker: MooncakeStoreWorker, pool: BlockPool, *, held_by_requests: int = 0) -> None:
+def assert_everything_released(worker: MooncakeStoreWorker, buffer: BlockBuffer, *, held_by_requests: int = 0) -> None:
     """Every pin and queue task given back exactly once; only ``held_by_requests`` blocks still allocated."""
-    assert pool.over_releases == 0, "a holder released blocks it did not hold (a double release)"
+    assert buffer.pool.refused_releases == 0, "a holder released blocks it did not hold (a double release)"
     assert worker.unfinished_tasks() == 0, "a queue task was never marked done"
     assert worker.sender.outstanding_tasks() == 0 and worker.loader.outstanding_tasks() == 0
     assert worker.sender.requests_pinned() == 0, "a request's blocks are still pinned by a store job"
     pins = [
-        h for b in range(pool.num_blocks) for h in pool.holders(b) if isinstance(h, tuple) and h[0] in ("store", "load")
+        h
+        for b in range(buffer.pool.num_blocks)
+        for h in buffer.pool.holders(b)
+        if isinstance(h, tuple) and h[0] in ("store", "load")
     ]
     assert not pins, f"pins left in the pool: {pins[:5]}"
-    assert pool.num_blocks - pool.free_count == held_by_requests
+    assert buffer.pool.num_blocks - buffer.pool.num_free == held_by_requests
 
 
 class PreFixModelSender(PreFixSender, ModelSender):

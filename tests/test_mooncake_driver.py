@@ -26,7 +26,7 @@ from mooncake_fixtures import (  # noqa: F401
 )
 
 from kvfsm.drivers.mooncake import (
-    BlockPool,
+    BlockBuffer,
     FaultyStore,
     InjectedStoreFault,
     MooncakeStoreWorker,
@@ -42,8 +42,8 @@ BLOCK_BYTES = 4096
 
 
 @pytest.fixture
-def pool() -> BlockPool:
-    return BlockPool(BLOCKS, BLOCK_BYTES)
+def buffer() -> BlockBuffer:
+    return BlockBuffer(BLOCKS, BLOCK_BYTES)
 
 
 @pytest.fixture
@@ -52,8 +52,8 @@ def faulty(backend: Backend) -> FaultyStore:
 
 
 @pytest.fixture
-def worker(faulty: FaultyStore, pool: BlockPool) -> Iterator[MooncakeStoreWorker]:
-    w = MooncakeStoreWorker(faulty, pool, prefix=unique("kv"))
+def worker(faulty: FaultyStore, buffer: BlockBuffer) -> Iterator[MooncakeStoreWorker]:
+    w = MooncakeStoreWorker(faulty, buffer, prefix=unique("kv"))
     yield w
     w.close()
 
@@ -70,23 +70,23 @@ def stored_contents(backend: Backend, keys: list[str], n_bytes: int) -> list[tor
 
 
 def test_a_finished_request_is_stored_byte_exact_and_reported_once(
-    backend: Backend, worker: MooncakeStoreWorker, pool: BlockPool
+    backend: Backend, worker: MooncakeStoreWorker, buffer: BlockBuffer
 ) -> None:
-    blocks, hashes = new_request(pool, "r1", 4, seed=1)
+    blocks, hashes = new_request(buffer, "r1", 4, seed=1)
     worker.save("r1", blocks, hashes)
     assert worker.request_finished("r1"), "a store job is live, so the blocks must be kept (delay_free)"
-    expected = [pool.kv[b].clone() for b in blocks]
-    pool.release("r1")  # the scheduler lets go; the job's pin keeps the blocks until the put is done
+    expected = [buffer.kv[b].clone() for b in blocks]
+    buffer.pool.release("r1")  # the scheduler lets go; the job's pin keeps the blocks until the put is done
     reports = settle(worker)
     assert sent(reports) == ["r1"]
     assert worker.outcomes == {"send:stored": 1}
     keys = [block_key(worker.sender.prefix, h) for h in hashes]
     assert all(torch.equal(a, b) for a, b in zip(stored_contents(backend, keys, BLOCK_BYTES), expected, strict=True))
-    assert_everything_released(worker, pool)
+    assert_everything_released(worker, buffer)
 
 
-def test_blocks_already_in_the_store_are_not_put_again(worker: MooncakeStoreWorker, pool: BlockPool) -> None:
-    blocks, hashes = new_request(pool, "r1", 3, seed=2)
+def test_blocks_already_in_the_store_are_not_put_again(worker: MooncakeStoreWorker, buffer: BlockBuffer) -> None:
+    blocks, hashes = new_request(buffer, "r1", 3, seed=2)
     worker.save("r1", blocks, hashes)
     settle(worker)
     worker.save("r1", blocks, hashes)
@@ -94,8 +94,8 @@ def test_blocks_already_in_the_store_are_not_put_again(worker: MooncakeStoreWork
     settle(worker)
     assert worker.sender.stats == {"blocks_put": 3, "blocks_deduped": 3}
     assert worker.outcomes == {"send:stored": 2}
-    pool.release("r1")
-    assert_everything_released(worker, pool)
+    buffer.pool.release("r1")
+    assert_everything_released(worker, buffer)
 
 
 def test_a_request_with_no_store_jobs_is_not_delayed(worker: MooncakeStoreWorker) -> None:
@@ -104,29 +104,29 @@ def test_a_request_with_no_store_jobs_is_not_delayed(worker: MooncakeStoreWorker
     assert worker.get_finished().sending == set()
 
 
-def test_a_lookup_hit_is_loaded_into_the_allocated_blocks(worker: MooncakeStoreWorker, pool: BlockPool) -> None:
-    blocks, hashes = new_request(pool, "writer", 4, seed=3)
+def test_a_lookup_hit_is_loaded_into_the_allocated_blocks(worker: MooncakeStoreWorker, buffer: BlockBuffer) -> None:
+    blocks, hashes = new_request(buffer, "writer", 4, seed=3)
     worker.save("writer", blocks, hashes)
     worker.request_finished("writer")
     settle(worker)
     assert worker.lookup("reader", [*hashes, b"absent"]) == 4
-    dst = pool.allocate("reader", 4)
+    dst = buffer.pool.allocate("reader", 4)
     worker.start_load("reader", dst)
     reports = settle(worker)
     assert {r for f in reports for r in f.recving} == {"reader"}
     assert not any(f.invalid_blocks for f in reports)
-    assert all(torch.equal(pool.kv[a], pool.kv[b]) for a, b in zip(blocks, dst, strict=True))
+    assert all(torch.equal(buffer.kv[a], buffer.kv[b]) for a, b in zip(blocks, dst, strict=True))
     assert worker.outcomes["load:loaded"] == 1
-    pool.release("writer")
-    pool.release("reader")
-    assert_everything_released(worker, pool)
+    buffer.pool.release("writer")
+    buffer.pool.release("reader")
+    assert_everything_released(worker, buffer)
 
 
-def test_a_lookup_that_finds_nothing_is_a_miss(worker: MooncakeStoreWorker, pool: BlockPool) -> None:
+def test_a_lookup_that_finds_nothing_is_a_miss(worker: MooncakeStoreWorker, buffer: BlockBuffer) -> None:
     assert worker.lookup("r", [b"never-stored"]) == 0
     settle(worker)
     assert worker.outcomes == {"load:missed": 1}
-    assert_everything_released(worker, pool)
+    assert_everything_released(worker, buffer)
 
 
 # -- faults -------------------------------------------------------------------------
@@ -147,16 +147,16 @@ def test_a_failed_store_call_fails_the_job_and_still_releases_the_request(
     backend: Backend,
     faulty: FaultyStore,
     worker: MooncakeStoreWorker,
-    pool: BlockPool,
+    buffer: BlockBuffer,
     call: str,
     fault: object,
     action: str,
 ) -> None:
     faulty.fail_next(call, fault)  # type: ignore[arg-type]
-    blocks, hashes = new_request(pool, "r1", 3, seed=4)
+    blocks, hashes = new_request(buffer, "r1", 3, seed=4)
     worker.save("r1", blocks, hashes)
     assert worker.request_finished("r1")
-    pool.release("r1")
+    buffer.pool.release("r1")
     reports = settle(worker)
     assert sent(reports) == ["r1"], "the request must be reported even though its store failed"
     assert worker.outcomes == {"send:failed": 1}
@@ -165,21 +165,21 @@ def test_a_failed_store_call_fails_the_job_and_still_releases_the_request(
     assert isinstance(failure.error, InjectedStoreFault | StoreError)
     if isinstance(failure.error, StoreError):  # a negative code is a failure, never a success
         assert set(failure.error.failed.values()) == {fault.code}  # type: ignore[attr-defined]
-    assert_everything_released(worker, pool)
+    assert_everything_released(worker, buffer)
 
 
 @pytest.mark.parametrize(
     "fault", [raising("get failed"), returning(codes.OBJECT_NOT_FOUND, keys=1)], ids=["raises", "one-key-missing"]
 )
 def test_a_failed_load_reports_the_unfilled_blocks_invalid(
-    faulty: FaultyStore, worker: MooncakeStoreWorker, pool: BlockPool, fault: object
+    faulty: FaultyStore, worker: MooncakeStoreWorker, buffer: BlockBuffer, fault: object
 ) -> None:
-    blocks, hashes = new_request(pool, "writer", 3, seed=5)
+    blocks, hashes = new_request(buffer, "writer", 3, seed=5)
     worker.save("writer", blocks, hashes)
     worker.request_finished("writer")
     settle(worker)
     assert worker.lookup("reader", hashes) == 3
-    dst = pool.allocate("reader", 3)
+    dst = buffer.pool.allocate("reader", 3)
     faulty.fail_next("batch_get_into", fault)  # type: ignore[arg-type]
     worker.start_load("reader", dst)
     reports = settle(worker)
@@ -187,24 +187,24 @@ def test_a_failed_load_reports_the_unfilled_blocks_invalid(
     assert {r for f in reports for r in f.recving} == {"reader"}
     assert invalid == (set(dst) if fault.error is not None else {dst[0]})  # type: ignore[attr-defined]
     assert worker.outcomes["load:failed"] == 1
-    pool.release("writer")
-    pool.release("reader")
-    assert_everything_released(worker, pool)
+    buffer.pool.release("writer")
+    buffer.pool.release("reader")
+    assert_everything_released(worker, buffer)
 
 
 @pytest.mark.parametrize("end", ["abort", "preempt"])
 def test_a_request_ended_while_its_jobs_are_queued_releases_each_once(
-    backend: Backend, faulty: FaultyStore, pool: BlockPool, end: str
+    backend: Backend, faulty: FaultyStore, buffer: BlockBuffer, end: str
 ) -> None:
-    worker = MooncakeStoreWorker(faulty, pool, prefix=unique("kv"), start=False)
+    worker = MooncakeStoreWorker(faulty, buffer, prefix=unique("kv"), start=False)
     try:
-        blocks, hashes = new_request(pool, "r1", 4, seed=6)
+        blocks, hashes = new_request(buffer, "r1", 4, seed=6)
         for i in range(3):  # three steps' saves, all waiting for a sending thread
             worker.save("r1", blocks[: i + 2], hashes[: i + 2])
         assert worker.sender.queue.unfinished_tasks == 3
         assert worker.request_finished("r1")
         getattr(worker, end)("r1")
-        pool.release("r1")
+        buffer.pool.release("r1")
         assert sent(settle(worker)) == ["r1"]
         assert worker.outcomes == {f"send:{'aborted' if end == 'abort' else 'preempted'}": 3}
         worker.start()  # the thread now takes the three stale entries off the queue
@@ -215,29 +215,29 @@ def test_a_request_ended_while_its_jobs_are_queued_releases_each_once(
         assert worker.sender.queue.qsize() == 0
         assert not worker.bugs and not worker.failures
         assert backend.store.batch_is_exist([block_key(worker.sender.prefix, h) for h in hashes]) == [0] * 4
-        assert_everything_released(worker, pool)
+        assert_everything_released(worker, buffer)
     finally:
         worker.close()
 
 
-def test_jobs_expire_when_the_sending_thread_never_runs_them(faulty: FaultyStore, pool: BlockPool) -> None:
-    worker = MooncakeStoreWorker(faulty, pool, prefix=unique("kv"), start=False, params={"store_timeout": 0.2})
+def test_jobs_expire_when_the_sending_thread_never_runs_them(faulty: FaultyStore, buffer: BlockBuffer) -> None:
+    worker = MooncakeStoreWorker(faulty, buffer, prefix=unique("kv"), start=False, params={"store_timeout": 0.2})
     try:
-        blocks, hashes = new_request(pool, "r1", 2, seed=7)
+        blocks, hashes = new_request(buffer, "r1", 2, seed=7)
         worker.save("r1", blocks, hashes)
         worker.request_finished("r1")
-        pool.release("r1")
+        buffer.pool.release("r1")
         started = time.monotonic()
         assert sent(settle(worker, timeout=5)) == ["r1"]
         assert 0.2 <= time.monotonic() - started < 2
         assert worker.outcomes == {"send:expired": 1}
-        assert_everything_released(worker, pool)
+        assert_everything_released(worker, buffer)
     finally:
         worker.close()
 
 
-def test_duplicate_and_late_completions_change_nothing(worker: MooncakeStoreWorker, pool: BlockPool) -> None:
-    blocks, hashes = new_request(pool, "r1", 2, seed=8)
+def test_duplicate_and_late_completions_change_nothing(worker: MooncakeStoreWorker, buffer: BlockBuffer) -> None:
+    blocks, hashes = new_request(buffer, "r1", 2, seed=8)
     job = worker.save("r1", blocks, hashes)
     deadline = time.monotonic() + 10
     while worker.send.state(job) != "stored" and time.monotonic() < deadline:
@@ -246,7 +246,7 @@ def test_duplicate_and_late_completions_change_nothing(worker: MooncakeStoreWork
     assert worker.send.fire(job, "fail") == "stored"  # a late failure report: ignored
     assert worker.send.counts["ignored"] == 2
     worker.request_finished("r1")
-    pool.release("r1")
+    buffer.pool.release("r1")
     settle(worker)
     assert worker.send.fire(job, "put") is None  # after the drain the id names nothing: reported, not applied
     assert [(a.kind, a.event) for a in worker.send.anomalies()] == [("unknown", "put")]
@@ -257,20 +257,20 @@ def test_duplicate_and_late_completions_change_nothing(worker: MooncakeStoreWork
     assert worker.load.fire_by("request_id", "r2", "load") is None
     assert [(a.kind, a.space) for a in worker.load.anomalies()] == [("unknown", "request_id")]
     assert worker.sender.stats["blocks_put"] == 2
-    assert_everything_released(worker, pool)
+    assert_everything_released(worker, buffer)
 
 
-def test_the_master_killed_mid_run_and_restarted(backend: Backend, faulty: FaultyStore, pool: BlockPool) -> None:
+def test_the_master_killed_mid_run_and_restarted(backend: Backend, faulty: FaultyStore, buffer: BlockBuffer) -> None:
     """Jobs during the outage fail (-900, or -200 while the client remounts) and are released; later ones store."""
-    worker = MooncakeStoreWorker(faulty, pool, prefix=unique("kv"), load_threads=1, params={"store_timeout": 15})
+    worker = MooncakeStoreWorker(faulty, buffer, prefix=unique("kv"), load_threads=1, params={"store_timeout": 15})
     try:
 
         def request(i: int) -> None:
             rid = f"r{i}"
-            blocks, hashes = new_request(pool, rid, 2, seed=100 + i)
+            blocks, hashes = new_request(buffer, rid, 2, seed=100 + i)
             worker.save(rid, blocks, hashes)
             worker.request_finished(rid)
-            pool.release(rid)
+            buffer.pool.release(rid)
 
         for i in range(4):
             request(i)
@@ -286,20 +286,20 @@ def test_the_master_killed_mid_run_and_restarted(backend: Backend, faulty: Fault
         assert worker.outcomes == {"send:stored": 8, "send:failed": 2}
         assert {(f.action, f.state) for f in worker.failures} <= {("check_exists", "failed"), ("put_blocks", "failed")}
         assert sorted(sent(reports)) == [f"r{i}" for i in range(6, 10)]  # r0-r5 were reported by earlier settles
-        assert_everything_released(worker, pool)
+        assert_everything_released(worker, buffer)
     finally:
         worker.close()
 
 
-def test_the_pre_fix_sender_leaks_the_pin_when_batch_is_exist_raises(faulty: FaultyStore, pool: BlockPool) -> None:
+def test_the_pre_fix_sender_leaks_the_pin_when_batch_is_exist_raises(faulty: FaultyStore, buffer: BlockBuffer) -> None:
     """Seed 000 reproduced: with releases only on the success path, the request is never reported finished."""
-    worker = MooncakeStoreWorker(faulty, pool, sender=PreFixSender(faulty, pool, prefix=unique("kv")))
+    worker = MooncakeStoreWorker(faulty, buffer, sender=PreFixSender(faulty, buffer, prefix=unique("kv")))
     try:
         faulty.fail_next("batch_is_exist", raising("mooncake down"))
-        blocks, hashes = new_request(pool, "r1", 2, seed=9)
+        blocks, hashes = new_request(buffer, "r1", 2, seed=9)
         worker.save("r1", blocks, hashes)
         assert worker.request_finished("r1")
-        pool.release("r1")
+        buffer.pool.release("r1")
         deadline = time.monotonic() + 1.0
         reported = set()
         while time.monotonic() < deadline:
@@ -307,7 +307,7 @@ def test_the_pre_fix_sender_leaks_the_pin_when_batch_is_exist_raises(faulty: Fau
             time.sleep(0.01)
         assert worker.outcomes == {"send:failed": 1}, "the spec says the job failed and released everything"
         assert reported == set(), "but the request is never reported finished_sending"
-        assert pool.free_count == BLOCKS - 2, "its GPU blocks stay pinned"
+        assert buffer.pool.num_free == BLOCKS - 2, "its GPU blocks stay pinned"
         assert worker.sender.queue.unfinished_tasks == 1, "and queue.join() would hang"
         assert worker.sender.observe(("r1", 1)) == {"block_pin", "queue_task"}
     finally:
@@ -315,18 +315,18 @@ def test_the_pre_fix_sender_leaks_the_pin_when_batch_is_exist_raises(faulty: Fau
 
 
 def test_a_load_whose_blocks_cannot_be_pinned_is_still_reported_with_every_block_invalid(
-    worker: MooncakeStoreWorker, pool: BlockPool
+    worker: MooncakeStoreWorker, buffer: BlockBuffer
 ) -> None:
-    blocks, hashes = new_request(pool, "writer", 2, seed=10)
+    blocks, hashes = new_request(buffer, "writer", 2, seed=10)
     worker.save("writer", blocks, hashes)
     worker.request_finished("writer")
     settle(worker)
     assert worker.lookup("reader", hashes) == 2
-    free = [b for b in range(BLOCKS) if pool.refcount(b) == 0][:2]  # not allocated: the pool refuses to pin them
+    free = [b for b in range(BLOCKS) if buffer.pool.refcount(b) == 0][:2]  # not allocated: the pool refuses to pin them
     worker.start_load("reader", free)
     reports = settle(worker)
     assert {r for f in reports for r in f.recving} == {"reader"}
     assert {b for f in reports for b in f.invalid_blocks} == set(free)
     assert [f.action for f in worker.failures] == ["pin_load_blocks"]
-    pool.release("writer")
-    assert_everything_released(worker, pool)
+    buffer.pool.release("writer")
+    assert_everything_released(worker, buffer)

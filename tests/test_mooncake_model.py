@@ -38,7 +38,7 @@ from kvfsm.showcase.mooncake_modeltest import (
     registered_kv,
     sender_factory,
 )
-from kvfsm.testing import Divergence, SpecMachine
+from kvfsm.testing import SpecMachine, SpecViolation
 
 SEND = bundled_spec("mooncake_store_send.yaml")
 LOAD = bundled_spec("mooncake_store_load.yaml")
@@ -95,9 +95,9 @@ def send_machine(factory: Callable[[], ModelSender]) -> type[SpecMachine]:
             pinned = in_states(self, "pinned", "queued", "checked")
             holders = {h for b in range(d.pool.num_blocks) for h in d.pool.holders(b)}
             assert holders == {d.holder(k) for k in pinned}, f"pool holders {holders}, live jobs {pinned}"
-            assert d.pool.free_count == d.pool.num_blocks - BLOCKS_PER_JOB * len(pinned)
+            assert d.pool.num_free == d.pool.num_blocks - BLOCKS_PER_JOB * len(pinned)
             assert d.queue.unfinished_tasks == len(in_states(self, "queued", "checked"))
-            assert d.pool.over_releases == 0
+            assert d.pool.refused_releases == 0
 
     return SendMachine
 
@@ -127,7 +127,7 @@ def load_machine(factory: Callable[[], ModelLoader]) -> type[SpecMachine]:
             holders = {h for b in range(d.pool.num_blocks) for h in d.pool.holders(b)}
             assert holders == {d.holder(k) for k in queued}
             assert d.queue.unfinished_tasks == len(queued)
-            assert d.pool.over_releases == 0
+            assert d.pool.refused_releases == 0
 
     return LoadMachine
 
@@ -156,7 +156,7 @@ def test_the_pre_fix_sender_fails_its_model_test(backend: Backend) -> None:
     kv = registered_kv(backend.store)
     machine = send_machine(lambda: PreFixModelSender(backend.store, kv))
     quick = settings(RUN, phases=[Phase.explicit, Phase.generate])  # the failure, not its shrinking
-    with pytest.raises(Divergence) as failed:
+    with pytest.raises(SpecViolation) as failed:
         run_state_machine_as_test(machine, settings=quick)
     assert "still held" in str(failed.value)
 
@@ -176,6 +176,6 @@ def test_the_pre_fix_sender_diverges_where_batch_is_exist_raises(backend: Backen
     machine.fire("req-1", "enqueue")
     machine.fire("req-1", "check", 0)  # the store's batch_is_exist fails; the spec says: failed, all released
     assert machine.model.state("req-1") == "failed"
-    with pytest.raises(Divergence) as failed:
+    with pytest.raises(SpecViolation) as failed:
         machine.agrees_with_spec()
     assert "block_pin, queue_task still held by req-1 (req-1 is failed, which holds nothing)" in str(failed.value)

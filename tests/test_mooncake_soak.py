@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from mooncake_fixtures import mooncake_master_fixture, real_store_fixture  # noqa: F401
 
-from kvfsm.drivers.mooncake import BlockPool, EmbeddedMaster, FaultyStore, MooncakeStore, connect_embedded, raising
+from kvfsm.drivers.mooncake import BlockBuffer, EmbeddedMaster, FaultyStore, MooncakeStore, connect_embedded, raising
 from kvfsm.showcase.bench.mooncake import HandSendWorker, per_job, soak, throughput
 
 
@@ -63,14 +63,14 @@ def test_per_job_costs_are_measured_on_both_paths() -> None:
 
 def test_the_hand_written_worker_releases_on_failure() -> None:
     store = FaultyStore(connect_embedded(EmbeddedMaster()))
-    pool = BlockPool(4, 4096)
-    hand = HandSendWorker(store, pool, prefix="h", start=False)
+    buffer = BlockBuffer(4, 4096)
+    hand = HandSendWorker(store, buffer, prefix="h", start=False)
     store.fail_next("batch_is_exist", raising())
-    blocks = pool.allocate("r", 2)
+    blocks = buffer.pool.allocate("r", 2)
     job = hand.save_job("r", blocks, ["a", "b"])
     hand.queue.get_nowait()
     hand.run_job(job)
     assert hand.request_finished("r") is False
     assert hand.get_finished() == {"r"}
-    pool.release("r")
-    assert pool.free_count == 4 and hand.failed == 1 and hand.queue.unfinished_tasks == 0
+    buffer.pool.release("r")
+    assert buffer.pool.num_free == 4 and hand.failed == 1 and hand.queue.unfinished_tasks == 0

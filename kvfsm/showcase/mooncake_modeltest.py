@@ -22,15 +22,14 @@ import os
 import uuid
 import weakref
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any
 
 import torch
 
 from ..drivers.mooncake import codes as C
-from ..drivers.mooncake.driver import StoreLoader, StoreSender
+from ..drivers.mooncake.buffer import BlockBuffer
+from ..drivers.mooncake.driver import BlockHash, StoreLoader, StoreSender
 from ..drivers.mooncake.embedded import EmbeddedMaster, connect_embedded
 from ..drivers.mooncake.faults import Fault, FaultyStore, raising, returning
-from ..drivers.mooncake.pool import BlockPool
 from ..drivers.mooncake.store import KVStore, connect
 
 NUM_BLOCKS = 32
@@ -70,23 +69,30 @@ class ModelSender(StoreSender):
 
     def __init__(self, store: KVStore, kv: torch.Tensor | None = None, *, prefix: str | None = None) -> None:
         self.faults = _Faults(store, {"check_exists": "batch_is_exist", "put_blocks": "batch_put_from"})
-        pool = BlockPool(NUM_BLOCKS, BLOCK_BYTES, kv=kv)
-        super().__init__(self.faults.store, pool, prefix=prefix or f"model-{uuid.uuid4().hex[:12]}")
+        buffer = BlockBuffer(NUM_BLOCKS, BLOCK_BYTES, kv=kv)
+        super().__init__(self.faults.store, buffer, prefix=prefix or f"model-{uuid.uuid4().hex[:12]}")
         self._plans = itertools.count(1)
 
     def inject_fault(self, action: str) -> None:
         self.faults.inject(action)
 
-    def pin_blocks(self, job: Hashable, /, **payload: Any) -> None:
-        """Pin the given blocks, or plan a job: a request's fresh blocks with fresh hashes."""
+    def pin_blocks(
+        self,
+        job: Hashable,
+        /,
+        request_id: Hashable = None,
+        block_ids: Sequence[int] | None = None,
+        block_hashes: Sequence[BlockHash] | None = None,
+    ) -> None:
+        """Pin the given blocks, or (begun without a plan) a request's fresh blocks with fresh hashes."""
         self.faults.trip("pin_blocks")
-        if payload:
-            return super().pin_blocks(job, **payload)
+        if block_ids is not None and block_hashes is not None:
+            return super().pin_blocks(job, request_id, block_ids, block_hashes)
         n = next(self._plans)
         request = ("request", job, n)
         blocks = self.pool.allocate(request, BLOCKS_PER_JOB)
         for i, b in enumerate(blocks):
-            self.pool.kv[b].fill_((n * BLOCKS_PER_JOB + i) % 251)
+            self.buffer.kv[b].fill_((n * BLOCKS_PER_JOB + i) % 251)
         try:
             super().pin_blocks(
                 job, request_id=request, block_ids=blocks, block_hashes=[f"{n}.{i}" for i in range(len(blocks))]
@@ -94,9 +100,9 @@ class ModelSender(StoreSender):
         finally:
             self.pool.release(request, blocks)  # the request is done; the job's pin keeps its blocks
 
-    def enqueue_job(self, job: Hashable, /, **payload: Any) -> None:
+    def enqueue_job(self, job: Hashable, /) -> None:
         self.faults.trip("enqueue_job")
-        super().enqueue_job(job, **payload)
+        super().enqueue_job(job)
 
 
 class ModelLoader(StoreLoader):
@@ -106,18 +112,20 @@ class ModelLoader(StoreLoader):
 
     def __init__(self, store: KVStore, kv: torch.Tensor | None = None, *, prefix: str | None = None) -> None:
         self.faults = _Faults(store, {"lookup_keys": "batch_is_exist", "load_into_blocks": "batch_get_into"})
-        pool = BlockPool(NUM_BLOCKS, BLOCK_BYTES, kv=kv)
-        super().__init__(self.faults.store, pool, prefix=prefix or f"model-{uuid.uuid4().hex[:12]}")
+        buffer = BlockBuffer(NUM_BLOCKS, BLOCK_BYTES, kv=kv)
+        super().__init__(self.faults.store, buffer, prefix=prefix or f"model-{uuid.uuid4().hex[:12]}")
         self._plans = itertools.count(1)
         self.cached = [f"cached.{i}" for i in range(self.HIT)]
+        self._allocated: dict[Hashable, list[int]] = {}
+        self._requests: dict[Hashable, Hashable] = {}
         self._seed_store(store)
 
     def _seed_store(self, store: KVStore) -> None:
         """Put the cached prefix in the store (through the real store, never faulted)."""
-        seeder = StoreSender(store, self.pool, prefix=self.prefix)
+        seeder = StoreSender(store, self.buffer, prefix=self.prefix)
         blocks = self.pool.allocate("seed", self.HIT)
         for i, b in enumerate(blocks):
-            self.pool.kv[b].fill_(100 + i)
+            self.buffer.kv[b].fill_(100 + i)
         seeder.pin_blocks("seed", request_id="seed", block_ids=blocks, block_hashes=self.cached)
         seeder.check_exists("seed")
         seeder.put_blocks("seed")
@@ -127,27 +135,36 @@ class ModelLoader(StoreLoader):
     def inject_fault(self, action: str) -> None:
         self.faults.inject(action)
 
-    def lookup_keys(self, load: Hashable, /, **payload: Any) -> None:
-        """Look the given hashes up, or the cached prefix followed by a block the store lacks."""
-        if not payload:
-            payload = {"request_id": ("request", load, next(self._plans)), "block_hashes": [*self.cached, "absent"]}
-        super().lookup_keys(load, **payload)
+    def lookup_keys(
+        self, load: Hashable, /, request_id: Hashable = None, block_hashes: Sequence[BlockHash] | None = None
+    ) -> None:
+        """Look the given hashes up, or (fired without them) the cached prefix followed by a block the store lacks."""
+        if block_hashes is None:
+            request_id, block_hashes = ("request", load, next(self._plans)), [*self.cached, "absent"]
+        super().lookup_keys(load, request_id, block_hashes)
 
-    def pin_load_blocks(self, load: Hashable, /, **payload: Any) -> None:
-        """Pin the given blocks, or allocate the hit's blocks for a request that hands them over."""
-        self.faults.trip("pin_load_blocks")
-        if payload:
-            return super().pin_load_blocks(load, **payload)
-        request = ("request", load, next(self._plans))
-        blocks = self.pool.allocate(request, self.hits(load))
+    def owe_recv_report(self, load: Hashable, /, block_ids: Sequence[int] | None = None) -> None:
+        """Owe the report for the given blocks, or (fired without them) for blocks allocated for the hit."""
+        self.faults.trip("owe_recv_report")
+        if block_ids is None:
+            request = ("request", load, next(self._plans))
+            block_ids = self._allocated[load] = self.pool.allocate(request, self.hits(load))
+            self._requests[load] = request
+        super().owe_recv_report(load, block_ids)
+
+    def pin_load_blocks(self, load: Hashable, /, block_ids: Sequence[int] | None = None) -> None:
+        """Pin the given blocks, or the ones :meth:`owe_recv_report` allocated, which their request then hands over."""
+        request = self._requests.pop(load, None)
         try:
-            super().pin_load_blocks(load, block_ids=blocks)
+            self.faults.trip("pin_load_blocks")
+            super().pin_load_blocks(load, self._allocated.pop(load, []) if block_ids is None else block_ids)
         finally:
-            self.pool.release(request, blocks)
+            if request is not None:
+                self.pool.release(request)
 
-    def enqueue_load(self, load: Hashable, /, **payload: Any) -> None:
+    def enqueue_load(self, load: Hashable, /, block_ids: Sequence[int] | None = None) -> None:
         self.faults.trip("enqueue_load")
-        super().enqueue_load(load, **payload)
+        super().enqueue_load(load, block_ids or [])
 
 
 # -- factories -------------------------------------------------------------------

@@ -8,25 +8,30 @@
   :class:`EmbeddedMaster` / :class:`EmbeddedStore`: the in-process stand-in;
   :class:`FaultyStore`: fault injection in front of either;
 - :class:`MasterProcess`: a real ``mooncake_master`` on loopback;
-- :class:`BlockPool`: KV blocks in one registered tensor, with holder sets.
+- :class:`BlockBuffer`: the blocks of one :class:`~kvfsm.drivers.block_pool.BlockPool`
+  as rows of one registered tensor;
+- :class:`Report` / :class:`Finished`: what vLLM is owed, recorded by the drivers' releases.
 """
 
+from ..block_pool import BlockPool, HolderError
+from ..report import Finished, Report
+from .buffer import BlockBuffer
 from .codes import StoreClosed, StoreError, StoreUnavailable
 from .driver import NotHeld, StoreLoader, StoreSender, block_key
 from .embedded import EmbeddedMaster, EmbeddedStore, connect_embedded
 from .faults import FaultyStore, InjectedStoreFault, raising, returning
 from .master import MasterProcess
-from .pool import BlockError, BlockPool
 from .store import KVStore, MooncakeStore, ObjectStore, connect
-from .worker import Finished, MooncakeStoreWorker, bundled_spec
+from .worker import MooncakeStoreWorker, bundled_spec
 
 __all__ = [
-    "BlockError",
+    "BlockBuffer",
     "BlockPool",
     "EmbeddedMaster",
     "EmbeddedStore",
     "FaultyStore",
     "Finished",
+    "HolderError",
     "InjectedStoreFault",
     "KVStore",
     "MasterProcess",
@@ -34,6 +39,7 @@ __all__ = [
     "MooncakeStoreWorker",
     "NotHeld",
     "ObjectStore",
+    "Report",
     "StoreClosed",
     "StoreError",
     "StoreLoader",

@@ -3,15 +3,18 @@
 :class:`StoreSender` drives ``specs/mooncake_store_send.yaml`` (one instance
 per store job) and :class:`StoreLoader` drives ``specs/mooncake_store_load.yaml``
 (one instance per load). Every resource the specs name is held somewhere
-real: a pin is a holder entry in the :class:`~.pool.BlockPool`, a queue task is
-an unfinished task of a :class:`queue.Queue`. ``observe(key)`` reads those
-back, so a model-based test compares the spec's ledger with reality.
+real: a pin is a holder of blocks in the :class:`~kvfsm.drivers.block_pool.BlockPool`
+of a :class:`~.buffer.BlockBuffer`, a queue task is an unfinished task of a
+:class:`queue.Queue`, a report owed to vLLM is an entry not yet recorded in
+the :class:`~kvfsm.drivers.report.Report`. ``observe(key)`` reads those back,
+so a model-based test compares the spec's ledger with reality.
 
 Actions raise on any failure, including negative store codes; the Tracker
 then fires the spec's ``on_error`` event and the derived releases run. No
 action releases anything by hand, and no action counts jobs: the jobs of a
 request are the store jobs that hold a pin, recorded when the pin is taken and
-forgotten when it is released.
+forgotten when it is released. Each release takes the key alone: what it
+needs (a job's request, a load's blocks) is kept here by key.
 """
 
 from __future__ import annotations
@@ -22,9 +25,10 @@ from collections import Counter
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
+from ..report import Report
 from . import codes as C
+from .buffer import BlockBuffer
 from .codes import StoreError, check_codes
-from .pool import BlockPool
 from .store import KVStore
 
 BlockHash = bytes | int | str
@@ -114,20 +118,30 @@ class SaveJob:
 class StoreSender:
     """Actions of ``mooncake_store_send``: pin, queue, check, put, and their releases.
 
-    Thread-safe: the scheduler thread begins jobs while the sending thread runs
-    them; the bookkeeping below is guarded by one leaf lock (no call out while held).
+    A request is owed a finished_sending once :meth:`finish_request` was
+    called for it and none of its jobs still pins its blocks; the release of
+    the last pin records it in :attr:`report`. Thread-safe: the scheduler
+    thread begins jobs while the sending thread runs them; the bookkeeping
+    below is guarded by one leaf lock (no call out while held).
     """
 
-    def __init__(self, store: KVStore, pool: BlockPool, *, prefix: str = "kv") -> None:
+    def __init__(
+        self, store: KVStore, buffer: BlockBuffer, *, prefix: str = "kv", report: Report | None = None
+    ) -> None:
         self.store = store
-        self.pool = pool
+        self.buffer = buffer
+        self.pool = buffer.pool
         self.prefix = prefix
+        self.report = report if report is not None else Report()
+        """Where the release of a request's last pin records its finished_sending."""
         self.queue = JobQueue("store job")
         """The sending thread's queue; one task per job holding ``queue_task``."""
         self.stats: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._jobs: dict[Hashable, SaveJob] = {}
         self._by_request: dict[Hashable, set[Hashable]] = {}
+        self._finishing: set[Hashable] = set()
+        """Requests vLLM finished whose blocks some job still pins (vLLM's delay_free)."""
 
     @staticmethod
     def holder(job: Hashable) -> tuple[str, Hashable]:
@@ -137,50 +151,57 @@ class StoreSender:
     # -- block_pin -----------------------------------------------------------
 
     def pin_blocks(
-        self,
-        job: Hashable,
-        /,
-        *,
-        request_id: Hashable = None,
-        block_ids: Sequence[int] = (),
-        block_hashes: Sequence[BlockHash] = (),
-        **_: object,
+        self, job: Hashable, /, request_id: Hashable, block_ids: Sequence[int], block_hashes: Sequence[BlockHash]
     ) -> None:
         """Add ``job`` as a holder of the request's blocks (each must already be held by the request)."""
-        if request_id is None:
-            raise TypeError(
-                f"store job {job!r} begun without a plan: begin(job, request_id=..., block_ids=[...], block_hashes=[...])"
+        if not block_ids or len(block_ids) != len(block_hashes):
+            raise ValueError(
+                f"store job {job!r}: {len(block_ids)} blocks and {len(block_hashes)} hashes; "
+                "a job stores at least one block, one hash per block"
             )
-        if len(block_ids) != len(block_hashes):
-            raise ValueError(f"store job {job!r}: {len(block_ids)} blocks but {len(block_hashes)} hashes")
         keys = tuple(block_key(self.prefix, h) for h in block_hashes)
         self.pool.pin(self.holder(job), block_ids)
         with self._lock:
             self._jobs[job] = SaveJob(request_id, tuple(block_ids), keys)
             self._by_request.setdefault(request_id, set()).add(job)
 
-    def unpin_blocks(self, job: Hashable, /, **_: object) -> None:
+    def unpin_blocks(self, job: Hashable, /) -> None:
+        """Drop the job's pin; the request's last pin, once vLLM finished it, reports it finished_sending."""
         with self._lock:
             rec = self._jobs.pop(job, None)
             if rec is None:
                 raise NotHeld(f"store job {job!r} holds no pin")
             jobs = self._by_request[rec.request_id]
             jobs.discard(job)
+            done = not jobs and rec.request_id in self._finishing
             if not jobs:
                 del self._by_request[rec.request_id]
-        self.pool.release(self.holder(job), rec.blocks)
+                self._finishing.discard(rec.request_id)
+        self.pool.release(self.holder(job))
+        if done:
+            self.report.send(rec.request_id)
+
+    def finish_request(self, request_id: Hashable) -> bool:
+        """vLLM finished the request: True if jobs still pin its blocks (reported when the last lets go)."""
+        with self._lock:
+            pinned = request_id in self._by_request
+            if pinned:
+                self._finishing.add(request_id)
+        if not pinned:
+            self.report.send(request_id)
+        return pinned
 
     # -- queue_task ------------------------------------------------------------
 
-    def enqueue_job(self, job: Hashable, /, **_: object) -> None:
+    def enqueue_job(self, job: Hashable, /) -> None:
         self.queue.hold(job)
 
-    def task_done(self, job: Hashable, /, **_: object) -> None:
+    def task_done(self, job: Hashable, /) -> None:
         self.queue.done(job)
 
     # -- the work ----------------------------------------------------------------
 
-    def check_exists(self, job: Hashable, /, **_: object) -> None:
+    def check_exists(self, job: Hashable, /) -> None:
         """Dedup: ask the store which of the job's keys it already has (``batch_is_exist``)."""
         rec = self._job(job)
         keys = list(rec.keys)
@@ -188,8 +209,8 @@ class StoreSender:
         rec.missing = tuple(i for i, c in enumerate(codes) if c == 0)
         self.stats["blocks_deduped"] += len(keys) - len(rec.missing)
 
-    def put_blocks(self, job: Hashable, /, **_: object) -> None:
-        """Put the missing blocks straight from the pool's registered tensor (``batch_put_from``).
+    def put_blocks(self, job: Hashable, /) -> None:
+        """Put the missing blocks straight from the registered buffer (``batch_put_from``).
 
         A key another writer put meanwhile answers 0 and keeps that writer's
         value, which is the same KV: keys are content hashes.
@@ -200,8 +221,8 @@ class StoreSender:
         if not rec.missing:
             return
         keys = [rec.keys[i] for i in rec.missing]
-        ptrs = [self.pool.ptr(rec.blocks[i]) for i in rec.missing]
-        sizes = [self.pool.block_bytes] * len(keys)
+        ptrs = [self.buffer.ptr(rec.blocks[i]) for i in rec.missing]
+        sizes = [self.buffer.block_bytes] * len(keys)
         check_codes("batch_put_from", keys, self.store.batch_put_from(keys, ptrs, sizes))
         self.stats["blocks_put"] += len(keys)
 
@@ -245,28 +266,36 @@ class _Hit:
 
 
 @dataclass
-class _LoadPin:
+class _Owed:
+    """A load vLLM waits for: its request, the blocks it was given, the ones a read has filled."""
+
+    request_id: Hashable
     blocks: tuple[int, ...]
     filled: set[int] = field(default_factory=set)
 
 
 class StoreLoader:
-    """Actions of ``mooncake_store_load``: look up, pin the allocated blocks, queue, fill them, and releases.
+    """Actions of ``mooncake_store_load``: look up, owe the report, pin the allocated blocks, queue, fill them.
 
-    Blocks the load pinned but did not fill are collected in :meth:`take_unfilled`
-    when the pin is released: the scheduler must treat them as invalid.
+    The release of ``recv_report`` records the request in :attr:`report`
+    with the blocks no read filled, so the scheduler recomputes them instead
+    of reading garbage.
     """
 
-    def __init__(self, store: KVStore, pool: BlockPool, *, prefix: str = "kv") -> None:
+    def __init__(
+        self, store: KVStore, buffer: BlockBuffer, *, prefix: str = "kv", report: Report | None = None
+    ) -> None:
         self.store = store
-        self.pool = pool
+        self.buffer = buffer
+        self.pool = buffer.pool
         self.prefix = prefix
+        self.report = report if report is not None else Report()
+        """Where the release of ``recv_report`` records each load for the next finished_recving."""
         self.queue = JobQueue("load")
         self.stats: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._hits: dict[Hashable, _Hit] = {}
-        self._pins: dict[Hashable, _LoadPin] = {}
-        self._unfilled: dict[Hashable, tuple[int, ...]] = {}
+        self._owed: dict[Hashable, _Owed] = {}
 
     @staticmethod
     def holder(load: Hashable) -> tuple[str, Hashable]:
@@ -274,19 +303,15 @@ class StoreLoader:
 
     # -- hit ----------------------------------------------------------------------
 
-    def lookup_keys(
-        self, load: Hashable, /, *, request_id: Hashable = None, block_hashes: Sequence[BlockHash] = (), **_: object
-    ) -> None:
+    def lookup_keys(self, load: Hashable, /, request_id: Hashable, block_hashes: Sequence[BlockHash]) -> None:
         """How many leading blocks of the request the store has (``batch_is_exist``; grants read leases)."""
-        if request_id is None:
-            raise TypeError(f"load {load!r}: fire 'lookup' with request_id=... and block_hashes=[...]")
         keys = [block_key(self.prefix, h) for h in block_hashes]
         codes = _exists_codes(keys, self.store.batch_is_exist(keys)) if keys else []
         hits = next((i for i, c in enumerate(codes) if c != 1), len(codes))
         with self._lock:
             self._hits[load] = _Hit(request_id, tuple(keys), hits)
 
-    def forget_hit(self, load: Hashable, /, **_: object) -> None:
+    def forget_hit(self, load: Hashable, /) -> None:
         with self._lock:
             if self._hits.pop(load, None) is None:
                 raise NotHeld(f"load {load!r} has no lookup result")
@@ -297,58 +322,63 @@ class StoreLoader:
             hit = self._hits.get(load)
         return hit.hits if hit is not None else 0
 
-    # -- load_blocks ------------------------------------------------------------
+    # -- recv_report ----------------------------------------------------------------
 
-    def pin_load_blocks(self, load: Hashable, /, *, block_ids: Sequence[int] = (), **_: object) -> None:
-        """Add the load as a holder of the blocks the scheduler allocated for the hit."""
+    def owe_recv_report(self, load: Hashable, /, block_ids: Sequence[int]) -> None:
+        """The scheduler gave blocks for the hit: vLLM now waits for this load, its blocks unfilled."""
         with self._lock:
             hit = self._hits.get(load)
-        if hit is None:
-            raise NotHeld(f"load {load!r} has no lookup result to allocate for")
-        if not 0 < len(block_ids) <= hit.hits:
-            raise ValueError(f"load {load!r}: {len(block_ids)} blocks allocated for a hit of {hit.hits}")
+            if hit is None:
+                raise NotHeld(f"load {load!r} has no lookup result to allocate for")
+            self._owed[load] = _Owed(hit.request_id, tuple(block_ids))
+
+    def report_recv(self, load: Hashable, /) -> None:
+        """Record the request for the next finished_recving, with the blocks no read filled as invalid."""
+        with self._lock:
+            owed = self._owed.pop(load, None)
+        if owed is None:
+            raise NotHeld(f"load {load!r} owes no report")
+        self.report.recv(owed.request_id, [b for b in owed.blocks if b not in owed.filled])
+
+    # -- load_blocks ------------------------------------------------------------
+
+    def pin_load_blocks(self, load: Hashable, /, block_ids: Sequence[int]) -> None:
+        """Add the load as a holder of the blocks the scheduler allocated for the hit."""
+        hits = self.hits(load)
+        if not 0 < len(block_ids) <= hits:
+            raise ValueError(f"load {load!r}: {len(block_ids)} blocks allocated for a hit of {hits}")
         self.pool.pin(self.holder(load), block_ids)
-        with self._lock:
-            self._pins[load] = _LoadPin(tuple(block_ids))
 
-    def unpin_load_blocks(self, load: Hashable, /, **_: object) -> None:
-        with self._lock:
-            pin = self._pins.pop(load, None)
-            if pin is None:
-                raise NotHeld(f"load {load!r} holds no blocks")
-            self._unfilled[load] = tuple(b for b in pin.blocks if b not in pin.filled)
-        self.pool.release(self.holder(load), pin.blocks)
-
-    def take_unfilled(self, load: Hashable) -> tuple[int, ...] | None:
-        """Blocks the load pinned and released unfilled, once; None if it never pinned any (or was taken)."""
-        with self._lock:
-            return self._unfilled.pop(load, None)
+    def unpin_load_blocks(self, load: Hashable, /) -> None:
+        self.pool.release(self.holder(load))
 
     # -- load_task ----------------------------------------------------------------
 
-    def enqueue_load(self, load: Hashable, /, **_: object) -> None:
+    def enqueue_load(self, load: Hashable, /, block_ids: Sequence[int]) -> None:
+        """Queue the load for a load thread (``block_ids`` is ``allocate``'s payload; the pin took them)."""
         self.queue.hold(load)
 
-    def load_task_done(self, load: Hashable, /, **_: object) -> None:
+    def load_task_done(self, load: Hashable, /) -> None:
         self.queue.done(load)
 
     # -- the work ----------------------------------------------------------------
 
-    def load_into_blocks(self, load: Hashable, /, **_: object) -> None:
-        """Fill the pinned blocks from the store (``batch_get_into``); a short or failed read raises."""
+    def load_into_blocks(self, load: Hashable, /) -> None:
+        """Fill the allocated blocks from the store (``batch_get_into``); a short or failed read raises."""
         with self._lock:
-            hit, pin = self._hits.get(load), self._pins.get(load)
-        if hit is None or pin is None:
-            raise NotHeld(f"load {load!r} has nothing pinned to load into")
-        n = len(pin.blocks)
+            hit, owed = self._hits.get(load), self._owed.get(load)
+        if hit is None or owed is None:
+            raise NotHeld(f"load {load!r} has no allocated blocks to load into")
+        blocks = owed.blocks
+        n = len(blocks)
         keys = list(hit.keys[:n])
-        size = self.pool.block_bytes
-        answer = list(self.store.batch_get_into(keys, [self.pool.ptr(b) for b in pin.blocks], [size] * n))
+        size = self.buffer.block_bytes
+        answer = list(self.store.batch_get_into(keys, [self.buffer.ptr(b) for b in blocks], [size] * n))
         if len(answer) != n:
             raise StoreError("batch_get_into", keys, [C.INTERNAL_ERROR] * n, f"{len(answer)} answers for {n} keys")
         with self._lock:
-            pin.filled.update(b for b, got in zip(pin.blocks, answer, strict=True) if got == size)
-            filled = len(pin.filled)
+            owed.filled.update(b for b, got in zip(blocks, answer, strict=True) if got == size)
+            filled = len(owed.filled)
         self.stats["blocks_loaded"] += filled
         if filled < n:
             codes = [got if got < 0 else (C.OK if got == size else -701) for got in answer]
@@ -357,6 +387,7 @@ class StoreLoader:
     # -- reading back ------------------------------------------------------------
 
     def observe(self, load: Hashable) -> set[str]:
+        """What ``load`` really holds: a pin in the pool, a queue task, a lookup result, an unreported load."""
         held = set()
         if self.pool.held_by(self.holder(load)):
             held.add("load_blocks")
@@ -365,6 +396,8 @@ class StoreLoader:
         with self._lock:
             if load in self._hits:
                 held.add("hit")
+            if load in self._owed:
+                held.add("recv_report")
         return held
 
     def outstanding_tasks(self) -> int:

@@ -9,9 +9,13 @@ fire events; every pin, queue task and store call happens in the drivers'
 actions, under the two Trackers, so a store call that raises or returns a
 negative code ends its job in ``failed`` with everything released.
 
-A request is reported ``finished_sending`` once :meth:`request_finished` was
-called for it and none of its store jobs still pins its blocks: vLLM's
-``stored_requests`` counter, with the count read from the jobs that hold pins.
+What vLLM is owed is declared in the specs and recorded by the drivers'
+releases in one :class:`~kvfsm.drivers.report.Report`: a load's
+``recv_report`` reports it (with the blocks it did not fill) on every way
+out, and a request's last store pin, once :meth:`request_finished` was
+called, reports it ``finished_sending`` (vLLM's ``stored_requests`` counter,
+with the count read from the jobs that hold pins). ``get_finished`` only
+drains it.
 """
 
 from __future__ import annotations
@@ -24,14 +28,14 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from dataclasses import dataclass, field
 
 from ...engine import Tracker
 from ...errors import ActionError, Failure, IllegalTransition
 from ...spec import Spec, load
 from ...spec.bundled import SPECS
+from ..report import Finished, Report
+from .buffer import BlockBuffer
 from .driver import BlockHash, StoreLoader, StoreSender
-from .pool import BlockPool
 from .store import KVStore
 
 log = logging.getLogger(__name__)
@@ -47,23 +51,12 @@ def bundled_spec(name: str) -> Spec:
     return load(SPECS / name)
 
 
-@dataclass
-class Finished:
-    """What one :meth:`MooncakeStoreWorker.get_finished` call reports."""
-
-    sending: set[Hashable] = field(default_factory=set)
-    """Requests whose blocks no store job pins any more, after :meth:`~MooncakeStoreWorker.request_finished`."""
-    recving: set[Hashable] = field(default_factory=set)
-    """Requests whose load ended (loaded, failed or expired) since the last call."""
-    invalid_blocks: set[int] = field(default_factory=set)
-    """Blocks a load pinned but did not fill: recompute them."""
-
-
 class MooncakeStoreWorker:
-    """Two Trackers (store jobs, loads) over one store and one block pool, with vLLM's threads.
+    """Two Trackers (store jobs, loads) over one store and one registered block buffer, with vLLM's threads.
 
     ``sender``/``loader`` default to the drivers in this package; tests pass
     others (for example a copy with a known bug) to show what the specs catch.
+    Either way both record into the worker's one :attr:`report`.
     ``start=False`` leaves the threads stopped until :meth:`start` (jobs queue
     up meanwhile). Call :meth:`close` to stop the threads and release
     everything still held.
@@ -72,7 +65,7 @@ class MooncakeStoreWorker:
     def __init__(
         self,
         store: KVStore,
-        pool: BlockPool,
+        buffer: BlockBuffer,
         *,
         prefix: str = "kv",
         load_threads: int = 2,
@@ -84,9 +77,13 @@ class MooncakeStoreWorker:
         start: bool = True,
     ) -> None:
         self.store = store
-        self.pool = pool
-        self.sender = sender or StoreSender(store, pool, prefix=prefix)
-        self.loader = loader or StoreLoader(store, pool, prefix=prefix)
+        self.buffer = buffer
+        self.pool = buffer.pool
+        self.report = Report()
+        """What the drivers' releases recorded for vLLM; :meth:`get_finished` drains it."""
+        self.sender = sender or StoreSender(store, buffer, prefix=prefix)
+        self.loader = loader or StoreLoader(store, buffer, prefix=prefix)
+        self.sender.report = self.loader.report = self.report
         params = dict(params or {})
         send_spec, load_spec = bundled_spec(SEND_SPEC), bundled_spec(LOAD_SPEC)
         self.send = Tracker(
@@ -112,15 +109,12 @@ class MooncakeStoreWorker:
         """Final states of drained store jobs and loads, as ``send:stored``, ``load:failed``, ..."""
         self._lock = threading.Lock()
         self._seq = itertools.count(1)
-        self._finishing: set[Hashable] = set()
-        self._unstarted: list[tuple[Hashable, tuple[int, ...]]] = []
-        """Loads that failed before a block was pinned: reported by the next get_finished, all blocks invalid."""
         self._closed = False
         self._registered = False
         if register:
-            rc = store.register_buffer(pool.kv.data_ptr(), pool.nbytes)
+            rc = store.register_buffer(buffer.kv.data_ptr(), buffer.nbytes)
             if rc < 0:
-                raise RuntimeError(f"register_buffer of the KV pool ({pool.nbytes} bytes) returned {rc}")
+                raise RuntimeError(f"register_buffer of the KV buffer ({buffer.nbytes} bytes) returned {rc}")
             self._registered = True
         self._threads = [threading.Thread(target=self._send_loop, name="mooncake-store-send", daemon=True)]
         self._threads += [
@@ -157,9 +151,7 @@ class MooncakeStoreWorker:
 
         Either way it is reported in ``Finished.sending`` once no job pins its blocks.
         """
-        with self._lock:
-            self._finishing.add(request_id)
-        return bool(self.sender.live_jobs(request_id))
+        return self.sender.finish_request(request_id)
 
     def lookup(self, request_id: Hashable, block_hashes: Sequence[BlockHash]) -> int:
         """How many leading blocks of the request the store holds (0 on a lookup error).
@@ -187,19 +179,18 @@ class MooncakeStoreWorker:
     def start_load(self, request_id: Hashable, block_ids: Sequence[int]) -> None:
         """Fill ``block_ids`` (allocated by the scheduler for the hit) from the store, on a load thread.
 
-        An empty ``block_ids`` gives the hit up. Whatever happens, the request
-        is reported in ``Finished.recving`` once, with the blocks not filled
-        in ``Finished.invalid_blocks``.
+        An empty ``block_ids`` gives the hit up. Otherwise, whatever happens,
+        the spec's ``recv_report`` reports the request in ``Finished.recving``
+        once, with the blocks not filled in ``Finished.invalid_blocks`` (all of
+        them when pinning or queueing failed).
         """
         try:
             if block_ids:
                 self.load.fire_by("request_id", request_id, "allocate", block_ids=list(block_ids))
             else:
                 self.load.fire_by("request_id", request_id, "miss")
-        except ActionError as exc:  # pinning or queueing failed: nothing was loaded into block_ids
+        except ActionError as exc:
             self._failed(exc)
-            with self._lock:
-                self._unstarted.append((request_id, tuple(block_ids)))
 
     def abort(self, request_id: Hashable) -> None:
         """Drop the request's pending stores and its load; their pins and queue tasks are released."""
@@ -210,8 +201,7 @@ class MooncakeStoreWorker:
         self._end_request(request_id, "preempt")
 
     def get_finished(self) -> Finished:
-        """One scheduler step: fire due deadlines, drain finished jobs and loads, report what finished."""
-        out = Finished()
+        """One scheduler step: fire due deadlines, drain finished jobs and loads, report what vLLM is owed."""
         for tracker in (self.send, self.load):
             try:
                 tracker.poll()
@@ -219,21 +209,9 @@ class MooncakeStoreWorker:
                 self._failed(exc)
         for _job, state in self.send.finished():
             self.outcomes[f"send:{state}"] += 1
-        for load_id, state in self.load.finished():
+        for _load, state in self.load.finished():
             self.outcomes[f"load:{state}"] += 1
-            unfilled = self.loader.take_unfilled(load_id)
-            if unfilled is not None and state != "aborted":  # an async load ran (or was due): report it
-                out.recving.add(self._request_of(load_id))
-                out.invalid_blocks.update(unfilled)
-        with self._lock:
-            done = {r for r in self._finishing if not self.sender.live_jobs(r)}
-            self._finishing -= done
-            unstarted, self._unstarted = self._unstarted, []
-        out.sending = done
-        for request_id, blocks in unstarted:
-            out.recving.add(request_id)
-            out.invalid_blocks.update(blocks)
-        return out
+        return self.report.take()
 
     # -- shutdown ------------------------------------------------------------------
 
@@ -253,7 +231,7 @@ class MooncakeStoreWorker:
             except ActionError as exc:
                 self._failed(exc)
         if self._registered:
-            self.store.unregister_buffer(self.pool.kv.data_ptr())
+            self.store.unregister_buffer(self.buffer.kv.data_ptr())
 
     def __enter__(self) -> MooncakeStoreWorker:
         return self
@@ -286,11 +264,6 @@ class MooncakeStoreWorker:
             self.load.fire(load_id, "abort")
         except ActionError as exc:
             self._failed(exc)
-
-    def _request_of(self, load_id: Hashable) -> Hashable:
-        assert isinstance(load_id, tuple), "load ids are (request_id, 'load', n)"
-        request_id: Hashable = load_id[0]
-        return request_id
 
     def _failed(self, exc: ActionError) -> None:
         with self._lock:

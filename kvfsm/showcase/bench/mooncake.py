@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ...drivers.mooncake import (
-    BlockPool,
+    BlockBuffer,
     FaultyStore,
     KVStore,
     MasterProcess,
@@ -74,10 +74,10 @@ class SoakResult:
         )  # fmt: skip
 
 
-def _fill(pool: BlockPool, blocks: Sequence[int], content: int) -> list[str]:
+def _fill(buffer: BlockBuffer, blocks: Sequence[int], content: int) -> list[str]:
     """Write block contents derived from ``content`` and return their hashes (same content ⇔ same hash)."""
     for i, b in enumerate(blocks):
-        pool.kv[b].fill_((content * 31 + i) % 251)
+        buffer.kv[b].fill_((content * 31 + i) % 251)
     return [f"{content:x}.{i}" for i in range(len(blocks))]
 
 
@@ -102,10 +102,11 @@ def soak(
     """
     rng = random.Random(seed)
     faulty = FaultyStore(store, rate=fault_rate, seed=seed)
-    pool = BlockPool(blocks, BLOCK_BYTES)
+    buffer = BlockBuffer(blocks, BLOCK_BYTES)
+    pool = buffer.pool
     prefix = f"soak-{seed}-{time.time_ns():x}"
     worker = MooncakeStoreWorker(
-        faulty, pool, prefix=prefix, params={"store_timeout": 30.0}, sender=sender(faulty, pool, prefix=prefix)
+        faulty, buffer, prefix=prefix, params={"store_timeout": 30.0}, sender=sender(faulty, buffer, prefix=prefix)
     )
     sent: Counter[Hashable] = Counter()
     recved: Counter[Hashable] = Counter()
@@ -125,14 +126,14 @@ def soak(
             if rid in loading:
                 dst, content = loading.pop(rid)
                 for i, b in enumerate(dst):
-                    if b not in done.invalid_blocks and int(pool.kv[b][0]) != (content * 31 + i) % 251:
+                    if b not in done.invalid_blocks and int(buffer.kv[b][0]) != (content * 31 + i) % 251:
                         corrupt += 1
                 pool.release(rid, dst)
 
     try:
         while issued < requests and time.monotonic() < deadline:
             step()
-            if issued - len(sent) >= inflight or pool.free_count < 16:
+            if issued - len(sent) >= inflight or pool.num_free < 16:
                 time.sleep(0.0005)
                 continue
             rid = f"r{issued}"
@@ -141,7 +142,7 @@ def soak(
             content = rng.choice(contents) if contents and rng.random() < 0.2 else issued  # 20% repeat a prefix
             contents.append(content)
             held = pool.allocate(rid, n)
-            hashes = _fill(pool, held, content)
+            hashes = _fill(buffer, held, content)
             if n > 1 and rng.random() < 0.5:
                 worker.save(rid, held[: n // 2], hashes[: n // 2])  # an earlier step's save
             worker.save(rid, held, hashes)
@@ -154,7 +155,7 @@ def soak(
                 loads += 1
                 old_hashes = [f"{old:x}.{i}" for i in range(4)]
                 hits = worker.lookup(lid, old_hashes)
-                if hits and pool.free_count >= hits:
+                if hits and pool.num_free >= hits:
                     dst = pool.allocate(lid, hits)
                     loading[lid] = (dst, old)
                     worker.start_load(lid, dst)
@@ -178,13 +179,13 @@ def soak(
         fault_rate=fault_rate,
         faults_injected=dict(faulty.injected),
         outcomes=dict(sorted(worker.outcomes.items())),
-        leaked_blocks=pool.num_blocks - pool.free_count,
+        leaked_blocks=pool.num_blocks - pool.num_free,
         leaked_holders=pool.holder_count(),
         hung_requests=len(expected - set(sent)),
         hung_loads=len(loading),
         reported_twice=sum(1 for c in [*sent.values(), *recved.values()] if c > 1),
         unfinished_tasks=worker.unfinished_tasks(),
-        over_releases=pool.over_releases,
+        over_releases=pool.refused_releases,
         corrupt_loads=corrupt,
         failures=len(worker.failures),
     )
@@ -196,8 +197,8 @@ def soak(
 class HandSendWorker:
     """vLLM's store-sending thread after PR #43742, written by hand: a counter per request, try/finally."""
 
-    def __init__(self, store: KVStore, pool: BlockPool, *, prefix: str, start: bool = True) -> None:
-        self.store, self.pool, self.prefix = store, pool, prefix
+    def __init__(self, store: KVStore, buffer: BlockBuffer, *, prefix: str, start: bool = True) -> None:
+        self.store, self.buffer, self.pool, self.prefix = store, buffer, buffer.pool, prefix
         self.queue: queue.Queue[Any] = queue.Queue()
         self.stored_requests: Counter[Hashable] = Counter()
         self.finishing: set[Hashable] = set()
@@ -249,9 +250,9 @@ class HandSendWorker:
             missing = [i for i, c in enumerate(exists) if c == 0]
             if missing:
                 ks = [keys[i] for i in missing]
-                ptrs = [self.pool.ptr(blocks[i]) for i in missing]
+                ptrs = [self.buffer.ptr(blocks[i]) for i in missing]
                 check_codes(
-                    "batch_put_from", ks, self.store.batch_put_from(ks, ptrs, [self.pool.block_bytes] * len(ks))
+                    "batch_put_from", ks, self.store.batch_put_from(ks, ptrs, [self.buffer.block_bytes] * len(ks))
                 )
         except Exception:
             self.failed += 1
@@ -288,20 +289,21 @@ def _send_workload(
     save: Callable[[str, list[int], list[str]], object],
     finished: Callable[[str], object],
     drain: Callable[[], set[Hashable]],
-    pool: BlockPool,
+    buffer: BlockBuffer,
     requests: int,
     salt: int,
 ) -> tuple[float, int]:
     """Requests of 2 blocks, up to 32 in flight; returns (seconds, requests reported)."""
+    pool = buffer.pool
     reported = 0
     issued = 0
     start = time.perf_counter()
     while reported < requests:
         reported += len(drain())
-        while issued < requests and issued - reported < 32 and pool.free_count >= 2:
+        while issued < requests and issued - reported < 32 and pool.num_free >= 2:
             rid = f"t{salt}-{issued}"
             held = pool.allocate(rid, 2)
-            save(rid, held, _fill(pool, held, salt * 1_000_000 + issued))
+            save(rid, held, _fill(buffer, held, salt * 1_000_000 + issued))
             finished(rid)
             pool.release(rid)
             issued += 1
@@ -319,25 +321,25 @@ def throughput(store: KVStore, *, requests: int = 1000, fault_rate: float = 0.10
     ok = True
     for r in range(-1, repeats):  # repeat -1 warms the master up and is not counted
         for variant in (0, 1) if r % 2 == 0 else (1, 0):
-            pool = BlockPool(256, BLOCK_BYTES)
+            buffer = BlockBuffer(256, BLOCK_BYTES)
             faulty = FaultyStore(store, rate=fault_rate, seed=r + 1)
             salt = time.time_ns() % 1_000_000_007
             prefix = f"tp-{salt:x}"
             if variant == 0:
-                assert faulty.register_buffer(pool.kv.data_ptr(), pool.nbytes) >= 0
-                h = HandSendWorker(faulty, pool, prefix=prefix)
-                secs, n = _send_workload(h.save, h.request_finished, h.get_finished, pool, requests, salt)
+                assert faulty.register_buffer(buffer.kv.data_ptr(), buffer.nbytes) >= 0
+                h = HandSendWorker(faulty, buffer, prefix=prefix)
+                secs, n = _send_workload(h.save, h.request_finished, h.get_finished, buffer, requests, salt)
                 h.close()
-                faulty.unregister_buffer(pool.kv.data_ptr())
+                faulty.unregister_buffer(buffer.kv.data_ptr())
                 if r >= 0:
                     hand.append(requests / secs)
             else:
-                w = MooncakeStoreWorker(faulty, pool, prefix=prefix, load_threads=0)
-                secs, n = _send_workload(w.save, w.request_finished, _sending(w), pool, requests, salt)
+                w = MooncakeStoreWorker(faulty, buffer, prefix=prefix, load_threads=0)
+                secs, n = _send_workload(w.save, w.request_finished, _sending(w), buffer, requests, salt)
                 w.close()
                 if r >= 0:
                     ours.append(requests / secs)
-            ok = ok and n == requests and pool.free_count == pool.num_blocks
+            ok = ok and n == requests and buffer.pool.num_free == buffer.num_blocks
     h_rate, k_rate = statistics.median(hand), statistics.median(ours)
     return ThroughputResult(requests, fault_rate, h_rate, k_rate, k_rate / h_rate, repeats, ok)
 
@@ -357,13 +359,14 @@ def per_job(
     store: KVStore, *, jobs: int = 1000, blocks_per_job: int = 2, repeats: int = 5, label: str = ""
 ) -> PerJobResult:
     """µs per store job in one thread: :class:`HandSendWorker`'s code against the kvfsm worker's."""
-    pool = BlockPool(blocks_per_job * 2, BLOCK_BYTES)
-    assert store.register_buffer(pool.kv.data_ptr(), pool.nbytes) >= 0
+    buffer = BlockBuffer(blocks_per_job * 2, BLOCK_BYTES)
+    pool = buffer.pool
+    assert store.register_buffer(buffer.kv.data_ptr(), buffer.nbytes) >= 0
     held = pool.allocate("req", blocks_per_job)
     salt = itertools.count()
 
     def direct() -> float:
-        hand = HandSendWorker(store, pool, prefix="pj", start=False)
+        hand = HandSendWorker(store, buffer, prefix="pj", start=False)
         t0 = time.perf_counter()
         for j in range(jobs):
             job = hand.save_job("req", held, [f"{next(salt)}.{i}" for i in range(blocks_per_job)])
@@ -375,7 +378,7 @@ def per_job(
         return time.perf_counter() - t0
 
     def tracked() -> float:
-        w = MooncakeStoreWorker(store, pool, prefix="pj", load_threads=0, start=False, register=False)
+        w = MooncakeStoreWorker(store, buffer, prefix="pj", load_threads=0, start=False, register=False)
         try:
             t0 = time.perf_counter()
             for j in range(jobs):
@@ -403,7 +406,7 @@ def per_job(
                 times[name].append(fn() / jobs * 1e6)
     finally:
         pool.release("req")
-        store.unregister_buffer(pool.kv.data_ptr())
+        store.unregister_buffer(buffer.kv.data_ptr())
     d, k = statistics.median(times["direct"]), statistics.median(times["kvfsm"])
     return PerJobResult(jobs, blocks_per_job, d, k, k - d, k / d, label)
 

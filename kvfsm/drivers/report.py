@@ -1,0 +1,91 @@
+"""What vLLM is owed at its next ``get_finished``: finished_sending, finished_recving and the blocks to recompute.
+
+A connector's spec declares the obligation as a resource (``recv_report``)
+whose release action records the request here, so every way out of a load
+records it exactly once; the connector only drains this. One helper serves
+every connector in kvfsm: the CPU-offload scheduler half and the Mooncake
+store worker.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Finished:
+    """One drain of a :class:`Report`: what vLLM's ``get_finished`` and ``get_block_ids_with_load_errors`` return."""
+
+    sending: set[Hashable] = field(default_factory=set)
+    """Requests whose blocks the connector no longer needs (vLLM may free them now)."""
+    recving: set[Hashable] = field(default_factory=set)
+    """Requests whose load is over, loaded or not (vLLM stops waiting for them)."""
+    invalid_blocks: set[int] = field(default_factory=set)
+    """Blocks a load did not fill: vLLM recomputes them."""
+
+
+class Report:
+    """Requests owed a finished_sending / finished_recving, and unfilled blocks, until the next drain.
+
+    Invariant, kept under ``_lock``: a request recorded with invalid blocks
+    is in ``_waiting`` until those blocks have been taken (:meth:`take_invalid`),
+    and only then in ``_recving``. vLLM reads ``invalid_block_ids`` before
+    ``finished_recving``; a request told it may run before its bad blocks
+    are known would run on garbage. A caller that hands both over at once
+    (:meth:`take`) never sees the difference.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sending: set[Hashable] = set()
+        self._recving: set[Hashable] = set()
+        self._waiting: set[Hashable] = set()
+        self._invalid: set[int] = set()
+
+    def send(self, request_id: Hashable) -> None:
+        """``request_id``'s blocks may be freed: report it in the next finished_sending."""
+        with self._lock:
+            self._sending.add(request_id)
+
+    def recv(self, request_id: Hashable, invalid_blocks: Iterable[int] = ()) -> None:
+        """``request_id``'s load is over; ``invalid_blocks`` are the ones it did not fill."""
+        invalid = set(invalid_blocks)
+        with self._lock:
+            if invalid:
+                self._invalid |= invalid
+                self._waiting.add(request_id)
+            else:
+                self._recving.add(request_id)
+
+    def take_invalid(self) -> set[int]:
+        """Drain the blocks to recompute; the requests recorded with them become reportable."""
+        with self._lock:
+            return self._take_invalid()
+
+    def take_finished(self) -> tuple[set[Hashable], set[Hashable]]:
+        """Drain ``(finished_sending, finished_recving)``: only requests whose invalid blocks were taken."""
+        with self._lock:
+            sending, self._sending = self._sending, set()
+            recving, self._recving = self._recving, set()
+            return sending, recving
+
+    def take(self) -> Finished:
+        """Drain everything at once, for a caller that hands vLLM all three together."""
+        with self._lock:
+            invalid = self._take_invalid()
+            sending, self._sending = self._sending, set()
+            recving, self._recving = self._recving, set()
+        return Finished(sending, recving, invalid)
+
+    def _take_invalid(self) -> set[int]:
+        invalid, self._invalid = self._invalid, set()
+        self._recving |= self._waiting
+        self._waiting = set()
+        return invalid
+
+    def owed(self) -> int:
+        """Requests recorded and not yet drained."""
+        with self._lock:
+            return len(self._sending) + len(self._recving) + len(self._waiting)
