@@ -73,8 +73,9 @@ def test_bytes_loaded_equal_the_bytes_stored_for_that_prefix() -> None:
     gpu = offload.gpu_cache
     gpu.storage.copy_(torch.randn(gpu.storage.shape, generator=torch.Generator().manual_seed(3)))
     stored = {h: gpu.block(b).clone() for b, h in [(1, 101), (6, 102), (3, 103)]}
+    offload.gpu_pool.allocate("scheduler", 8)  # the requests' own blocks: the drivers hold them too
     offload.store.hold_gpu_src("a", gpu_blocks=[1, 6, 3], hashes=[101, 102, 103])
-    offload.store.alloc_cpu_dst("a", hashes=[101, 102, 103])
+    offload.store.alloc_cpu_dst("a", gpu_blocks=[1, 6, 3], hashes=[101, 102, 103])
     src, dst = offload.store.transfer("a")
     copy_blocks(gpu, src, offload.cpu_cache, dst)
     offload.store.publish("a")
@@ -83,7 +84,6 @@ def test_bytes_loaded_equal_the_bytes_stored_for_that_prefix() -> None:
     gpu.storage.zero_()  # the GPU blocks are reused by others
 
     offload.load.pin_cpu_hit("b", hashes=[101, 102, 103, 104])
-    offload.load.plan_load("b", gpu_blocks=[7, 0, 5])
     offload.load.hold_gpu_dst("b", gpu_blocks=[7, 0, 5])
     cpu_blocks, gpu_blocks = offload.load.transfer("b")
     copy_blocks(offload.cpu_cache, cpu_blocks, gpu, gpu_blocks)

@@ -10,12 +10,12 @@ holds the blocks, so the same interleaving loads exactly the bytes stored.
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from typing import Any
 
 import torch
 
 from kvfsm.adapters.vllm import CpuOffloadScheduler, CpuOffloadWorker
 from kvfsm.adapters.vllm_api import KVConnectorOutput, RequestStatus
+from kvfsm.drivers.block_pool import BlockPool
 from kvfsm.drivers.cpu_offload import CpuOffload, LoadDriver
 from kvfsm.drivers.kv_cache import KVLayout
 from kvfsm.showcase.sim import StepOutput, run_worker
@@ -47,7 +47,7 @@ class Engine:
     def run_and_finish(self, req: SimRequest) -> None:
         """The request computes its tokens (random KV bytes) and finishes; its store is planned."""
         n = len(req.block_hashes)
-        req.blocks = self.offload.gpu_pool.get_new_blocks(n)
+        req.blocks = self.offload.gpu_pool.allocate(req.request_id, n)
         for b, h in zip(req.blocks, req.block_hashes, strict=True):
             self.offload.gpu_cache.block(b).copy_(
                 torch.randn(self.offload.gpu_cache.block(b).shape, generator=self.rng)
@@ -56,7 +56,7 @@ class Engine:
         req.num_computed_tokens = n * BS
         req.status = RequestStatus.FINISHED_LENGTH_CAPPED
         assert self.sched.request_finished(req, list(req.blocks)) == (False, None)
-        self.offload.gpu_pool.free(req.blocks)  # vLLM frees at once: the store holds its own references
+        self.offload.gpu_pool.release(req.request_id)  # vLLM frees at once: the store holds the blocks too
 
     def step(self) -> KVConnectorOutput:
         meta = self.sched.build_connector_meta(StepOutput({}, set(), None))
@@ -85,40 +85,46 @@ def test_a_pinned_hit_survives_the_cpu_cache_filling_up_and_loads_the_stored_byt
     assert pool.lookup(a.block_hashes[:4]) == e.offload.load.pinned(a.request_id)
 
     # Phase B: allocate_slots gave GPU blocks; the load uses the pinned blocks.
-    a.blocks = e.offload.gpu_pool.get_new_blocks(5)
+    a.blocks = e.offload.gpu_pool.allocate(a.request_id, 5)
     e.sched.update_state_after_alloc(a, a, 4 * BS)
     out = e.step()
     assert out.finished_recving == {a.request_id} and not out.invalid_block_ids
     for b, h in zip(a.blocks[:4], a.block_hashes[:4], strict=True):
         assert torch.equal(e.offload.gpu_cache.block(b), e.stored[h])
 
-    # The load is over: no CPU block is referenced, the prefix is cached and evictable again.
+    # The load is over: no CPU block is held, the prefix is cached and evictable again.
     assert pool.referenced() == {} and pool.num_free == 8
-    e.offload.check_references({b: 1 for b in a.blocks})  # only the request's own GPU references remain
+    e.offload.check()
+    assert e.offload.driver_holdings() == {}  # only the request holds its GPU blocks
+    assert e.offload.gpu_pool.held_by(a.request_id) == tuple(sorted(a.blocks))
 
 
 class LookupOnlyLoadDriver(LoadDriver):
     """vLLM before the fix: phase A counts the hit and keeps nothing; phase B looks it up again."""
 
-    def __init__(self, *args: Any) -> None:
+    def __init__(self, *args: BlockPool) -> None:
         super().__init__(*args)
         self._looked: dict[Hashable, list[int]] = {}
         self._hashes: dict[Hashable, list[int]] = {}
 
-    def pin_cpu_hit(self, key: Hashable, /, hashes: Sequence[int] = (), **_: Any) -> None:
+    def pin_cpu_hit(self, key: Hashable, /, hashes: Sequence[Hashable]) -> None:
         self._looked[key] = self.cpu_pool.lookup(hashes)
         self._hashes[key] = list(hashes)
-        self._hit[key] = []
 
     def pinned(self, key: Hashable) -> list[int]:
         return list(self._looked.get(key, ()))
 
-    def plan_load(self, key: Hashable, /, gpu_blocks: Sequence[int] = (), **_: Any) -> None:
+    def hold_gpu_dst(self, key: Hashable, /, gpu_blocks: Sequence[int]) -> None:
         found = self.cpu_pool.lookup(self._hashes.pop(key))[: len(gpu_blocks)]
         if len(found) < len(gpu_blocks):
             raise AssertionError(f"Expected {len(gpu_blocks) * BS} hit tokens, got {len(found) * BS}")
-        self.cpu_pool.touch(found)
+        self.cpu_pool.pin(("cpu_hit", key), found)
         self._hit[key] = found
+        super().hold_gpu_dst(key, gpu_blocks)
+
+    def unpin_cpu_hit(self, key: Hashable, /) -> None:
+        if self._hit.pop(key, None) is not None:  # phase A pinned nothing
+            self.cpu_pool.release(("cpu_hit", key))
 
 
 def test_without_the_pin_the_same_interleaving_loses_the_hit() -> None:
@@ -132,10 +138,10 @@ def test_without_the_pin_the_same_interleaving_loses_the_hit() -> None:
         e.run_and_finish(e.request(list(range(start, start + 4 * BS))))
         e.step()
     assert e.offload.cpu_pool.lookup(a.block_hashes[:4]) == []  # evicted between the phases
-    a.blocks = e.offload.gpu_pool.get_new_blocks(5)
-    e.sched.update_state_after_alloc(a, a, 4 * BS)  # plan_load raises the seed's AssertionError
-    # vLLM crashed here. The adapter instead has the worker report the blocks
-    # as load errors, so vLLM recomputes them rather than read stale bytes.
+    a.blocks = e.offload.gpu_pool.allocate(a.request_id, 5)
+    e.sched.update_state_after_alloc(a, a, 4 * BS)  # hold_gpu_dst raises the seed's AssertionError
+    # vLLM crashed here. The spec's recv_report instead reports the load with
+    # its blocks as load errors, so vLLM recomputes them rather than read stale bytes.
     out = e.step()
     assert e.sched.stats.loads_refused == 1
     assert out.finished_recving == {a.request_id}

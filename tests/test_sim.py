@@ -66,12 +66,10 @@ def test_small_runs_end_clean_whatever_the_pressure(seed: int, gpu: int, cpu: in
 class UnheldStoreDriver(StoreDriver):
     """Seed-#52360's bug: the store trusts the request's GPU blocks to outlive the copy, without a reference."""
 
-    def hold_gpu_src(
-        self, key: Hashable, /, gpu_blocks: Sequence[int] = (), hashes: Sequence[int] = (), **_: Any
-    ) -> None:
+    def hold_gpu_src(self, key: Hashable, /, gpu_blocks: Sequence[int], hashes: Sequence[Hashable]) -> None:
         self._src[key] = list(gpu_blocks)
 
-    def free_gpu_src(self, key: Hashable, /, **_: Any) -> None:
+    def free_gpu_src(self, key: Hashable, /) -> None:
         self._src.pop(key)
 
 

@@ -75,12 +75,12 @@ class Rig:
     def store_prefix(self, tokens: list[int] = PREFIX) -> SimRequest:
         """A request that computed ``tokens`` finishes; its store runs to completion."""
         req = self.request(tokens)
-        req.blocks = self.offload.gpu_pool.get_new_blocks(len(req.block_hashes))
+        req.blocks = self.offload.gpu_pool.allocate(req.request_id, len(req.block_hashes))
         for i, b in enumerate(req.blocks):
             self.offload.gpu_cache.block(b).fill_(float(i + 1))
         req.num_computed_tokens = len(req.block_hashes) * BS
         self.finish(req)
-        self.offload.gpu_pool.free(req.blocks)
+        self.offload.gpu_pool.release(req.request_id)
         self.step()
         if self.copier:
             self.copier.finish_all()
@@ -94,7 +94,11 @@ class Rig:
         self.sched.update_state_after_alloc(req, req, blocks * BS)
 
     def allocate(self, req: SimRequest, blocks: int) -> None:
-        req.blocks = self.offload.gpu_pool.get_new_blocks(blocks)
+        req.blocks = self.offload.gpu_pool.allocate(req.request_id, blocks)
+
+    def free(self, req: SimRequest) -> None:
+        """The scheduler lets the request's blocks go (the connector's own holds stay)."""
+        self.offload.gpu_pool.release(req.request_id)
 
     def cpu_refs(self) -> dict[int, int]:
         return self.offload.cpu_pool.referenced()
@@ -177,7 +181,10 @@ def test_a_load_copies_the_pinned_blocks_and_reports_the_request_once() -> None:
     for i, b in enumerate(req.blocks):
         assert torch.all(rig.offload.gpu_cache.block(b) == float(i + 1))
     assert rig.cpu_refs() == {}
-    rig.offload.check_references(dict.fromkeys(req.blocks, 1))
+    rig.offload.check()
+    assert rig.offload.driver_holdings() == {} and rig.offload.gpu_pool.holdings() == {
+        req.request_id: tuple(req.blocks)
+    }
     # vLLM calls phase B again after an async load, with no tokens: nothing happens.
     rig.sched.update_state_after_alloc(req, req, 0)
     assert rig.step().finished_recving is None
@@ -190,14 +197,15 @@ def test_an_abort_mid_load_keeps_both_ends_until_the_worker_reports() -> None:
     rig.load_hit(req)
     rig.step()
     rig.finish(req, RequestStatus.FINISHED_ABORTED)
-    rig.offload.gpu_pool.free(req.blocks)  # even if the scheduler let go, the load holds them
+    rig.free(req)  # even if the scheduler let go, the load holds them
     assert rig.sched.loads.state(req.request_id) == "abandoned"
     assert len(rig.cpu_refs()) == 4 and all(rig.offload.gpu_pool.ref_cnt[b] == 1 for b in req.blocks)
+    assert rig.step().finished_recving is None  # vLLM waits for the copy, as the spec does
     rig.copier.finish_all()  # type: ignore[union-attr]
-    out = rig.step()
-    assert out.finished_recving == {req.request_id}
+    rig.step()  # the copy is over: everything is freed, and the unverified blocks go out first
     assert rig.cpu_refs() == {} and rig.offload.gpu_pool.referenced() == {}
     assert rig.sched.loads.state(req.request_id) == "aborted"
+    assert rig.step().finished_recving == {req.request_id}
 
 
 def test_a_failed_load_reports_its_blocks_as_errors_and_releases_everything() -> None:
@@ -207,10 +215,11 @@ def test_a_failed_load_reports_its_blocks_as_errors_and_releases_everything() ->
     rig.load_hit(req)
     rig.step()
     rig.copier.finish_all(error=RuntimeError("DMA error"))  # type: ignore[union-attr]
+    out = rig.step()  # the worker reports the failed job; the blocks go out with the next metadata
+    assert out.finished_recving is None and rig.cpu_refs() == {} and rig.sched.stats.loads_failed == 1
     out = rig.step()
     assert out.finished_recving == {req.request_id}
     assert out.invalid_block_ids == set(req.blocks)
-    assert rig.cpu_refs() == {} and rig.sched.stats.loads_failed == 1
 
 
 def test_a_lost_report_expires_and_vllm_is_still_told_to_recompute() -> None:
@@ -240,7 +249,7 @@ def test_a_late_duplicate_of_an_old_load_does_not_finish_a_newer_one() -> None:
     old_meta = first.kv_connector_worker_meta
     assert isinstance(old_meta, CpuOffloadWorkerMeta)
 
-    rig.offload.gpu_pool.free(req.blocks)  # preempted: vLLM frees and recomputes from scratch
+    rig.free(req)  # preempted: vLLM frees and recomputes from scratch
     rig.step(preempted={req.request_id})
     rig.load_hit(req)
     rig.step()  # the second load is in flight
@@ -268,11 +277,11 @@ def test_a_store_takes_only_missing_blocks_and_publishes_them_after_the_copy() -
     rig = Rig(hold=True)
     rig.store_prefix(PREFIX[: 2 * BS])
     req = rig.request(PREFIX)
-    req.blocks = rig.offload.gpu_pool.get_new_blocks(4)
+    rig.allocate(req, 4)
     req.num_computed_tokens = 4 * BS
     rig.finish(req)
-    rig.offload.gpu_pool.free(req.blocks)
-    assert [rig.offload.gpu_pool.ref_cnt[b] for b in req.blocks] == [0, 0, 1, 1]  # the store's own references
+    rig.free(req)
+    assert [rig.offload.gpu_pool.ref_cnt[b] for b in req.blocks] == [0, 0, 1, 1]  # the store's own holds
     rig.step()
     assert rig.offload.cpu_pool.lookup(req.block_hashes) == rig.offload.cpu_pool.lookup(req.block_hashes[:2])
     rig.copier.finish_all()  # type: ignore[union-attr]
@@ -284,7 +293,7 @@ def test_a_store_takes_only_missing_blocks_and_publishes_them_after_the_copy() -
 def test_request_finished_twice_is_counted_not_stored_twice() -> None:
     rig = Rig(hold=True)
     req = rig.request(PREFIX)
-    req.blocks = rig.offload.gpu_pool.get_new_blocks(4)
+    rig.allocate(req, 4)
     req.num_computed_tokens = 4 * BS
     rig.finish(req)
     rig.finish(req)

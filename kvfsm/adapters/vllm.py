@@ -21,11 +21,18 @@ Three habits make it robust against the failure reports in vLLM's history:
    instance and is counted, never applied to a newer generation of the same
    request id. The ``finished_recving`` vLLM acts on is rebuilt from the jobs.
 3. **Never leave vLLM waiting, never let it read garbage**: a request vLLM
-   parks in ``WAITING_FOR_REMOTE_KVS`` appears in ``finished_recving`` exactly
-   once, even when its load was cancelled before it was sent, refused or
-   expired; the GPU blocks of a load that did not happen are reported as load
-   errors, so vLLM recomputes them. Both go through the worker, because vLLM
-   reads ``invalid_block_ids`` *before* it calls ``update_connector_output``.
+   parks in ``WAITING_FOR_REMOTE_KVS`` is owed a ``finished_recving``. The
+   load spec declares that debt as the resource ``recv_report``, so every way
+   out of the load (loaded, failed, refused in phase B, cancelled before it
+   was sent, aborted, expired) records the request exactly once in the load
+   driver's :class:`~kvfsm.drivers.report.Report`, with the GPU blocks the
+   copy did not fill. This file only drains it: the blocks to recompute go to
+   the worker in the metadata (vLLM reads ``invalid_block_ids`` *before* it
+   calls ``update_connector_output``), and ``update_connector_output`` writes
+   the requests into ``finished_recving`` once their blocks are out.
+
+Nothing here names a state of the specs: what may happen next is asked of
+the Tracker (``accepts``), what is still under way of the spec (``live``).
 
 The two sides talk only through :class:`CpuOffloadMetadata` (scheduler to
 worker) and :class:`CpuOffloadWorkerMeta` (worker to scheduler, inside
@@ -37,9 +44,9 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 from ..drivers.cpu_offload import LOAD_SPEC, STORE_SPEC, CpuOffload
 from ..drivers.kv_cache import BlockCopier, Copier, Copy
@@ -53,9 +60,6 @@ from .vllm_api import (
     RequestStatus,
     SchedulerOutput,
 )
-
-LOAD_LIVE = ("pinned", "load_pending", "loading", "abandoned")
-"""States of the load machine that are not final."""
 
 
 @dataclass(frozen=True)
@@ -72,14 +76,14 @@ class TransferJob:
 class CpuOffloadMetadata(KVConnectorMetadata):
     """Scheduler to worker, once per step: loads are CPU to GPU, stores GPU to CPU.
 
-    ``failed_loads`` are loads vLLM waits for that will not happen (refused,
-    cancelled before they were sent, expired): the worker reports each as a
-    failed load at once, with its ``dst_blocks`` as load errors.
+    ``load_errors`` are GPU blocks of loads that ended without filling them
+    (failed, refused, cancelled, expired): the worker hands them to vLLM as
+    ``invalid_block_ids`` in this step, before vLLM reads ``finished_recving``.
     """
 
     loads: list[TransferJob] = field(default_factory=list)
     stores: list[TransferJob] = field(default_factory=list)
-    failed_loads: list[TransferJob] = field(default_factory=list)
+    load_errors: set[int] = field(default_factory=set)
 
 
 @dataclass
@@ -106,7 +110,7 @@ class ConnectorStats:
     loads_done: int = 0
     loads_failed: int = 0
     loads_refused: int = 0
-    """Phase B asked for tokens this connector had not pinned: reported as load errors, recomputed."""
+    """Phase B the spec refused (more tokens than pinned, unusable blocks): reported as load errors, recomputed."""
     blocks_loaded: int = 0
     stores_sent: int = 0
     stores_done: int = 0
@@ -151,18 +155,19 @@ class CpuOffloadScheduler:
             spaces=["store_job"],
             threadsafe=False,
         )
+        self.report = offload.load.report
+        """What the load spec's ``recv_report`` releases recorded for vLLM; drained each step."""
         self.stats = ConnectorStats()
+        self._live_loads = frozenset(self.loads.spec.live)
+        self._live_stores = frozenset(self.stores.spec.live)
         self._job_ids = itertools.count(1)
         self._first_block: dict[str, int] = {}
         """Phase A's ``num_computed_tokens // block_size``: where the pinned blocks start in the request."""
-        self._awaited: dict[str, list[int]] = {}
-        """Loads vLLM waits for in WAITING_FOR_REMOTE_KVS -> their GPU blocks; each must reach finished_recving."""
         self._loads_to_send: list[str] = []
         self._stores_to_send: list[str] = []
-        self._give_up: list[TransferJob] = []
-        """Loads vLLM waits for that will not happen, for the next metadata."""
-        self._given_up: dict[int, str] = {}
-        """Job ids of those, until the worker reports them."""
+
+    def _load_live(self, rid: Hashable) -> bool:
+        return self.loads.state(rid) in self._live_loads
 
     # -- phase A ---------------------------------------------------------------
 
@@ -174,13 +179,12 @@ class CpuOffloadScheduler:
         phase B. Every way out of the pinned state releases it (see the spec).
         """
         rid = request.request_id
-        state = self.loads.state(rid)
-        if state == "pinned":
+        if self.loads.accepts(rid, "retry"):
             # Phase A again with no phase B in between: allocate_slots failed
             # last time (vLLM says nothing then). The old pin goes first.
             self.loads.fire(rid, "retry")
             self.stats.retries += 1
-        elif state in LOAD_LIVE:
+        elif self._load_live(rid):
             return None, False  # a load for this request is still under way: ask again in a later step
         self.stats.lookups += 1
         first = num_computed_tokens // self.block_size
@@ -210,66 +214,46 @@ class CpuOffloadScheduler:
         first = self._first_block.pop(rid, request.num_computed_tokens // self.block_size)
         n = -(-num_external_tokens // self.block_size)
         gpu_blocks = list(blocks.get_block_ids()[0][first : first + n])
-        if self.loads.state(rid) != "pinned":
-            if num_external_tokens > 0:
-                self._refuse(rid, gpu_blocks)
-            return
         if num_external_tokens == 0:
-            self.loads.fire(rid, "skip")
+            if self.loads.accepts(rid, "skip"):
+                self.loads.fire(rid, "skip")
+            return
+        if not self.loads.accepts(rid, "allocated"):
+            # vLLM waits for tokens phase A never offered (it broke the
+            # two-phase contract): no load exists to owe the report, so this
+            # is the one report made by hand. Skipping it quietly (vLLM's
+            # first fix for #39702) would let the model read stale blocks.
+            self.stats.loads_refused += 1
+            self.report.recv(rid, gpu_blocks)
             return
         try:
             self.loads.fire(rid, "allocated", gpu_blocks=gpu_blocks)
         except ActionError:
-            # plan_load refused (more tokens than were pinned): the spec's
-            # on_error path already released the pin; make vLLM recompute.
+            # hold_gpu_dst refused (more tokens than were pinned, unusable
+            # blocks): the spec's on_error path released the pin, and undoing
+            # recv_report reported the load with every block to recompute.
             self.stats.action_errors += 1
-            self._refuse(rid, gpu_blocks)
+            self.stats.loads_refused += 1
             return
-        self._awaited[rid] = gpu_blocks
         self._loads_to_send.append(rid)
-
-    def _refuse(self, rid: str, gpu_blocks: list[int]) -> None:
-        """vLLM will wait for tokens no load will supply: have them reported as load errors.
-
-        Skipping the load quietly (what vLLM's first fix for #39702 did) would
-        let the model read whatever the GPU blocks held before.
-        """
-        self.stats.loads_refused += 1
-        self._give_up_load(rid, gpu_blocks)
-
-    def _give_up_load(self, rid: str, invalid_blocks: list[int]) -> None:
-        """vLLM waits for ``rid``'s load: have the worker report it over, failed on ``invalid_blocks``."""
-        self._give_up.append(TransferJob(next(self._job_ids), rid, [], invalid_blocks))
 
     # -- once per step ------------------------------------------------------------
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> CpuOffloadMetadata:
-        """Apply preemptions and deadlines, then send every load and store planned this step."""
+        """Apply preemptions and deadlines, send every load and store planned this step, and the blocks to recompute."""
         for rid in scheduler_output.preempted_req_ids or ():
             # Preemption is never a connector call; this set is how we learn of it.
-            if self.loads.state(rid) in ("pinned", "load_pending"):
+            if self.loads.accepts(rid, "preempt"):
                 self.loads.fire(rid, "preempt")
-                self._awaited.pop(rid, None)  # a preempted request is not waiting for a load
-        self._fire_deadlines()
+        self.stats.expired += len(self.loads.poll()) + len(self.stores.poll())
         meta = CpuOffloadMetadata()
         for rid in self._loads_to_send:
-            if self.loads.state(rid) != "load_pending":
-                continue  # the request ended since phase B
-            job = next(self._job_ids)
-            self.loads.link(rid, "load_job", job)
-            self.loads.fire(rid, "dispatch")
-            src, dst = self.offload.load.transfer(rid)
-            meta.loads.append(TransferJob(job, rid, src, dst))
+            if self.loads.accepts(rid, "dispatch"):  # else the request ended since phase B
+                meta.loads.append(self._dispatch(self.loads, "load_job", rid, self.offload.load.transfer))
         for rid in self._stores_to_send:
-            if self.stores.state(rid) != "planned":
-                continue
-            job = next(self._job_ids)
-            self.stores.link(rid, "store_job", job)
-            self.stores.fire(rid, "dispatch")
-            src, dst = self.offload.store.transfer(rid)
-            meta.stores.append(TransferJob(job, rid, src, dst))
-        meta.failed_loads, self._give_up = self._give_up, []
-        self._given_up.update((job.job_id, job.request_id) for job in meta.failed_loads)
+            if self.stores.accepts(rid, "dispatch"):
+                meta.stores.append(self._dispatch(self.stores, "store_job", rid, self.offload.store.transfer))
+        meta.load_errors = self.report.take_invalid()
         self._loads_to_send.clear()
         self._stores_to_send.clear()
         self.stats.loads_sent += len(meta.loads)
@@ -277,85 +261,87 @@ class CpuOffloadScheduler:
         self._retire()
         return meta
 
-    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """Apply the worker's reports by job id, then rebuild ``finished_recving`` from them.
+    def _dispatch(
+        self, tracker: Tracker, space: str, rid: str, transfer: Callable[[str], tuple[list[int], list[int]]]
+    ) -> TransferJob:
+        """Name the copy by a fresh job id (the worker reports job ids) and send it."""
+        job = next(self._job_ids)
+        tracker.link(rid, space, job)
+        tracker.fire(rid, "dispatch")
+        src, dst = transfer(rid)
+        return TransferJob(job, rid, src, dst)
 
-        vLLM calls this before it reads ``finished_recving``: rebuilt from job
-        ids, a late or duplicate request id from the worker cannot wake a newer
-        load of the same request id (the ABA of vLLM #51637 and #51786).
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Apply the worker's reports by job id, then write ``finished_recving`` from the report.
+
+        vLLM calls this before it reads ``finished_recving``. The set comes
+        from the load driver's report, never from the worker's output, so a
+        late or duplicate report from the worker cannot wake a newer load of
+        the same request id (the ABA of vLLM #51637 and #51786): its job id
+        names no live instance and is counted by the tracker, not applied.
         """
         meta = connector_output.kv_connector_worker_meta
-        recving: set[str] = set()
         if isinstance(meta, CpuOffloadWorkerMeta):
             for job in meta.loads_done:
-                self._load_over(job, "complete", recving)
+                self._load_over(job, "complete")
             for job in meta.loads_failed:
-                self._load_over(job, "load_error", recving)
+                self._load_over(job, "load_error")
             for job in meta.stores_done:
                 self._store_over(job, "complete")
             for job in meta.stores_failed:
                 self._store_over(job, "store_error")
-        connector_output.finished_recving = recving or None
+        _sending, recving = self.report.take_finished()
+        connector_output.finished_recving = set(map(str, recving)) or None
 
-    def _load_over(self, job: int, event: str, recving: set[str]) -> None:
-        given_up = self._given_up.pop(job, None)
-        if given_up is not None:
-            recving.add(given_up)
+    def _load_over(self, job: int, event: str) -> None:
+        rid = self.loads.route("load_job", job)
+        blocks = len(self.offload.load.transfer(rid)[1]) if rid is not None and self._load_live(rid) else 0
+        try:
+            state = self.loads.fire_by("load_job", job, event)  # an unknown job id is counted, not applied
+        except ActionError:
+            self.stats.action_errors += 1  # accept_load raised; the spec failed the load and reported it
             return
-        rid = cast(str | None, self.loads.route("load_job", job))  # keys are request ids
-        if rid is None or self.loads.state(rid) not in ("loading", "abandoned"):
-            self.loads.fire_by("load_job", job, event)  # late or duplicate: counted by the tracker, not applied
+        if state is None or not blocks:
             return
-        gpu_blocks = self._awaited.pop(rid, None)  # None: the request ended mid-copy
-        self.loads.fire(rid, event)
-        recving.add(rid)
-        if gpu_blocks is not None and event == "complete":
+        if self.loads.spec.states[state].final == "success":
             self.stats.loads_done += 1
-            self.stats.blocks_loaded += len(gpu_blocks)
-        elif gpu_blocks is not None:
-            self.stats.loads_failed += 1  # the worker reported the blocks as load errors itself
+            self.stats.blocks_loaded += blocks
+        elif event == "load_error":
+            self.stats.loads_failed += 1
 
     def _store_over(self, job: int, event: str) -> None:
         rid = self.stores.route("store_job", job)
-        was = self.stores.state(rid) if rid is not None else None
-        if rid is None or was not in ("storing", "abandoned"):
-            self.stores.fire_by("store_job", job, event)  # late or duplicate: counted by the tracker, not applied
-            return
-        blocks = len(self.offload.store.transfer(rid)[1])
+        blocks = len(self.offload.store.transfer(rid)[1]) if rid is not None and self._store_live(rid) else 0
         try:
-            state = self.stores.fire(rid, event)
+            state = self.stores.fire_by("store_job", job, event)  # an unknown job id is counted, not applied
         except ActionError:
             self.stats.action_errors += 1  # publish raised; the spec freed the blocks unpublished
-            state = "failed"
-        if was == "storing" and state == "stored":
+            self.stats.stores_failed += 1
+            return
+        if state is None or not blocks:
+            return
+        if self.stores.spec.states[state].final == "success":
             self.stats.stores_done += 1
             self.stats.blocks_stored += blocks
-        elif was == "storing":
+        elif event == "store_error":
             self.stats.stores_failed += 1
 
-    def _fire_deadlines(self) -> None:
-        """Loads and stores the worker never reported: the spec released them; vLLM still waits for the loads."""
-        for key, _event, _state in self.loads.poll():
-            rid = cast(str, key)
-            self.stats.expired += 1
-            self._give_up_load(rid, self._awaited.pop(rid, []))  # no blocks if the request already ended
-        self.stats.expired += len(self.stores.poll())
+    def _store_live(self, rid: Hashable) -> bool:
+        return self.stores.state(rid) in self._live_stores
 
     # -- the end of a request ----------------------------------------------------
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """The request ended (called once, before vLLM frees its blocks): end its load, plan its store.
 
-        Returns ``(False, None)``: the store holds its own references on the
-        GPU blocks, so vLLM may free the request's at once.
+        Returns ``(False, None)``: the store holds its own blocks on the GPU
+        side, so vLLM may free the request's at once. A load vLLM still waits
+        for reports itself, through ``recv_report``, whichever way it ends.
         """
         rid = request.request_id
-        state = self.loads.state(rid)
-        if state in LOAD_LIVE:
-            self.loads.fire(rid, "abort" if request.status == RequestStatus.FINISHED_ABORTED else "finish")
-            if state == "load_pending":  # vLLM waits for a load that will never be sent
-                self._give_up_load(rid, [])
-            self._awaited.pop(rid, None)  # from here on the request's blocks are not ours to report
+        event = "abort" if request.status == RequestStatus.FINISHED_ABORTED else "finish"
+        if self.loads.accepts(rid, event):
+            self.loads.fire(rid, event)
         self._first_block.pop(rid, None)
         self._plan_store(request, block_ids)
         return False, None
@@ -363,7 +349,7 @@ class CpuOffloadScheduler:
     def _plan_store(self, request: Request, block_ids: Sequence[int]) -> None:
         """Take the request's computed full blocks that the CPU cache lacks, as many as there is room for."""
         rid = request.request_id
-        if self.stores.state(rid) in ("planned", "storing", "abandoned"):
+        if self._store_live(rid):
             self.stats.duplicate_finishes += 1  # request_finished twice for one request (vLLM #33377)
             return
         full = min(request.num_computed_tokens // self.block_size, len(block_ids), len(request.block_hashes))
@@ -396,8 +382,8 @@ class CpuOffloadScheduler:
                 out[name] = out.get(name, 0) + 1
 
     def live(self) -> int:
-        """Load and store instances not yet in a final state."""
-        return self.loads.live() + self.stores.live()
+        """Load and store instances not yet in a final state, and reports not yet handed to vLLM."""
+        return self.loads.live() + self.stores.live() + self.report.owed()
 
     def anomalies(self) -> dict[str, int]:
         """Events dropped because they named no live instance (late, duplicate or unknown job ids)."""
@@ -407,24 +393,29 @@ class CpuOffloadScheduler:
         }
 
     def shutdown(self) -> None:
-        """Abort everything and release all references (a copy still running is abandoned to its fate)."""
+        """Abort everything and release all blocks (a copy still running is abandoned to its fate)."""
         self.loads.close()
         self.stores.close()
         self._retire()
 
 
 class CpuOffloadWorker:
-    """The worker-side half: runs the copies the metadata names and reports them by job id."""
+    """The worker-side half: runs the copies the metadata names and reports them by job id.
+
+    It decides nothing about requests: which loads are over and which blocks
+    vLLM must recompute is the scheduler half's report, shipped in the
+    metadata (``load_errors``) and written into ``finished_recving`` by
+    :meth:`CpuOffloadScheduler.update_connector_output`.
+    """
 
     def __init__(self, offload: CpuOffload, copier: Copier | None = None) -> None:
         self.gpu_cache = offload.gpu_cache
         self.cpu_cache = offload.cpu_cache
         self.copier: Copier = copier if copier is not None else BlockCopier()
         self._meta: CpuOffloadMetadata | None = None
-        self._jobs: dict[int, tuple[str, TransferJob]] = {}
+        self._jobs: dict[int, str] = {}
+        """Copies submitted and not yet over: job id -> 'load' or 'store'."""
         self._report = CpuOffloadWorkerMeta()
-        self._recving: set[str] = set()
-        self._load_errors: set[int] = set()
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         if not isinstance(connector_metadata, CpuOffloadMetadata):
@@ -436,12 +427,8 @@ class CpuOffloadWorker:
 
     def start_load_kv(self, forward_context: object, **kwargs: Any) -> None:
         """Start this step's loads. They are async: vLLM keeps each request waiting until it is reported."""
-        for job in self._meta.failed_loads if self._meta else ():
-            self._recving.add(job.request_id)  # vLLM waits for it: over, and failed on these blocks
-            self._report.loads_failed.append(job.job_id)
-            self._load_errors.update(job.dst_blocks)
         for job in self._meta.loads if self._meta else ():
-            self._jobs[job.job_id] = ("load", job)
+            self._jobs[job.job_id] = "load"
             self.copier.submit(Copy(job.job_id, self.cpu_cache, job.src_blocks, self.gpu_cache, job.dst_blocks))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -453,29 +440,26 @@ class CpuOffloadWorker:
     def wait_for_save(self) -> None:
         """Start this step's stores (blocks of requests that finished, which no forward writes any more)."""
         for job in self._meta.stores if self._meta else ():
-            self._jobs[job.job_id] = ("store", job)
+            self._jobs[job.job_id] = "store"
             self.copier.submit(Copy(job.job_id, self.gpu_cache, job.src_blocks, self.cpu_cache, job.dst_blocks))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """``(finished_sending, finished_recving)``: stores never delay a free, so sending is always None."""
+        """Collect the copies that are over (by job id, for the scheduler half); ``(None, None)`` to vLLM.
+
+        Stores never delay a free, so nothing is ever finished sending; what
+        finished receiving is written by the scheduler half from its report.
+        """
         for job_id, error in self.copier.poll():
-            kind, job = self._jobs.pop(job_id)
+            kind = self._jobs.pop(job_id)
             if kind == "load":
-                self._recving.add(job.request_id)  # reported even when it failed, as vLLM requires
-                if error is None:
-                    self._report.loads_done.append(job_id)
-                else:
-                    self._report.loads_failed.append(job_id)
-                    self._load_errors.update(job.dst_blocks)
+                (self._report.loads_done if error is None else self._report.loads_failed).append(job_id)
             else:
                 (self._report.stores_done if error is None else self._report.stores_failed).append(job_id)
-        recving, self._recving = self._recving, set()
-        return None, recving or None
+        return None, None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """GPU blocks whose load failed since the last call; vLLM recomputes them."""
-        errors, self._load_errors = self._load_errors, set()
-        return errors
+        """GPU blocks of loads that ended without filling them; vLLM recomputes them."""
+        return set(self._meta.load_errors) if self._meta else set()
 
     def build_connector_worker_meta(self) -> CpuOffloadWorkerMeta | None:
         """The job ids that ended this step, for ``update_connector_output`` on the scheduler side."""

@@ -224,16 +224,16 @@ class _SchedulerRound:
         self.offload = CpuOffload(layout, n * per_request, n * store_blocks + hit_blocks, device="cpu")
         shared = [hash(("prefix", i)) for i in range(hit_blocks)]
         pool = self.offload.cpu_pool
-        seeded = pool.get_new_blocks(hit_blocks)
+        seeded = pool.allocate("seed", hit_blocks)
         for b, h in zip(seeded, shared, strict=True):
             pool.cache(b, h)
-        pool.free(seeded)
+        pool.release("seed")
         self.sched = CpuOffloadScheduler(self.offload)
         self.worker = CpuOffloadWorker(self.offload, _ReportAtOnce())
         tokens = (hit_blocks + store_blocks) * self.bs + 1
         self.reqs = [_Req(f"req-{i}", shared + [hash((i, j)) for j in range(store_blocks)], tokens) for i in range(n)]
         for r in self.reqs:
-            r.blocks = self.offload.gpu_pool.get_new_blocks(per_request)
+            r.blocks = self.offload.gpu_pool.allocate(r.request_id, per_request)
 
     def timed(self, name: str, fn: Callable[[], object]) -> object:
         start = time.perf_counter()
@@ -262,7 +262,7 @@ class _SchedulerRound:
             r.status = RequestStatus.FINISHED_LENGTH_CAPPED
         self.timed("request_finished (store)", lambda: [sched.request_finished(r, r.blocks) for r in reqs])
         for r in reqs:
-            self.offload.gpu_pool.free(r.blocks)
+            self.offload.gpu_pool.release(r.request_id)
         stored = self.step("stores", {r.request_id for r in reqs})
         self.timed("update_connector_output (stores)", lambda: sched.update_connector_output(stored))
         if sched.stats.loads_done != self.n or sched.stats.stores_done != self.n:

@@ -1,4 +1,4 @@
-"""The worker side of the simulated engine: the model writing KV, a slow and faulty DMA engine, a faulty channel back.
+"""The worker side of the simulated engine: the model writing KV, a slow and faulty DMA engine, a flaky delivery of its outputs back.
 
 The model writes into each block the bytes its prefix hash names
 (:class:`KVPattern`), so any block anywhere can be checked: a load that
@@ -136,8 +136,8 @@ def _merge(outputs: list[KVConnectorOutput]) -> KVConnectorOutput:
 
 
 @dataclass
-class Channel:
-    """Worker outputs on their way to the scheduler: some arrive twice, some again much later."""
+class OutputDelivery:
+    """Delivers worker outputs to the scheduler, some twice, some again much later (a flaky process boundary)."""
 
     rng: random.Random
     duplicate_rate: float = 0.0

@@ -18,6 +18,7 @@ import random
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -27,7 +28,7 @@ from ...drivers.block_pool import BlockPool
 from ...drivers.cpu_offload import CpuOffload
 from ...drivers.kv_cache import KVLayout
 from .report import SimReport
-from .runner import Channel, DelayedCopier, KVPattern, run_worker
+from .runner import DelayedCopier, KVPattern, OutputDelivery, run_worker
 from .workload import SimRequest, Workload, make_requests, poisson
 
 
@@ -97,7 +98,7 @@ class Simulation:
             config.report_loss_rate,
         )
         self.worker = CpuOffloadWorker(self.offload, self.copier)
-        self.channel = Channel(random.Random(self.rng.random()), config.duplicate_rate, config.late_rate)
+        self.delivery = OutputDelivery(random.Random(self.rng.random()), config.duplicate_rate, config.late_rate)
         self.kv = KVPattern(layout)
         self.pending: deque[SimRequest] = deque(make_requests(workload, config.block_size, self.rng))
         self.requests: dict[str, SimRequest] = {}
@@ -128,7 +129,7 @@ class Simulation:
         return self.report
 
     def _in_flight(self) -> bool:
-        return self.connector.live() > 0 or self.copier.busy() or self.channel.busy()
+        return self.connector.live() > 0 or self.copier.busy() or self.delivery.busy()
 
     def step(self) -> None:
         self.step_no += 1
@@ -137,9 +138,9 @@ class Simulation:
         out = self._schedule()
         meta = self.connector.build_connector_meta(out)
         kv_out = self._execute(meta, out)
-        self._update_from_output(out, self.channel.deliver(self.step_no, kv_out))
+        self._update_from_output(out, self.delivery.deliver(self.step_no, kv_out))
         if self.step_no % self.config.check_every == 0:
-            self.offload.check_references(self._scheduler_refs())
+            self._check_holders()
 
     def _arrive(self) -> None:
         for _ in range(min(poisson(self.rng, self.workload.arrival_rate), len(self.pending))):
@@ -230,14 +231,13 @@ class Simulation:
             return True
         if need > self.gpu_pool.num_free:
             return False
-        req.blocks += self.gpu_pool.get_new_blocks(need)
+        req.blocks += self.gpu_pool.allocate(req.request_id, need)
         return True
 
     def _preempt(self, req: SimRequest) -> None:
         """vLLM's _preempt_request: free the blocks, recompute from scratch later. No connector call."""
         self.running.remove(req)
-        self.gpu_pool.free(req.blocks)
-        req.blocks = []
+        self._release_blocks(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         if req.num_preemptions == 0:
@@ -256,8 +256,7 @@ class Simulation:
             self.failed_recving.discard(rid)
             self.report.loads_recomputed += 1
             if req.num_computed_tokens == 0:
-                self.gpu_pool.free(req.blocks)
-                req.blocks = []
+                self._release_blocks(req)
         else:
             computed = min(len(req.blocks) * self.config.block_size, req.num_tokens)
             req.num_computed_tokens = computed - 1 if computed == req.num_tokens else computed
@@ -361,17 +360,26 @@ class Simulation:
             self._free_blocks(req)
 
     def _free_blocks(self, req: SimRequest) -> None:
-        self.gpu_pool.free(req.blocks)
-        req.blocks = []
+        self._release_blocks(req)
         del self.requests[req.request_id]
+
+    def _release_blocks(self, req: SimRequest) -> None:
+        """The request lets its GPU blocks go (the pool keeps those a load or a store still holds)."""
+        if req.blocks:
+            self.gpu_pool.release(req.request_id)
+        req.blocks = []
 
     def _assertion(self, what: str) -> None:
         self.report.assertion_failures.append(what)
 
     # -- checks ---------------------------------------------------------------------------
 
-    def _scheduler_refs(self) -> Counter[int]:
-        return Counter(b for req in self.requests.values() for b in req.blocks)
+    def _check_holders(self) -> None:
+        """The pools keep their invariants, and the scheduler's holds on GPU blocks are exactly its requests' blocks."""
+        self.offload.check()
+        for req in self.requests.values():
+            if self.gpu_pool.held_by(req.request_id) != tuple(sorted(req.blocks)):
+                self._assertion(f"step {self.step_no}: {req.request_id} holds {self.gpu_pool.held_by(req.request_id)}")
 
     def _final_checks(self) -> None:
         r = self.report
@@ -379,17 +387,22 @@ class Simulation:
         r.connector = self.connector.stats
         r.anomalies = self.connector.anomalies()
         r.failed_copies, r.lost_reports = self.copier.failed, self.copier.lost
-        r.duplicated_outputs, r.late_outputs = self.channel.duplicated, self.channel.late
+        r.duplicated_outputs, r.late_outputs = self.delivery.duplicated, self.delivery.late
         r.cpu_evictions = self.offload.cpu_pool.evictions
         r.live_instances = self.connector.live()
         r.unfinished_requests = len(self.requests) + len(self.pending)
+        self._check_holders()
         r.leaked_cpu_refs = self.offload.cpu_pool.referenced()
-        r.leaked_gpu_refs = dict(Counter(self.gpu_pool.referenced()) - self._scheduler_refs())
-        self.offload.check_references(self._scheduler_refs())
+        scheduler = set(self.requests)
+        leaked: Counter[int] = Counter()
+        for holder, blocks in self.gpu_pool.holdings().items():
+            if holder not in scheduler:
+                leaked.update(blocks)
+        r.leaked_gpu_refs = dict(leaked)
         pool = self.offload.cpu_pool
         cached = [b for b in range(pool.num_blocks) if pool.hash_of(b) is not None]
         r.cpu_cache_mismatches = self.kv.mismatches(
-            self.offload.cpu_cache, cached, [pool.hash_of(b) or 0 for b in cached]
+            self.offload.cpu_cache, cached, [cast(int, pool.hash_of(b)) for b in cached]
         )
 
 
