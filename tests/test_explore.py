@@ -284,7 +284,7 @@ def kvfsm_cli(*args: str) -> subprocess.CompletedProcess[str]:
 def test_cli_merged_fix_exits_one_with_the_chart() -> None:
     result = kvfsm_cli(str(MERGED))
     assert result.returncode == 1, result.stderr
-    assert "write_after_free: prefill is in transferring or draining" in result.stdout
+    assert "write_after_free: prefill is in transferring while decode lacks kv_pages" in result.stdout
     assert "violated" in result.stdout and "Traceback" not in result.stderr
 
 

@@ -169,7 +169,8 @@ def test_loaded_system_knows_roles_messages_channel_and_properties() -> None:
     c = system.channel
     assert (c.loss, c.duplicate, c.reorder, c.capacity) == (True, True, True, 2)
     assert system.requests == 6
-    assert system.properties[-1] == "write_after_free"
+    assert system.names == ("deadlock", "leak", "late_message", "unexpected_message", "overflow", "write_after_free")
+    assert [p.kind for p in system.properties] == [*system.names[:-1], "never"]
     assert system.never[0].describe() == "prefill is in transferring or draining while decode lacks kv_pages"
 
 

@@ -39,7 +39,7 @@ def test_export_is_deterministic_and_numbers_every_property() -> None:
     system = load_system(PD / "merged_fix.yaml")
     text = to_promela(system, requests=2)
     assert text == to_promela(load_system(PD / "merged_fix.yaml"), requests=2)
-    for k, name in enumerate(system.properties, start=1):
+    for k, name in enumerate(system.names, start=1):
         assert f" *   {k} {name}: " in text
     assert "#define N 2" in text and "#define CAP 2" in text
 
@@ -119,6 +119,6 @@ def test_plain_spin_run_stops_at_the_named_assertion(tmp_path: Path) -> None:
     assert stopped.errors == 1 and stopped.violated == ("write_after_free",)
     assert "assertion violated (holds_write_after_free" in stopped.output
     deadlock_only = check_with_spin(
-        text, tmp_path / "one", report=False, only=system.properties.index("deadlock") + 1, **quick
+        text, tmp_path / "one", report=False, only=system.names.index("deadlock") + 1, **quick
     )
     assert deadlock_only.errors == 0 and deadlock_only.complete

@@ -58,7 +58,10 @@ def test_write_after_free_is_reproduced_on_the_pd_loopback(write_after_free: Tra
     replay = Replay(MERGED, write_after_free, pd_loopback.factories())
     result = replay.run()
     assert result.verdict == "reproduced" and result.mismatch is None
-    assert result.summary == "step 4: prefill transferring while decode lacks kv_pages — reproduced on the real drivers"
+    assert (
+        result.summary
+        == "step 4: prefill is in transferring while decode lacks kv_pages — reproduced on the real drivers"
+    )
     loop = loopback(replay)
     [write] = loop.writes
     assert write.room == "r0" and write.dst == loop.metadata["r0"].pages

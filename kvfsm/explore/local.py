@@ -13,13 +13,12 @@ Semantics (the same in the Promela export):
 - a live instance may fire any event it has a transition for, unless that event
   is a message it receives (local work, timeouts, ``abort`` and the
   ``on_error`` event all happen whenever their state allows);
-- each message sent is kept or, if the channel may lose messages, lost;
-- a message in flight may be delivered (any of them if the channel reorders,
-  else the oldest per direction); delivery consumes it or, if the channel may
-  duplicate, leaves a copy in flight. The receiver fires it, ignores it, has
-  its server answer it (``reply_if_finished``, finished instances only), or
-  rejects it: ``unexpected_message`` in a live state, ``late_message`` in a
-  final one;
+- sends, deliveries, loss and duplicates follow the channel's rules
+  (:mod:`kvfsm.spec.system.channel`). The receiver of a delivered message
+  fires it, ignores it, has its server answer it (``reply_if_finished``,
+  finished instances only), or rejects it;
+- what a local state or a move breaks is what the properties' evaluator
+  (:mod:`kvfsm.spec.system.properties`) says of its snapshot;
 - a request whose instances have all finished with nothing in flight is
   *retired*: its final states are forgotten, as the Tracker forgets finished
   instances, unless the finished state itself violates a property.
@@ -29,10 +28,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from itertools import product
 
 from ..spec.model import ABORT
-from ..spec.system import System
+from ..spec.system import LastStep, Snapshot, System, violations
+from ..spec.system.channel import Flight
 
 LocalState = tuple[tuple[int, ...], tuple[int, ...]]
 """(state index per role, ids of this request's messages in flight); ``RETIRED`` once done."""
@@ -58,6 +57,8 @@ class Move:
     """The delivered message's id (``cause == "message"``)."""
     duplicate: bool = False
     """A delivered message that stays in flight (the channel duplicated it)."""
+    in_flight: int = 0
+    """The request's messages in flight after the move."""
     violation: str | None = None
     """The property this move itself breaks (``unexpected_message``, ``late_message``, ``overflow``)."""
 
@@ -70,13 +71,8 @@ class _Role:
     holds: tuple[tuple[str, ...], ...]
     spontaneous: tuple[tuple[tuple[str, int, tuple[int, ...], str], ...], ...]
     """per state: (event, target, message ids sent, cause) for every event that needs no message."""
-    progress: tuple[bool, ...]
-    """per state: some spontaneous event other than abort / on_error can move it."""
     on_message: dict[tuple[int, int], tuple[int, tuple[int, ...]] | None]
     """(state, message id) → (target, sends) for a transition, ``None`` if ignored; absent: rejected."""
-
-
-_Condition = tuple[int, frozenset[int] | None, frozenset[str], frozenset[str]]
 
 
 class LocalSystem:
@@ -85,28 +81,15 @@ class LocalSystem:
     def __init__(self, system: System) -> None:
         self.system = system
         self.channel = system.channel
-        self.message_names = tuple(system.messages)
-        msg_id = {name: i for i, name in enumerate(self.message_names)}
+        self.wire = system.wire
+        self.message_names = self.wire.names
+        msg_id = self.wire.ids
         role_names = tuple(system.roles)
         role_id = {name: i for i, name in enumerate(role_names)}
-        messages = [system.messages[m] for m in self.message_names]
-        self.receiver = tuple(role_id[m.receiver] for m in messages)
-        directions: dict[tuple[str, str], int] = {}
-        for m in messages:
-            directions.setdefault((m.sender, m.receiver), len(directions))
-        self.direction = tuple(directions[(m.sender, m.receiver)] for m in messages)
-        self.reply = tuple(msg_id[m.reply_if_finished] if m.reply_if_finished else -1 for m in messages)
+        self.receiver = tuple(role_id[system.messages[m].receiver] for m in self.message_names)
+        self.reply = tuple(msg_id[r] if (r := system.messages[m].reply_if_finished) else -1 for m in self.message_names)
         self.roles = tuple(self._compile(name, msg_id) for name in role_names)
-        self.properties = system.properties
-        self._enabled = set(self.properties)
-        self._never: list[tuple[str, str, list[_Condition]]] = []
-        for prop in system.never:
-            conds: list[_Condition] = []
-            for c in prop.when:
-                role = self.roles[role_id[c.role]]
-                states = frozenset(role.states.index(s) for s in c.states) or None
-                conds.append((role_id[c.role], states, frozenset(c.holds), frozenset(c.lacks)))
-            self._never.append((prop.name, prop.describe(), conds))
+        self.properties = system.names
         self.states: list[LocalState] = []
         self.index: dict[LocalState, int] = {}
         self.moves: list[list[tuple[int, Move]]] = []
@@ -125,7 +108,6 @@ class LocalSystem:
         states = tuple(spec.states)
         sid = {s: i for i, s in enumerate(states)}
         inbox = set(self.system.inbox(name))
-        env = {ABORT} | ({spec.on_error} if spec.on_error else set())
         spontaneous: list[list[tuple[str, int, tuple[int, ...], str]]] = [[] for _ in states]
         on_message: dict[tuple[int, int], tuple[int, tuple[int, ...]] | None] = {}
         for e in spec.edges():
@@ -155,60 +137,34 @@ class LocalSystem:
             final=tuple(spec.states[s].is_final for s in states),
             holds=tuple(spec.states[s].holds for s in states),
             spontaneous=tuple(tuple(x) for x in spontaneous),
-            progress=tuple(any(ev not in env for ev, _t, _s, _c in row) for row in spontaneous),
             on_message=on_message,
         )
 
     # -- local states --------------------------------------------------------------
 
-    def _add(self, flight: tuple[int, ...], m: int) -> tuple[int, ...]:
-        """In flight plus ``m``: a sorted multiset if the channel reorders, else send order per direction."""
-        if self.channel.reorder:
-            return tuple(sorted((*flight, m)))
-        d = self.direction[m]
-        at = len(flight)
-        while at > 0 and self.direction[flight[at - 1]] > d:
-            at -= 1
-        return (*flight[:at], m, *flight[at:])
-
-    def _deliverable(self, flight: tuple[int, ...]) -> Iterator[int]:
-        """Positions of the messages that may arrive next."""
-        seen: set[int] = set()
-        for pos, m in enumerate(flight):
-            key = m if self.channel.reorder else self.direction[m]
-            if key not in seen:
-                seen.add(key)
-                yield pos
+    def snapshot(self, at: tuple[int, ...], in_flight: int, last: LastStep | None = None, load: int = 0) -> Snapshot:
+        """Role states ``at`` (by index) as the properties see them; ``()`` is a retired request, with no instances."""
+        return Snapshot(
+            states={role.name: role.states[at[r]] if at else None for r, role in enumerate(self.roles)},
+            held={role.name: role.holds[at[r]] if at else () for r, role in enumerate(self.roles)},
+            in_flight=in_flight,
+            load=load,
+            last=last,
+        )
 
     def describe_violations(self, state: LocalState) -> tuple[tuple[str, str], ...]:
         """What a local state breaks: the ``never`` properties, and deadlock or leak when it is stuck."""
         if state == RETIRED:
             return ()
         at, flight = state
-        roles = self.roles
-        out: list[tuple[str, str]] = []
-        for name, text, conds in self._never:
-            if name in self._enabled and all(
-                (states is None or at[r] in states)
-                and holds <= set(roles[r].holds[at[r]])
-                and not lacks & set(roles[r].holds[at[r]])
-                for r, states, holds, lacks in conds
-            ):
-                out.append((name, text))
-        if flight or any(role.progress[at[r]] for r, role in enumerate(roles)):
-            return tuple(out)
-        stuck = [r for r, role in enumerate(roles) if not role.final[at[r]]]
-        if not stuck:
-            return tuple(out)
-        where = ", ".join(f"{roles[r].name} in {roles[r].states[at[r]]}" for r in stuck)
-        held = [f"{roles[r].name}: {', '.join(roles[r].holds[at[r]])}" for r in stuck if roles[r].holds[at[r]]]
-        if held:
-            kind, text = "leak", f"nothing can move {where} and nothing is in flight; it keeps {'; '.join(held)}"
-        else:
-            kind, text = "deadlock", f"nothing can move {where} and nothing is in flight (only an abort would end it)"
-        if kind in self._enabled:
-            out.append((kind, text))
-        return tuple(out)
+        return tuple(violations(self.system, self.snapshot(at, len(flight))))
+
+    def step_violation(self, at: tuple[int, ...], move: Move, load: int) -> tuple[str, str] | None:
+        """The property ``move`` itself breaks, leaving role states ``at`` and ``load`` messages in flight in all."""
+        role = self.roles[move.role]
+        kept = tuple(self.message_names[m] for m, k in move.sent if k)
+        last = LastStep(role.name, move.event, rejected=move.action == "reject", sent=kept)
+        return next(violations(self.system, self.snapshot(at, move.in_flight, last, load), on_step=True), None)
 
     def _normal(self, state: LocalState) -> LocalState:
         """Retire a request whose instances all finished with nothing in flight (unless that breaks a property)."""
@@ -232,17 +188,12 @@ class LocalSystem:
     # -- moves ---------------------------------------------------------------------
 
     def _sending(
-        self, at: tuple[int, ...], role: int, target: int, flight: tuple[int, ...], sends: tuple[int, ...]
+        self, at: tuple[int, ...], role: int, target: int, flight: Flight, sends: tuple[int, ...]
     ) -> Iterator[tuple[LocalState, tuple[tuple[int, bool], ...]]]:
         """The local states after ``role`` moves to ``target`` and sends ``sends``, one per fate of each message."""
         moved = (*at[:role], target, *at[role + 1 :])
-        fates = [(True, False) if self.channel.loss else (True,) for _ in sends]
-        for choice in product(*fates):
-            f = flight
-            for m, kept in zip(sends, choice, strict=True):
-                if kept:
-                    f = self._add(f, m)
-            yield (moved, f), tuple(zip(sends, choice, strict=True))
+        for after, sent in self.wire.sends(flight, sends):
+            yield (moved, after), sent
 
     def _successors(self, state: LocalState) -> Iterator[tuple[LocalState, Move]]:
         if state == RETIRED:
@@ -254,29 +205,27 @@ class LocalSystem:
                 continue
             for event, target, sends, cause in role.spontaneous[s]:
                 for nxt, sent in self._sending(at, r, target, flight, sends):
-                    yield nxt, Move(r, cause, "fire", event, s, target, sent)
-        for pos in self._deliverable(flight):
+                    yield nxt, Move(r, cause, "fire", event, s, target, sent, in_flight=len(nxt[1]))
+        for pos in self.wire.deliverable(flight):
             m = flight[pos]
             r = self.receiver[m]
             role = self.roles[r]
             s = at[r]
             event = self.message_names[m]
-            for keep in (False, True) if self.channel.duplicate else (False,):
-                left = flight if keep else (*flight[:pos], *flight[pos + 1 :])
+            for left, keep in self.wire.deliveries(flight, pos):
                 known = (s, m) in role.on_message
                 how = role.on_message.get((s, m))
                 if role.final[s] and self.reply[m] >= 0:
                     for nxt, sent in self._sending(at, r, s, left, (self.reply[m],)):
-                        yield nxt, Move(r, "message", "reply", event, s, s, sent, m, keep)
+                        yield nxt, Move(r, "message", "reply", event, s, s, sent, m, keep, len(nxt[1]))
                 elif known and how is None:
-                    yield (at, left), Move(r, "message", "ignore", event, s, s, (), m, keep)
+                    yield (at, left), Move(r, "message", "ignore", event, s, s, (), m, keep, len(left))
                 elif how is not None and not role.final[s]:
                     target, sends = how
                     for nxt, sent in self._sending(at, r, target, left, sends):
-                        yield nxt, Move(r, "message", "fire", event, s, target, sent, m, keep)
+                        yield nxt, Move(r, "message", "fire", event, s, target, sent, m, keep, len(nxt[1]))
                 else:
-                    why = "late_message" if role.final[s] else "unexpected_message"
-                    yield (at, left), Move(r, "message", "reject", event, s, s, (), m, keep, why)
+                    yield (at, left), Move(r, "message", "reject", event, s, s, (), m, keep, len(left))
 
     def _build(self) -> None:
         """Every local state one request can reach with at most ``capacity`` messages in flight."""
@@ -286,10 +235,11 @@ class LocalSystem:
             i = todo.pop()
             out = self.moves[i]
             for nxt, found in self._successors(self.states[i]):
-                move = found if found.violation in self._enabled else replace(found, violation=None)
-                if len(nxt[1]) > capacity:
-                    if not self.channel.loss and "overflow" in self._enabled:
-                        out.append((-1, replace(move, violation="overflow")))
+                broken = self.step_violation(nxt[0], found, found.in_flight)
+                move = replace(found, violation=broken[0]) if broken is not None else found
+                if found.in_flight > capacity:
+                    if broken is not None:  # overflow: the request's own sends do not fit
+                        out.append((-1, move))
                     continue
                 state = self._normal(nxt)
                 known = state in self.index

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..spec.system import BUILTINS, Channel, System, load_system
+from ..spec.system import Channel, System, load_system
 from .automaton import Automaton, build
 from .local import LocalSystem, Move
 from .search import Found, ProgressFn, Search, path_to, search
@@ -131,7 +131,7 @@ def explore(
         auto,
         requests=n,
         capacity=system.channel.capacity,
-        properties=system.properties,
+        properties=system.names,
         symmetry=symmetry,
         overflow=not system.channel.loss,
         first=first,
@@ -140,15 +140,15 @@ def explore(
         progress=progress,
     )
     results = []
-    for name in system.properties:
-        never = next((p for p in system.never if p.name == name), None)
-        kind, description = ("never", never.describe()) if never is not None else ("builtin", BUILTINS[name])
-        hit = found.found.get(name)
+    for prop in system.properties:
+        kind = "builtin" if prop.builtin else "never"
+        hit = found.found.get(prop.name)
         if hit is not None:
             trace = _trace(system, local, auto, found, hit, n)
-            results.append(PropertyResult(name, kind, description, "violated", trace))
+            results.append(PropertyResult(prop.name, kind, prop.describe(), "violated", trace))
         else:
-            results.append(PropertyResult(name, kind, description, "holds" if found.complete else "unknown"))
+            status = "holds" if found.complete else "unknown"
+            results.append(PropertyResult(prop.name, kind, prop.describe(), status))
     reached = local.reached()
     unreached = tuple(
         (role, state) for role, r in system.roles.items() for state in r.spec.states if (role, state) not in reached
@@ -219,17 +219,19 @@ def _words(local: LocalSystem, move: Move) -> str:
     return "; ".join(parts)
 
 
-def _violation_text(local: LocalSystem, hit: Found, final: tuple[int, int, Move, int] | None, at: list[int]) -> str:
+def _violation_text(
+    local: LocalSystem, found: Search, hit: Found, final: tuple[int, int, Move, int] | None, at: list[int]
+) -> str:
+    """What is wrong at the end of the trace, as the property's evaluator says it."""
     if final is not None and hit.move is not None:
-        _r, _before, move, _after = final
-        role = local.roles[move.role]
-        state = role.states[move.target]
-        if hit.prop == "overflow":
-            names = ", ".join(local.message_names[m] for m, _k in move.sent)
-            return f"{role.name} sends {names} but the channel is full (capacity {local.channel.capacity}) and may not lose it"
-        if hit.prop == "late_message":
-            return f"{move.event} reaches {role.name} after it finished in {state}, which does not ignore it"
-        return f"{move.event} reaches {role.name} in {state}, which neither handles nor ignores it"
+        _r, before, move, _after = final
+        start = local.states[before][0]
+        moved = (*start[: move.role], move.target, *start[move.role + 1 :])
+        # Messages in flight once the move is made: the other requests' (from the search state), then this one's.
+        load = (hit.state & found.codec.mask) - local.nmsg[before] + move.in_flight
+        broken = local.step_violation(moved, move, load)
+        assert broken is not None and broken[0] == hit.prop, f"{hit.prop} not broken by its own move"
+        return broken[1]
     r = final[0] if final is not None else 0
     return next(text for p, text in local.violations[at[r]] if p == hit.prop)
 
@@ -274,7 +276,7 @@ def _trace(system: System, local: LocalSystem, auto: Automaton, found: Search, h
         system=system.name,
         path=system.path,
         prop=hit.prop,
-        violation=_violation_text(local, hit, final, at),
+        violation=_violation_text(local, found, hit, final, at),
         request=culprit,
         roles=tuple(TraceRole(name, r.path, r.spec.name, r.spec.key) for name, r in system.roles.items()),
         steps=tuple(steps),

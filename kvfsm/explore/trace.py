@@ -4,7 +4,9 @@ The JSON form (``format: kvfsm-trace/1``, documented in docs/pd_abort.md) is
 what a replayer drives real trackers and drivers with: every step names the
 request (the instance key on every role), the role, the event and the state
 it must lead to, the resources the role must hold afterwards, and the
-messages sent with their fate.
+messages sent with their fate. Reading one checks it field by field
+(:meth:`Trace.from_dict`, :func:`read_trace`); :func:`check_trace` checks it
+against a system: every name exists and the steps can happen in that order.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ..errors import KvfsmError
+from ..spec.system import System
+from ..spec.system.channel import Traffic
 
 FORMAT = "kvfsm-trace/1"
 
@@ -249,6 +253,142 @@ def read_trace(path: str | Path) -> Trace:
         return Trace.from_dict(doc)
     except TraceError as exc:
         raise TraceError(exc.field, exc.problem, shown) from None
+
+
+TraceSource = Trace | Mapping[str, Any] | str | Path
+"""A trace, its JSON document, or the path of its file."""
+
+
+def as_trace(source: TraceSource) -> Trace:
+    """Read ``source`` into a :class:`Trace`; raises :class:`TraceError` naming the field that is wrong."""
+    if isinstance(source, Trace):
+        return source
+    if isinstance(source, Mapping):
+        return Trace.from_dict(source)
+    return read_trace(source)
+
+
+# -- checking a trace against the system it claims to be of ---------------------------
+
+
+def check_trace(trace: Trace, system: System) -> None:
+    """Raise :class:`TraceError` unless every name in ``trace`` exists in ``system`` and its steps can happen in order.
+
+    Checks roles, requests (begun before they move), states, events (a
+    message step names a message its role receives, a timeout step the event
+    its state's deadline fires), sends (declared, from that role, to their
+    receiver), resources, and the channel (:mod:`kvfsm.spec.system.channel`):
+    a message is delivered only while it may arrive, lost or duplicated only
+    where the channel may do so, and the channel never holds more than its
+    capacity (except in the very step an ``overflow`` trace ends with).
+    """
+    roles = ", ".join(system.roles)
+    for r in trace.roles:
+        if r.name not in system.roles:
+            raise TraceError(f"roles.{r.name}", f"{system.name} has no role {r.name!r} (its roles: {roles})")
+    if trace.prop not in system.names:
+        raise TraceError(
+            "property", f"{trace.prop!r} is not a property of {system.name} (it checks {', '.join(system.names)})"
+        )
+    begun: set[tuple[str, str]] = set()
+    traffic = Traffic(system.wire)
+    for i, step in enumerate(trace.steps):
+        at = f"steps[{i}]"
+        role = system.roles.get(step.role)
+        if role is None:
+            raise TraceError(f"{at}.role", f"{system.name} has no role {step.role!r} (its roles: {roles})")
+        spec = role.spec
+        for name, state in (("to", step.target), ("from", step.source)):
+            if state is not None and state not in spec.states:
+                raise TraceError(
+                    f"{at}.{name}", f"{step.role} has no state {state!r} (its states: {', '.join(spec.states)})"
+                )
+        unknown = [r for r in step.holds if r not in spec.resources]
+        if unknown:
+            raise TraceError(
+                f"{at}.holds",
+                f"{step.role} has no resource {unknown[0]!r} (it declares {', '.join(spec.resources) or 'none'})",
+            )
+        if step.action == "begin":
+            if (step.request, step.role) in begun:
+                raise TraceError(f"{at}.request", f"{step.request} is begun twice on {step.role}")
+            begun.add((step.request, step.role))
+        else:
+            _check_move(system, step, at, begun)
+        carry(traffic, step, at)
+        last = i == len(trace.steps) - 1
+        if traffic.total() > system.channel.capacity and not (last and trace.prop == "overflow"):
+            raise TraceError(
+                f"{at}.sent",
+                f"the channel would hold {traffic.total()} messages, more than its capacity of "
+                f"{system.channel.capacity} (a send that does not fit is lost, or breaks 'overflow')",
+            )
+    if trace.steps and all(s.request != trace.request for s in trace.steps):
+        raise TraceError("request", f"no step names {trace.request!r}")
+
+
+def carry(traffic: Traffic, step: Step, at: str = "step") -> None:
+    """What ``step`` does to the messages in flight: its delivery first, then what it sent and the channel kept.
+
+    Raises :class:`TraceError` for a delivery of a message that may not
+    arrive now, and for a loss or a duplicate the channel does not allow.
+    """
+    channel = traffic.wire.channel
+    if step.cause == "message" and step.event is not None:
+        if step.duplicate and not channel.duplicate:
+            raise TraceError(f"{at}.duplicate", "the channel does not duplicate messages (channel: duplicate: false)")
+        if not traffic.deliver(step.request, step.event, duplicate=step.duplicate):
+            raise TraceError(
+                f"{at}.event", f"delivers {step.event} to {step.role} for {step.request}, but none is in flight"
+            )
+    for j, sent in enumerate(step.sent):
+        if sent.lost and not channel.loss:
+            raise TraceError(f"{at}.sent[{j}].lost", "the channel does not lose messages (channel: loss: false)")
+        if not sent.lost:
+            traffic.send(step.request, sent.message)
+
+
+def _check_move(system: System, step: Step, at: str, begun: set[tuple[str, str]]) -> None:
+    """The checks of one step after the begins: request, event, cause and sends."""
+    spec = system.roles[step.role].spec
+    if (step.request, step.role) not in begun:
+        raise TraceError(f"{at}.request", f"{step.request} was never begun on {step.role} before this step")
+    assert step.event is not None  # Step.from_dict: only a begin has no event
+    inbox = system.inbox(step.role)
+    known = set(spec.events) | {e for rule in spec.ignore for e in rule.events}
+    if step.event not in known and step.event not in inbox:
+        raise TraceError(
+            f"{at}.event", f"{step.role} has no event {step.event!r} (its events: {', '.join(sorted(known))})"
+        )
+    if step.cause == "message":
+        if step.event not in inbox:
+            raise TraceError(f"{at}.event", f"{step.event!r} is not a message {step.role} receives")
+    elif step.event in inbox:
+        raise TraceError(
+            f"{at}.cause", f"{step.event!r} is a message: it happens only when delivered (cause 'message')"
+        )
+    if step.cause == "timeout":
+        timeout = spec.states[step.source].timeout if step.source is not None else None
+        if timeout is None or timeout.fire != step.event:
+            fires = f"fires {timeout.fire!r}" if timeout is not None else "has no timeout"
+            raise TraceError(
+                f"{at}.event", f"a timeout step in {step.source!r} fires {step.event!r}, but that state {fires}"
+            )
+    if step.action == "reply":
+        reply = system.messages[step.event].reply_if_finished if step.event in system.messages else None
+        if reply is None or [s.message for s in step.sent] != [reply]:
+            raise TraceError(
+                f"{at}.sent",
+                f"a reply to {step.event} sends the message's reply_if_finished ({reply or 'none declared'})",
+            )
+        return
+    for j, sent in enumerate(step.sent):
+        msg = system.messages.get(sent.message)
+        if msg is None or msg.sender != step.role or msg.receiver != sent.to:
+            raise TraceError(
+                f"{at}.sent[{j}]",
+                f"{system.name} declares no message {sent.message!r} from {step.role} to {sent.to}",
+            )
 
 
 # -- the message-sequence chart ------------------------------------------------------

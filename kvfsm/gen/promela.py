@@ -36,7 +36,7 @@ from itertools import product
 from pathlib import Path
 
 from ..spec.model import ABORT, Spec
-from ..spec.system import BUILTINS, System
+from ..spec.system import System
 
 
 class _Model:
@@ -54,7 +54,7 @@ class _Model:
             directions.setdefault((m.sender, m.receiver), len(directions))
         self.direction = {m.name: directions[(m.sender, m.receiver)] for m in system.messages.values()}
         self.directions = len(directions)
-        self.props = list(system.properties)
+        self.props = list(system.names)
 
     def var(self, role: str) -> str:
         return f"r_{role}[_pid]"
@@ -306,8 +306,7 @@ def to_promela(system: System, *, requests: int | None = None) -> str:
         " * Properties (spin -DONLY=k checks only k; -DREPORT prints each violated one and explores everything):",
     ]
     for k, prop in enumerate(m.props, start=1):
-        never = next((p for p in system.never if p.name == prop), None)
-        lines.append(f" *   {k} {prop}: {never.describe() if never else BUILTINS[prop]}")
+        lines.append(f" *   {k} {prop}: {system.property_named(prop).describe()}")
     lines += [
         " * Run: spin -a model.pml && gcc -O2 -DSAFETY -DNOREDUCE -o pan pan.c && ./pan -m5000000",
         " */",

@@ -1,7 +1,7 @@
-"""Replay an explorer trace (``kvfsm-trace/1``) on real Trackers and drivers, one per role, and say where they part.
+"""Run an explorer trace (``kvfsm-trace/1``) on real Trackers and drivers, one per role, and say where they part.
 
-The explorer proves a violation on the spec model; a replay shows it on your
-code. Each role gets a Tracker over its spec, a driver from your factory (or a
+The explorer proves a violation on the spec model; running its trace shows it
+on your code. Each role gets a Tracker over its spec, a driver from your factory (or a
 :class:`~kvfsm.testing.ledger.LedgerDriver`) and a virtual clock. Each step of
 the trace is performed the way a deployment would make it happen:
 
@@ -18,11 +18,12 @@ the trace is performed the way a deployment would make it happen:
 After every step the instance's state must be the step's ``to``, and both the
 Tracker's ledger and ``driver.observe(request)`` must equal its ``holds``;
 nothing may raise that the step does not call for. The first difference stops
-the replay (:class:`Mismatch`). A replay that matches to the end then checks
-the violation the trace ends in on the real objects: a ``never`` property
-against the trackers' states and the drivers' ``observe``, a message property
-against the ``IllegalTransition`` raised, ``overflow``, ``deadlock`` and ``leak``
-against the channel and what the stuck instances really hold.
+the run (:class:`Mismatch`). A run that matches to the end then checks the
+violation the trace ends in on the real objects: it builds the
+:class:`~kvfsm.spec.system.Snapshot` the explorer judged, from the trackers'
+states, the drivers' ``observe`` and the messages in flight, and asks the
+properties' one evaluator (:func:`~kvfsm.spec.system.violation`). Reading and
+checking the trace is the trace format's (:mod:`kvfsm.explore.trace`).
 
 Beyond the spec's actions and ``observe``, drivers follow the protocol of
 :mod:`kvfsm.testing.machine` (``before_begin``), plus ``before_fire(key, event,
@@ -33,7 +34,6 @@ pages, once decode's page indices are in).
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,25 +41,14 @@ from typing import Any
 
 from ..engine import Tracker
 from ..errors import ActionError, BindingError, IllegalTransition, KvfsmError
-from ..explore.trace import Step, Trace, TraceError, read_trace
+from ..explore.trace import Step, Trace, TraceError, TraceSource, as_trace, carry, check_trace
 from ..spec import Spec
-from ..spec.system import BUILTINS, System, load_system
+from ..spec.system import LastStep, Snapshot, System, load_system, violation
+from ..spec.system.channel import Traffic
 from .ledger import LedgerDriver
 from .machine import DriverFactory, VirtualClock, begin_resources, check_driver
 from .model import SpecModel
 from .runner import FactoryError
-
-TraceSource = Trace | Mapping[str, Any] | str | Path
-"""A trace, its JSON document, or the path of its file."""
-
-
-def as_trace(source: TraceSource) -> Trace:
-    """Read ``source`` into a :class:`Trace`; raises :class:`TraceError` naming the field that is wrong."""
-    if isinstance(source, Trace):
-        return source
-    if isinstance(source, Mapping):
-        return Trace.from_dict(source)
-    return read_trace(source)
 
 
 def taken_by_caller(spec: Spec, source: str, target: str) -> frozenset[str]:
@@ -71,7 +60,7 @@ def _held(names: Collection[str]) -> str:
     return ", ".join(sorted(names)) or "nothing"
 
 
-# -- what a replay returns --------------------------------------------------------------
+# -- what a trace run returns --------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -102,8 +91,8 @@ class Mismatch:
 
 
 @dataclass(frozen=True)
-class StepReplay:
-    """One step as replayed: what was called, and what the tracker and the driver said afterwards."""
+class TraceStepResult:
+    """One step of a trace as run: what was called, and what the tracker and the driver said afterwards."""
 
     index: int
     number: int | None
@@ -134,18 +123,18 @@ class StepReplay:
 
 
 @dataclass(frozen=True)
-class ReplayResult:
-    """The whole replay: each step, the first mismatch, and whether the trace's violation showed on the real drivers."""
+class TraceResult:
+    """A whole trace run: each step, the first mismatch, and whether the trace's violation showed on the real drivers."""
 
     trace: Trace
     system: str
     drivers: Mapping[str, str]
     """role → what drove it (the driver's class, or the built-in ledger)."""
-    steps: tuple[StepReplay, ...]
+    steps: tuple[TraceStepResult, ...]
     mismatch: Mismatch | None
     reproduced: bool
     summary: str
-    """One sentence: ``step 4: prefill transferring while decode lacks kv_pages — reproduced on the real drivers``."""
+    """One sentence: ``step 4: prefill is in transferring while decode lacks kv_pages — reproduced on the real drivers``."""
 
     @property
     def verdict(self) -> str:
@@ -173,134 +162,7 @@ class ReplayResult:
         }
 
 
-# -- checking a trace against the system -------------------------------------------------
-
-
-class _Channel:
-    """The messages in flight per request, as the trace's sends and deliveries leave them."""
-
-    def __init__(self) -> None:
-        self.flight: Counter[tuple[str, str]] = Counter()
-
-    def total(self) -> int:
-        return self.flight.total()
-
-    def of(self, request: str) -> int:
-        return sum(n for (r, _m), n in self.flight.items() if r == request)
-
-    def apply(self, step: Step) -> None:
-        """Deliver the step's message (``message`` cause), then add what it sent and the channel kept."""
-        if step.cause == "message" and step.event is not None and not step.duplicate:
-            self.flight[step.request, step.event] -= 1
-        for sent in step.sent:
-            if not sent.lost:
-                self.flight[step.request, sent.message] += 1
-        self.flight = +self.flight
-
-
-def check_trace(trace: Trace, system: System) -> None:
-    """Raise :class:`TraceError` unless every name in ``trace`` exists in ``system`` and its steps can happen in order.
-
-    Checks roles, requests (begun before they move), states, events (a
-    message step names a message its role receives, a timeout step the event
-    its state's deadline fires), sends (declared, from that role, to their
-    receiver), resources, and the channel: a message is delivered only while
-    in flight, and the channel never holds more than its capacity (except in
-    the very step an ``overflow`` trace ends with).
-    """
-    roles = ", ".join(system.roles)
-    for r in trace.roles:
-        if r.name not in system.roles:
-            raise TraceError(f"roles.{r.name}", f"{system.name} has no role {r.name!r} (its roles: {roles})")
-    if trace.prop not in system.properties:
-        raise TraceError(
-            "property", f"{trace.prop!r} is not a property of {system.name} (it checks {', '.join(system.properties)})"
-        )
-    begun: set[tuple[str, str]] = set()
-    channel = _Channel()
-    for i, step in enumerate(trace.steps):
-        at = f"steps[{i}]"
-        role = system.roles.get(step.role)
-        if role is None:
-            raise TraceError(f"{at}.role", f"{system.name} has no role {step.role!r} (its roles: {roles})")
-        spec = role.spec
-        for name, state in (("to", step.target), ("from", step.source)):
-            if state is not None and state not in spec.states:
-                raise TraceError(
-                    f"{at}.{name}", f"{step.role} has no state {state!r} (its states: {', '.join(spec.states)})"
-                )
-        unknown = [r for r in step.holds if r not in spec.resources]
-        if unknown:
-            raise TraceError(
-                f"{at}.holds",
-                f"{step.role} has no resource {unknown[0]!r} (it declares {', '.join(spec.resources) or 'none'})",
-            )
-        if step.action == "begin":
-            if (step.request, step.role) in begun:
-                raise TraceError(f"{at}.request", f"{step.request} is begun twice on {step.role}")
-            begun.add((step.request, step.role))
-        else:
-            _check_move(system, step, at, begun, channel)
-        channel.apply(step)
-        last = i == len(trace.steps) - 1
-        if channel.total() > system.channel.capacity and not (last and trace.prop == "overflow"):
-            raise TraceError(
-                f"{at}.sent",
-                f"the channel would hold {channel.total()} messages, more than its capacity of "
-                f"{system.channel.capacity} (a send that does not fit is lost, or breaks 'overflow')",
-            )
-    if trace.steps and all(s.request != trace.request for s in trace.steps):
-        raise TraceError("request", f"no step names {trace.request!r}")
-
-
-def _check_move(system: System, step: Step, at: str, begun: set[tuple[str, str]], channel: _Channel) -> None:
-    """The checks of one step after the begins: request, event, cause and sends."""
-    spec = system.roles[step.role].spec
-    if (step.request, step.role) not in begun:
-        raise TraceError(f"{at}.request", f"{step.request} was never begun on {step.role} before this step")
-    assert step.event is not None  # Step.from_dict: only a begin has no event
-    inbox = system.inbox(step.role)
-    known = set(spec.events) | {e for rule in spec.ignore for e in rule.events}
-    if step.event not in known and step.event not in inbox:
-        raise TraceError(
-            f"{at}.event", f"{step.role} has no event {step.event!r} (its events: {', '.join(sorted(known))})"
-        )
-    if step.cause == "message":
-        if step.event not in inbox:
-            raise TraceError(f"{at}.event", f"{step.event!r} is not a message {step.role} receives")
-        if channel.flight[step.request, step.event] < 1:
-            raise TraceError(
-                f"{at}.event", f"delivers {step.event} to {step.role} for {step.request}, but none is in flight"
-            )
-    elif step.event in inbox:
-        raise TraceError(
-            f"{at}.cause", f"{step.event!r} is a message: it happens only when delivered (cause 'message')"
-        )
-    if step.cause == "timeout":
-        timeout = spec.states[step.source].timeout if step.source is not None else None
-        if timeout is None or timeout.fire != step.event:
-            fires = f"fires {timeout.fire!r}" if timeout is not None else "has no timeout"
-            raise TraceError(
-                f"{at}.event", f"a timeout step in {step.source!r} fires {step.event!r}, but that state {fires}"
-            )
-    if step.action == "reply":
-        reply = system.messages[step.event].reply_if_finished if step.event in system.messages else None
-        if reply is None or [s.message for s in step.sent] != [reply]:
-            raise TraceError(
-                f"{at}.sent",
-                f"a reply to {step.event} sends the message's reply_if_finished ({reply or 'none declared'})",
-            )
-        return
-    for j, sent in enumerate(step.sent):
-        msg = system.messages.get(sent.message)
-        if msg is None or msg.sender != step.role or msg.receiver != sent.to:
-            raise TraceError(
-                f"{at}.sent[{j}]",
-                f"{system.name} declares no message {sent.message!r} from {step.role} to {sent.to}",
-            )
-
-
-# -- the replay ---------------------------------------------------------------------
+# -- the run ---------------------------------------------------------------------
 
 
 class _Diverged(Exception):
@@ -323,8 +185,8 @@ def _make(role: str, factory: DriverFactory) -> object:
         raise FactoryError(f"driver factory {name}() for role {role!r} raised {type(exc).__name__}: {exc}") from None
 
 
-class Replay:
-    """A trace being replayed, one step at a time: ``step()`` until it returns ``None``, then ``result()``.
+class TraceRun:
+    """A trace being run, one step at a time: ``step()`` until it returns ``None``, then ``result()``.
 
     ``trackers``, ``drivers`` and ``clocks`` (per role) stay as the trace left
     them, to look at between and after steps. Roles with no factory in
@@ -365,8 +227,8 @@ class Replay:
         }
         self._models = {name: SpecModel(role.spec) for name, role in self.system.roles.items()}
         """The spec's own view of each role: where its deadlines stand, which transition an event takes."""
-        self._channel = _Channel()
-        self._done: list[StepReplay] = []
+        self._traffic = Traffic(self.system.wire)
+        self._done: list[TraceStepResult] = []
         self._numbers: list[int | None] = []
         n = 0
         for s in self.trace.steps:
@@ -375,20 +237,20 @@ class Replay:
         self._rejected = False
 
     @property
-    def done(self) -> tuple[StepReplay, ...]:
+    def done(self) -> tuple[TraceStepResult, ...]:
         return tuple(self._done)
 
     @property
     def finished(self) -> bool:
-        """Every step was replayed, or one did not match."""
+        """Every step was run, or one did not match."""
         return len(self._done) == len(self.trace.steps) or any(s.mismatch for s in self._done)
 
-    def __iter__(self) -> Iterator[StepReplay]:
+    def __iter__(self) -> Iterator[TraceStepResult]:
         while (done := self.step()) is not None:
             yield done
 
-    def step(self) -> StepReplay | None:
-        """Replay the next step and check it; ``None`` once the replay is over."""
+    def step(self) -> TraceStepResult | None:
+        """TraceRun the next step and check it; ``None`` once the replay is over."""
         if self.finished:
             return None
         index = len(self._done)
@@ -398,7 +260,7 @@ class Replay:
         call, state, observed, mismatch = "", None, None, None
         try:
             call = self._perform(step)
-            self._channel.apply(step)
+            carry(self._traffic, step)
             state, observed = self._check(step)
         except _Diverged as d:
             mismatch = Mismatch(index, label, d.what, d.expected, d.actual)
@@ -407,12 +269,12 @@ class Replay:
                 observed = self._observe(step.role, step.request)
             except _Diverged:
                 observed = None
-        done = StepReplay(index, number, step, call, state, observed, mismatch)
+        done = TraceStepResult(index, number, step, call, state, observed, mismatch)
         self._done.append(done)
         return done
 
-    def run(self) -> ReplayResult:
-        """Replay every step that is left and return the result."""
+    def run(self) -> TraceResult:
+        """TraceRun every step that is left and return the result."""
         for _ in self:
             pass
         return self.result()
@@ -423,6 +285,7 @@ class Replay:
         """Make the step happen on the role's tracker; returns what was called."""
         role, req = step.role, step.request
         tracker, model = self.trackers[role], self._models[role]
+        self._rejected = False
         if step.action == "reply":
             return f"none (the server answers with {', '.join(s.message for s in step.sent)})"
         if step.action == "begin":
@@ -523,8 +386,8 @@ class Replay:
 
     # -- the end -------------------------------------------------------------------
 
-    def result(self) -> ReplayResult:
-        """What the replay found so far: the steps, the first mismatch, and (at the end) the violation checked."""
+    def result(self) -> TraceResult:
+        """What the run found so far: the steps, the first mismatch, and (at the end) the violation checked."""
         mismatch = next((s.mismatch for s in self._done if s.mismatch is not None), None)
         label = self._done[-1].label if self._done else "before any step"
         if mismatch is not None:
@@ -535,6 +398,7 @@ class Replay:
                 f"stopped after {label}: {len(self.trace.steps) - len(self._done)} step(s) left",
             )
         else:
+            found: str | None
             try:
                 found = self._violation()
             except _Diverged as d:
@@ -547,7 +411,7 @@ class Replay:
                 summary = f"every step matched, but {self.trace.prop} did not show at the end"
                 if mismatch is not None:
                     summary += f": {mismatch.actual}"
-        return ReplayResult(
+        return TraceResult(
             self.trace, self.system.name, dict(self.driven_by), tuple(self._done), mismatch, reproduced, summary
         )
 
@@ -561,50 +425,35 @@ class Replay:
             return "real trackers with ledger drivers"
         return f"the real {' and '.join(real)} driver{'s' if len(real) > 1 else ''} (ledger for {', '.join(ledger)})"
 
-    def _violation(self) -> str | None:
-        """The trace's violation as it shows on the real trackers and drivers, in words; ``None`` if it does not."""
-        prop, req = self.trace.prop, self.trace.request
-        if prop not in BUILTINS:
-            never = next(p for p in self.system.never if p.name == prop)
-            met, missed = [], []
-            for c in never.when:
-                state = self.trackers[c.role].state(req)
-                held = self._observe(c.role, req)
-                if c.matches(state, held):
-                    words = [str(state)] if c.states else []
-                    words += [f"holds {', '.join(c.holds)}"] if c.holds else []
-                    words += [f"lacks {', '.join(c.lacks)}"] if c.lacks else []
-                    met.append(f"{c.role} {' and '.join(words)}")
-                else:
-                    missed.append(f"{c.role} is in {state} holding {_held(held)}")
-            if missed:
-                raise _Diverged("violation", never.describe(), "; ".join(missed))
-            return " while ".join(met)
+    def _violation(self) -> str:
+        """The trace's violation as it shows on the real trackers and drivers, in words; diverges if it does not."""
+        prop = self.system.property_named(self.trace.prop)
+        snap = self._snapshot()
+        found = violation(self.system, prop, snap)
+        if found is None:
+            raise _Diverged("violation", prop.describe(), _describe(snap))
+        return found
+
+    def _snapshot(self) -> Snapshot:
+        """The trace's request as the properties see it: trackers' states, drivers' observe, messages in flight."""
+        req = self.trace.request
+        states = {name: t.state(req) for name, t in self.trackers.items()}
+        held = {name: self._observe(name, req) for name, state in states.items() if state is not None}
         last = self.trace.steps[-1] if self.trace.steps else None
-        if prop in ("late_message", "unexpected_message"):
-            if last is None or last.action != "reject":
-                raise _Diverged("violation", "the trace to end with a rejected message", "another ending")
-            return f"{last.event} reaches {last.role} in {last.target}: IllegalTransition"
-        if prop == "overflow":
-            total, cap = self._channel.total(), self.system.channel.capacity
-            if total <= cap:
-                raise _Diverged("violation", f"more than {cap} message(s) in flight", str(total))
-            sent = ", ".join(s.message for s in last.sent) if last is not None else ""
-            return f"{last.role if last else '?'} sends {sent} with {total} message(s) for a channel of capacity {cap}"
-        # deadlock, leak: nothing in flight for the request, and its live instances stuck where the trace leaves them
-        if self._channel.of(req):
-            raise _Diverged("violation", f"nothing in flight for {req}", f"{self._channel.of(req)} message(s)")
-        stuck = {
-            name: state
-            for name, t in self.trackers.items()
-            if (state := t.state(req)) is not None and not t.spec.states[state].is_final
-        }
-        holding = {name: self._observe(name, req) for name in stuck}
-        if not stuck or (prop == "leak" and not any(holding.values())):
-            want = "a live instance holding resources" if prop == "leak" else "a live instance"
-            raise _Diverged("violation", want, "none")
-        where = ", ".join(f"{n} in {s} (observe: {_held(holding[n])})" for n, s in stuck.items())
-        return f"nothing in flight for {req}; {where}"
+        step = None
+        if last is not None and last.event is not None:
+            kept = tuple(s.message for s in last.sent if not s.lost)
+            step = LastStep(last.role, last.event, rejected=self._rejected, sent=kept)
+        return Snapshot(states, held, self._traffic.of(req), self._traffic.total(), step)
+
+
+def _describe(snap: Snapshot) -> str:
+    """What a snapshot shows, for a violation that did not."""
+    roles = [
+        f"{role} is in {state} holding {_held(snap.held.get(role, ()))}" if state is not None else f"{role} has none"
+        for role, state in snap.states.items()
+    ]
+    return "; ".join(roles) + f"; {snap.in_flight} message(s) in flight ({snap.load} in all)"
 
 
 def _check_before_fire(spec: Spec, driver: object) -> None:
@@ -622,24 +471,26 @@ def replay_trace(
     system: System | str | Path,
     trace: TraceSource,
     drivers: Mapping[str, DriverFactory] | None = None,
-) -> ReplayResult:
-    """Replay ``trace`` on one Tracker and one driver per role (a ledger where ``drivers`` has no factory).
+) -> TraceResult:
+    """TraceRun ``trace`` on one Tracker and one driver per role (a ledger where ``drivers`` has no factory).
 
     >>> result = replay_trace("specs/pd_abort/merged_fix.yaml", "trace.json", {"decode": make_decode})
     >>> result.summary
-    'step 4: prefill transferring while decode lacks kv_pages — reproduced on the real drivers'
+    'step 4: prefill is in transferring while decode lacks kv_pages — reproduced on the real drivers'
     """
-    return Replay(system, trace, drivers).run()
+    return TraceRun(system, trace, drivers).run()
 
+
+Replay = TraceRun
+ReplayResult = TraceResult
+"""The names kvfsm.testing and kvfsm.cli.test import; TraceRun and TraceResult are the names to use."""
 
 __all__ = [
     "Mismatch",
-    "Replay",
-    "ReplayResult",
-    "StepReplay",
     "TraceError",
-    "as_trace",
-    "check_trace",
+    "TraceResult",
+    "TraceRun",
+    "TraceStepResult",
     "replay_trace",
     "taken_by_caller",
 ]

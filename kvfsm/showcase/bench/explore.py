@@ -163,7 +163,9 @@ def format_markdown(runs: Sequence[Run]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvfsm.showcase.bench.explore", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m kvfsm.showcase.bench.explore", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--requests", type=int, default=6, help="up to this many requests (default 6)")
     parser.add_argument("--time-limit", type=float, default=60.0, help="seconds per run (default 60)")
     parser.add_argument("--no-spin", action="store_true", help="leave SPIN out")

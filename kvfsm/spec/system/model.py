@@ -1,0 +1,204 @@
+"""The immutable model of a composition: roles, the messages between them, the channel and the properties.
+
+A system file names its roles (each a machine spec), the messages their
+transitions ``send``, what the channel may do to messages, how many requests
+to explore, and the properties to check. A message's name is an event of the
+role that receives it; that event happens only when the message is delivered.
+Facts derived from the roles (each role's inbox, the states local work can
+move on) are computed here once, for the checks, the explorer and trace replay.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Literal
+
+from ..model import ABORT, NOWHERE, Loc, Spec
+from .channel import Channel, Wire
+
+BUILTINS: Mapping[str, str] = {
+    "deadlock": "a live instance that nothing can move on: no local event, no timeout, nothing in flight for its request",
+    "leak": "the same, while the stuck instance holds resources: they would stay held forever",
+    "late_message": "a message reaches a finished instance whose final state does not ignore it",
+    "unexpected_message": "a message reaches a live state that neither handles nor ignores it (IllegalTransition)",
+    "overflow": "a send finds the channel full although the channel may not lose messages",
+}
+"""The properties every exploration checks unless ``properties: builtins:`` narrows them."""
+
+PropertyKind = Literal["never", "deadlock", "leak", "late_message", "unexpected_message", "overflow"]
+
+ON_STEP: frozenset[str] = frozenset({"late_message", "unexpected_message", "overflow"})
+"""Kinds broken by a step itself (a delivery, a send), not by the state a request is in."""
+
+
+@dataclass(frozen=True, slots=True)
+class Role:
+    """One machine of the composition; every request has one instance of every role."""
+
+    name: str
+    spec: Spec
+    path: str
+    doc: str = ""
+    loc: Loc = NOWHERE
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """A message ``sender`` sends ``receiver``; its name is an event of ``receiver``.
+
+    ``reply_if_finished`` names the message the receiving *server* answers with
+    when the instance has already finished (SGLang's bootstrap thread ACKs an
+    ABORT for a completed or unknown room): the instance does not move.
+    """
+
+    name: str
+    sender: str
+    receiver: str
+    reply_if_finished: str | None = None
+    doc: str = ""
+    loc: Loc = NOWHERE
+
+
+@dataclass(frozen=True, slots=True)
+class Condition:
+    """What one role's instance must look like: in one of ``states`` (any if empty), holding and lacking resources."""
+
+    role: str
+    states: tuple[str, ...] = ()
+    holds: tuple[str, ...] = ()
+    lacks: tuple[str, ...] = ()
+    loc: Loc = NOWHERE
+
+    def matches(self, state: str | None, held: Collection[str]) -> bool:
+        """Whether an instance in ``state`` holding ``held`` meets the condition (no instance meets none)."""
+        return (
+            state is not None
+            and (not self.states or state in self.states)
+            and all(r in held for r in self.holds)
+            and not any(r in held for r in self.lacks)
+        )
+
+    def describe(self, state: str | None = None) -> str:
+        """The condition in words; given the ``state`` an instance meets it in, names that state alone."""
+        parts = []
+        if self.states:
+            parts.append(f"is in {state or ' or '.join(self.states)}")
+        if self.holds:
+            parts.append(f"holds {', '.join(self.holds)}")
+        if self.lacks:
+            parts.append(f"lacks {', '.join(self.lacks)}")
+        return f"{self.role} {' and '.join(parts) or 'exists'}"
+
+
+@dataclass(frozen=True, slots=True)
+class Property:
+    """Something no run may do: a built-in (``kind`` is its name) or a ``never`` over one request's roles.
+
+    A ``never`` property is broken when its request meets every condition in
+    ``when`` at once. :func:`kvfsm.spec.system.properties.violation` is the
+    one evaluator of every kind.
+    """
+
+    name: str
+    kind: PropertyKind
+    when: tuple[Condition, ...] = ()
+    doc: str = ""
+    loc: Loc = NOWHERE
+
+    @property
+    def builtin(self) -> bool:
+        return self.kind != "never"
+
+    @property
+    def on_step(self) -> bool:
+        """Broken by a step (a rejected delivery, a send that does not fit), not by a state."""
+        return self.kind in ON_STEP
+
+    def describe(self) -> str:
+        if self.kind == "never":
+            return " while ".join(c.describe() for c in self.when)
+        return BUILTINS[self.kind]
+
+
+BUILTIN_PROPERTIES: tuple[Property, ...] = tuple(
+    Property(name, name)  # type: ignore[arg-type]  # BUILTINS' keys are the built-in kinds
+    for name in BUILTINS
+)
+
+
+@dataclass(frozen=True)
+class System:
+    """A composition: roles, the messages between them, the channel, the bounds and the properties."""
+
+    name: str
+    roles: Mapping[str, Role]
+    messages: Mapping[str, Message]
+    channel: Channel
+    requests: int
+    properties: tuple[Property, ...] = BUILTIN_PROPERTIES
+    """Every property checked, built-ins first, in a stable order."""
+    doc: str = ""
+    path: str = "<memory>"
+    locs: Mapping[str, Loc] = field(default_factory=dict)
+
+    @cached_property
+    def names(self) -> tuple[str, ...]:
+        """The properties' names, in order."""
+        return tuple(p.name for p in self.properties)
+
+    def property_named(self, name: str) -> Property:
+        """The property called ``name``; raises ``KeyError`` if the system checks none by that name."""
+        return self._by_name[name]
+
+    @cached_property
+    def _by_name(self) -> Mapping[str, Property]:
+        return {p.name: p for p in self.properties}
+
+    @property
+    def never(self) -> tuple[Property, ...]:
+        """The ``never`` properties, in order."""
+        return tuple(p for p in self.properties if p.kind == "never")
+
+    @property
+    def builtins(self) -> tuple[str, ...]:
+        """The names of the built-in properties checked."""
+        return tuple(p.name for p in self.properties if p.builtin)
+
+    @cached_property
+    def wire(self) -> Wire:
+        """The channel's rules over this system's messages (message ids in declaration order)."""
+        return Wire(self.channel, tuple(self.messages.values()))
+
+    def inbox(self, role: str) -> Mapping[str, Message]:
+        """The messages ``role`` receives, by name."""
+        return self._inboxes.get(role, {})
+
+    @cached_property
+    def _inboxes(self) -> Mapping[str, Mapping[str, Message]]:
+        out: dict[str, dict[str, Message]] = {}
+        for m in self.messages.values():
+            out.setdefault(m.receiver, {})[m.name] = m
+        return out
+
+    def environment(self, role: str) -> frozenset[str]:
+        """Events of ``role`` that can always happen but are no progress: abort and the on_error event."""
+        spec = self.roles[role].spec
+        return frozenset({ABORT} | ({spec.on_error} if spec.on_error else set()))
+
+    def moves_on(self, role: str, state: str) -> bool:
+        """Whether local work can move ``role`` on from ``state``: an event that is no message, abort or on_error."""
+        return state in self._progress[role]
+
+    @cached_property
+    def _progress(self) -> Mapping[str, frozenset[str]]:
+        out: dict[str, frozenset[str]] = {}
+        for name, role in self.roles.items():
+            passive = self.environment(name) | set(self.inbox(name))
+            out[name] = frozenset(
+                e.source
+                for e in role.spec.edges()
+                if e.event not in passive and e.source in role.spec.states and e.target in role.spec.states
+            )
+        return out
