@@ -6,12 +6,14 @@ import itertools
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from test_explore_system import SERVER, write_pingpong
 
-from kvfsm.explore import ExploreResult, Progress, Trace, explore, format_trace
+from kvfsm.explore import ExploreResult, Progress, Trace, TraceError, check_trace, explore, format_trace
 from kvfsm.explore.automaton import build
 from kvfsm.explore.local import LocalSystem
 from kvfsm.explore.search import search
@@ -52,9 +54,13 @@ def trace_of(result: ExploreResult, prop: str) -> Trace:
 
 
 def replay(trace: Trace, system: System) -> None:
-    """Replay the trace on one real Tracker per role (ledger drivers): every step and the violation must show."""
+    """Run the trace on one real Tracker per role (ledger drivers): every step and the violation must show.
+
+    The run judges the real objects with the explorer's own evaluator, so it says the very sentence the trace ends in.
+    """
     result = replay_trace(system, trace)
     assert result.reproduced, result.summary
+    assert trace.violation in result.summary
 
 
 # -- the PD abort systems ----------------------------------------------------------------
@@ -118,6 +124,42 @@ def test_builtin_and_never_properties_are_found_with_a_replayable_trace(
     replay(trace, system)
 
 
+RECEIVED_TWICE = {
+    "request": "r0",
+    "role": "server",
+    "action": "fire",
+    "cause": "message",
+    "event": "ping",
+    "from": "listening",
+    "to": "replying",
+    "duplicate": True,
+    "holds": [],
+}
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        pytest.param(lambda d: d["steps"][4]["sent"][0].update(lost=True), "steps[4].sent[0].lost", id="loss"),
+        pytest.param(
+            lambda d: d.update(steps=[*d["steps"][:2], d["steps"][4], RECEIVED_TWICE], request="r0"),
+            "steps[3].duplicate",
+            id="duplicate",
+        ),
+    ],
+)
+def test_a_trace_the_channel_cannot_produce_is_refused(
+    tmp_path: Path, change: Callable[[dict[str, Any]], None], says: str
+) -> None:
+    system = load_system(write_pingpong(tmp_path, edits={**RELIABLE_TINY, **NO_NEVER}))
+    doc = trace_of(explore(system), "overflow").as_dict()
+    check_trace(Trace.from_dict(doc), system)
+    change(doc)
+    with pytest.raises(TraceError, match=r"the channel does not (lose|duplicate) messages") as caught:
+        check_trace(Trace.from_dict(doc), system)
+    assert caught.value.field == says
+
+
 def test_pingpong_as_written_breaks_only_its_never_property(tmp_path: Path) -> None:
     result = explore(write_pingpong(tmp_path))
     assert statuses(result) == {
@@ -165,7 +207,7 @@ def test_symmetry_and_merging_keep_every_verdict_and_shortest_length(tmp_path: P
 def test_symmetry_stores_one_state_per_permutation_of_requests() -> None:
     system = load_system(CORRECTED)
     auto = build(LocalSystem(system), merge=False)
-    common = {"requests": 3, "capacity": system.channel.capacity, "properties": system.properties}
+    common = {"requests": 3, "capacity": system.channel.capacity, "properties": system.names}
     ordered = search(auto, symmetry=False, **common)
     symmetric = search(auto, symmetry=True, **common)
     codec = ordered.codec

@@ -7,13 +7,14 @@ The explorer and Promela tests use it too.
 
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping
 from pathlib import Path
 
 import pytest
 
 import kvfsm
 from kvfsm.spec import SpecError, read_text
-from kvfsm.spec.system import check_system, is_system_file, load_system
+from kvfsm.spec.system import LastStep, Snapshot, check_system, is_system_file, load_system, violation
 
 ROOT = Path(__file__).resolve().parent.parent
 PD = ROOT / "specs" / "pd_abort"
@@ -334,3 +335,91 @@ def test_a_machine_spec_is_not_taken_for_a_system() -> None:
 def test_missing_system_file_is_a_read_error() -> None:
     found = check_system("no/such/system.yaml")
     assert [(f.code, f.line) for f in found] == [("KVF000", 0)]
+
+
+@pytest.mark.parametrize(
+    ("edits", "requests", "capacity"),
+    [
+        pytest.param({"requests: 2": "requests: 010"}, 8, 2, id="yaml-1.1-octal"),
+        pytest.param({"capacity: 2": "capacity: 0x3"}, 2, 3, id="hex"),
+        pytest.param({"requests: 2": "requests: 1_000"}, 1000, 2, id="underscores"),
+    ],
+)
+def test_counts_read_every_yaml_integer_notation(
+    tmp_path: Path, edits: dict[str, str], requests: int, capacity: int
+) -> None:
+    system = load_system(write_pingpong(tmp_path, edits=edits))
+    assert (system.requests, system.channel.capacity) == (requests, capacity)
+
+
+# -- the properties' one evaluator -------------------------------------------------------------
+
+NO_ANSWER = {"  - {event: answer, from: replying, to: served, send: {to: client, message: pong}}\n": ""}
+
+
+def snapshot(
+    client: str | None,
+    server: str | None,
+    *,
+    held: Mapping[str, Collection[str]] | None = None,
+    in_flight: int = 0,
+    load: int = 0,
+    last: LastStep | None = None,
+) -> Snapshot:
+    return Snapshot({"client": client, "server": server}, held or {}, in_flight, load, last)
+
+
+def test_a_request_nothing_can_move_is_a_deadlock_holding_nothing_and_a_leak_holding_something(
+    tmp_path: Path,
+) -> None:
+    system = load_system(write_pingpong(tmp_path, edits=NO_ANSWER))
+    deadlock, leak = system.property_named("deadlock"), system.property_named("leak")
+    empty = snapshot("done", "replying")
+    assert violation(system, deadlock, empty) == (
+        "nothing can move server in replying and nothing is in flight (only an abort would end it)"
+    )
+    assert violation(system, leak, empty) is None
+    holding = snapshot("done", "replying", held={"server": {"worker"}})
+    assert (
+        violation(system, leak, holding)
+        == "nothing can move server in replying and nothing is in flight; it keeps server: worker"
+    )
+    assert violation(system, deadlock, holding) is None
+    for moving in (snapshot("done", "replying", in_flight=1), snapshot("waiting", "replying")):
+        assert violation(system, deadlock, moving) is None  # a message may still arrive; the client times out
+
+
+def test_a_rejected_message_is_late_in_a_final_state_and_unexpected_in_a_live_one(tmp_path: Path) -> None:
+    system = load_system(write_pingpong(tmp_path))
+    late, unexpected = system.property_named("late_message"), system.property_named("unexpected_message")
+    rejected = LastStep("client", "pong", rejected=True)
+    done, waiting = snapshot("done", "served", last=rejected), snapshot("waiting", "served", last=rejected)
+    assert violation(system, late, done) == "pong reaches client after it finished in done, which does not ignore it"
+    assert violation(system, unexpected, done) is None
+    assert (
+        violation(system, unexpected, waiting) == "pong reaches client in waiting, which neither handles nor ignores it"
+    )
+    assert violation(system, late, waiting) is None
+    accepted = snapshot("done", "served", last=LastStep("client", "pong"))
+    assert violation(system, late, accepted) is None
+
+
+def test_overflow_is_a_send_past_capacity_on_a_channel_that_may_not_lose_it(tmp_path: Path) -> None:
+    reliable = {"loss: true, duplicate: true, reorder: true, capacity: 2": "loss: false, capacity: 1"}
+    sent = LastStep("client", "ask", sent=("ping",))
+    for edits, load, expected in [
+        (reliable, 2, "client sends ping but the channel is full (capacity 1) and may not lose it"),
+        (reliable, 1, None),
+        ({}, 3, None),  # a lossy channel drops what does not fit
+    ]:
+        system = load_system(write_pingpong(tmp_path, edits=edits))
+        snap = snapshot("waiting", "listening", in_flight=1, load=load, last=sent)
+        assert violation(system, system.property_named("overflow"), snap) == expected
+
+
+def test_a_never_property_names_the_states_it_was_met_in(tmp_path: Path) -> None:
+    system = load_system(write_pingpong(tmp_path))
+    prop = system.property_named("served_but_failed")
+    assert prop.kind == "never" and not prop.builtin
+    assert violation(system, prop, snapshot("failed", "served")) == "client is in failed while server is in served"
+    assert violation(system, prop, snapshot("failed", None)) is None  # no server instance meets no condition

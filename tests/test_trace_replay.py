@@ -20,7 +20,7 @@ from kvfsm.explore import Trace, TraceError, explore
 from kvfsm.spec import load
 from kvfsm.testing import DriverFactory, run
 from kvfsm.testing.ledger import LedgerDriver, LedgerError
-from kvfsm.testing.trace_replay import Replay, replay_trace
+from kvfsm.testing.trace_replay import TraceRun, replay_trace
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = ROOT / "tests"
@@ -36,7 +36,7 @@ def write_after_free() -> Trace:
     return found.trace
 
 
-def loopback(replay: Replay) -> PDLoopback:
+def loopback(replay: TraceRun) -> PDLoopback:
     decode = replay.drivers["decode"]
     assert isinstance(decode, DecodeDriver)
     return decode.loop
@@ -55,7 +55,7 @@ def test_the_loopback_decode_driver_keeps_to_its_specs_under_model_based_tests(s
 
 
 def test_write_after_free_is_reproduced_on_the_pd_loopback(write_after_free: Trace) -> None:
-    replay = Replay(MERGED, write_after_free, pd_loopback.factories())
+    replay = TraceRun(MERGED, write_after_free, pd_loopback.factories())
     result = replay.run()
     assert result.verdict == "reproduced" and result.mismatch is None
     assert (
@@ -73,7 +73,7 @@ def test_write_after_free_is_reproduced_on_the_pd_loopback(write_after_free: Tra
 
 
 def test_the_next_request_that_takes_the_freed_pages_has_its_kv_overwritten(write_after_free: Trace) -> None:
-    replay = Replay(MERGED, write_after_free, pd_loopback.factories(decode_pages=2))
+    replay = TraceRun(MERGED, write_after_free, pd_loopback.factories(decode_pages=2))
     loop = loopback(replay)
     while (done := replay.step()) is not None and done.number != 2:  # up to decode's abort, which frees at once
         pass
@@ -170,7 +170,7 @@ ABORTED_MID_TRANSFER = [  # the merged fix's race schedule, on the corrected rol
 def test_corrected_decode_keeps_its_pages_until_prefill_has_stopped_writing(
     steps: list[dict[str, Any]], freed_by: str, writes: int
 ) -> None:
-    replay = Replay(CORRECTED, trace_doc(CORRECTED, steps), pd_loopback.factories())
+    replay = TraceRun(CORRECTED, trace_doc(CORRECTED, steps), pd_loopback.factories())
     loop = loopback(replay)
     held: list[int] = []
     freed = False
@@ -199,7 +199,7 @@ def test_a_reply_step_calls_no_tracker() -> None:
 
 
 def test_a_timeout_step_lets_the_deadline_pass_and_polls() -> None:
-    replay = Replay(CORRECTED, trace_doc(CORRECTED, ABORTED_MID_TRANSFER), pd_loopback.factories())
+    replay = TraceRun(CORRECTED, trace_doc(CORRECTED, ABORTED_MID_TRANSFER), pd_loopback.factories())
     drained = next(d for d in replay if d.step.event == "drained")
     assert drained.call == "poll at t=30"  # prefill's transfer_timeout, on prefill's own clock
     assert replay.clocks["prefill"].now == 30.0 and replay.clocks["decode"].now == 0.0
@@ -251,7 +251,7 @@ def test_the_trace_must_match_the_roles_it_runs_on(write_after_free: Trace) -> N
 
 
 def test_the_ledger_driver_stands_in_for_roles_without_a_driver(write_after_free: Trace) -> None:
-    replay = Replay(MERGED, write_after_free, {"decode": pd_loopback.decode})
+    replay = TraceRun(MERGED, write_after_free, {"decode": pd_loopback.decode})
     result = replay.run()
     assert result.drivers == {"prefill": "ledger (built in)", "decode": "DecodeDriver"}
     assert result.summary.endswith("reproduced on the real decode driver (ledger for prefill)")

@@ -3,14 +3,27 @@
 ``explore(path)`` checks a system file's properties (deadlock, leak at
 quiescence, late and unexpected messages, overflow, and every ``never``) and
 returns an :class:`ExploreResult` with the shortest counterexample of each
-violated property as a :class:`Trace`.
+violated property as a :class:`Trace`; :func:`check_trace` tells whether a
+trace can happen in a system.
 """
 
 from __future__ import annotations
 
 from .run import ExploreResult, PropertyResult, explore
 from .search import Progress, ProgressFn
-from .trace import Sent, Step, Trace, TraceError, TraceRole, describe_step, format_trace, read_trace
+from .trace import (
+    Sent,
+    Step,
+    Trace,
+    TraceError,
+    TraceRole,
+    TraceSource,
+    as_trace,
+    check_trace,
+    describe_step,
+    format_trace,
+    read_trace,
+)
 
 __all__ = [
     "ExploreResult",
@@ -22,6 +35,9 @@ __all__ = [
     "Trace",
     "TraceError",
     "TraceRole",
+    "TraceSource",
+    "as_trace",
+    "check_trace",
     "describe_step",
     "explore",
     "format_trace",

@@ -250,7 +250,7 @@ class TraceRun:
             yield done
 
     def step(self) -> TraceStepResult | None:
-        """TraceRun the next step and check it; ``None`` once the replay is over."""
+        """Run the next step and check it; ``None`` once the run is over."""
         if self.finished:
             return None
         index = len(self._done)
@@ -274,7 +274,7 @@ class TraceRun:
         return done
 
     def run(self) -> TraceResult:
-        """TraceRun every step that is left and return the result."""
+        """Run every step that is left and return the result."""
         for _ in self:
             pass
         return self.result()
@@ -472,7 +472,7 @@ def replay_trace(
     trace: TraceSource,
     drivers: Mapping[str, DriverFactory] | None = None,
 ) -> TraceResult:
-    """TraceRun ``trace`` on one Tracker and one driver per role (a ledger where ``drivers`` has no factory).
+    """Run ``trace`` on one Tracker and one driver per role (a ledger where ``drivers`` has no factory).
 
     >>> result = replay_trace("specs/pd_abort/merged_fix.yaml", "trace.json", {"decode": make_decode})
     >>> result.summary
@@ -481,9 +481,9 @@ def replay_trace(
     return TraceRun(system, trace, drivers).run()
 
 
+# kvfsm.testing and kvfsm.cli.test import these two names; TraceRun and TraceResult are the ones to use.
 Replay = TraceRun
 ReplayResult = TraceResult
-"""The names kvfsm.testing and kvfsm.cli.test import; TraceRun and TraceResult are the names to use."""
 
 __all__ = [
     "Mismatch",
