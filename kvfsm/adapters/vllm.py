@@ -158,16 +158,16 @@ class CpuOffloadScheduler:
         self.report = offload.load.report
         """What the load spec's ``recv_report`` releases recorded for vLLM; drained each step."""
         self.stats = ConnectorStats()
-        self._live_loads = frozenset(self.loads.spec.live)
-        self._live_stores = frozenset(self.stores.spec.live)
         self._job_ids = itertools.count(1)
         self._first_block: dict[str, int] = {}
         """Phase A's ``num_computed_tokens // block_size``: where the pinned blocks start in the request."""
         self._loads_to_send: list[str] = []
         self._stores_to_send: list[str] = []
 
-    def _load_live(self, rid: Hashable) -> bool:
-        return self.loads.state(rid) in self._live_loads
+    @staticmethod
+    def _live(tracker: Tracker, rid: Hashable) -> bool:
+        """Whether ``rid`` has an instance in a non-final state: the spec's ``live``, not names copied from it."""
+        return tracker.state(rid) in tracker.spec.live
 
     # -- phase A ---------------------------------------------------------------
 
@@ -184,7 +184,7 @@ class CpuOffloadScheduler:
             # last time (vLLM says nothing then). The old pin goes first.
             self.loads.fire(rid, "retry")
             self.stats.retries += 1
-        elif self._load_live(rid):
+        elif self._live(self.loads, rid):
             return None, False  # a load for this request is still under way: ask again in a later step
         self.stats.lookups += 1
         first = num_computed_tokens // self.block_size
@@ -294,40 +294,46 @@ class CpuOffloadScheduler:
         connector_output.finished_recving = set(map(str, recving)) or None
 
     def _load_over(self, job: int, event: str) -> None:
-        rid = self.loads.route("load_job", job)
-        blocks = len(self.offload.load.transfer(rid)[1]) if rid is not None and self._load_live(rid) else 0
-        try:
-            state = self.loads.fire_by("load_job", job, event)  # an unknown job id is counted, not applied
-        except ActionError:
-            self.stats.action_errors += 1  # accept_load raised; the spec failed the load and reported it
-            return
-        if state is None or not blocks:
-            return
-        if self.loads.spec.states[state].final == "success":
+        success, blocks = self._copy_over(self.loads, "load_job", self.offload.load.transfer, job, event)
+        if success:
             self.stats.loads_done += 1
             self.stats.blocks_loaded += blocks
-        elif event == "load_error":
+        elif success is not None and event == "load_error":
             self.stats.loads_failed += 1
 
     def _store_over(self, job: int, event: str) -> None:
-        rid = self.stores.route("store_job", job)
-        blocks = len(self.offload.store.transfer(rid)[1]) if rid is not None and self._store_live(rid) else 0
-        try:
-            state = self.stores.fire_by("store_job", job, event)  # an unknown job id is counted, not applied
-        except ActionError:
-            self.stats.action_errors += 1  # publish raised; the spec freed the blocks unpublished
-            self.stats.stores_failed += 1
-            return
-        if state is None or not blocks:
-            return
-        if self.stores.spec.states[state].final == "success":
+        success, blocks = self._copy_over(self.stores, "store_job", self.offload.store.transfer, job, event)
+        if success:
             self.stats.stores_done += 1
             self.stats.blocks_stored += blocks
-        elif event == "store_error":
+        elif success is not None and event != "complete":
             self.stats.stores_failed += 1
 
-    def _store_live(self, rid: Hashable) -> bool:
-        return self.stores.state(rid) in self._live_stores
+    def _copy_over(
+        self,
+        tracker: Tracker,
+        space: str,
+        transfer: Callable[[Hashable], tuple[list[int], list[int]]],
+        job: int,
+        event: str,
+    ) -> tuple[bool | None, int]:
+        """Apply the worker's report on copy ``job``: (ended in success?, its blocks); None if it named no live copy.
+
+        An unknown or late job id is counted by the tracker, not applied. An
+        action that raises (``accept_load``, ``publish``) ends the copy the
+        way the spec's ``on_error`` says, and counts as a failure.
+        """
+        rid = tracker.route(space, job)
+        live = rid is not None and self._live(tracker, rid)
+        blocks = len(transfer(rid)[1]) if live else 0
+        try:
+            state = tracker.fire_by(space, job, event)
+        except ActionError:
+            self.stats.action_errors += 1
+            return False, 0
+        if state is None or not live:
+            return None, 0
+        return tracker.spec.states[state].final == "success", blocks
 
     # -- the end of a request ----------------------------------------------------
 
@@ -349,7 +355,7 @@ class CpuOffloadScheduler:
     def _plan_store(self, request: Request, block_ids: Sequence[int]) -> None:
         """Take the request's computed full blocks that the CPU cache lacks, as many as there is room for."""
         rid = request.request_id
-        if self._store_live(rid):
+        if self._live(self.stores, rid):
             self.stats.duplicate_finishes += 1  # request_finished twice for one request (vLLM #33377)
             return
         full = min(request.num_computed_tokens // self.block_size, len(block_ids), len(request.block_hashes))
