@@ -157,13 +157,14 @@ class TransferQueue:
 
 
 class Faults:
-    """``inject_fault(action)``: the next call of ``action`` raises :class:`InjectedFault`."""
+    """``inject_fault(action)`` (kvfsm.testing.FaultInjecting): the next call of ``action`` raises :class:`InjectedFault`."""
 
     def __init__(self) -> None:
         self.armed: set[str] = set()
 
-    def inject_fault(self, action: str) -> None:
+    def inject_fault(self, action: str) -> bool:
         self.armed.add(action)
+        return True
 
     def maybe_raise(self, action: str, key: Hashable) -> None:
         if action in self.armed:

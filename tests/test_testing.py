@@ -26,7 +26,7 @@ from hypothesis.stateful import run_state_machine_as_test
 import kvfsm
 from kvfsm import BindingError
 from kvfsm.gen.diagram import to_dot
-from kvfsm.testing import Divergence, Report, SpecMachine, run, spec_machine
+from kvfsm.testing import Report, SpecMachine, SpecViolation, run, spec_machine
 from kvfsm.testing.runner import replay
 
 CPU_HIT = kvfsm.parse(CPU_HIT_SPEC, "cpu_hit_load.yaml")
@@ -117,7 +117,7 @@ def test_a_failing_run_is_repeated_by_its_seed() -> None:
 
 def test_a_failing_story_replays_to_the_same_divergence() -> None:
     machine = spec_machine(KV_REQUEST, TaskDoneFreesBlocks)
-    with pytest.raises(Divergence) as caught:
+    with pytest.raises(SpecViolation) as caught:
         run_state_machine_as_test(machine, settings=FIND)
     again = replay(machine, caught.value.trace)
     assert again is not None and again.problems == caught.value.problems
@@ -135,7 +135,7 @@ def test_a_tracker_that_disagrees_with_the_spec_is_caught() -> None:
             super().__init__()
             self.tracker = kvfsm.Tracker(strict, self.driver, clock=self.clock)
 
-    with pytest.raises(Divergence) as caught:
+    with pytest.raises(SpecViolation) as caught:
         run_state_machine_as_test(StrictTracker, settings=FIND)
     assert any("IllegalTransition" in p for p in caught.value.problems), caught.value
 
@@ -227,7 +227,7 @@ TestStoreSenderKeepsToSpec.settings = settings(
 def test_the_test_class_fails_for_a_buggy_driver_with_the_story() -> None:
     case = spec_machine(CPU_HIT, UnpinsOnlyLoadedHits).TestCase
     case.settings = FIND
-    with pytest.raises(Divergence, match="observe says cpu_pin still held"):
+    with pytest.raises(SpecViolation, match="observe says cpu_pin still held"):
         case("runTest").runTest()
 
 

@@ -20,7 +20,7 @@ from buggy_drivers import KV_REQUEST, StoreSender, frees_only_on_ack
 from kvfsm import Tracker, TrackerClosed
 from kvfsm.drivers.pd_loopback import DecodeDriver, PDLoopback
 from kvfsm.spec.bundled import SPECS
-from kvfsm.testing import Divergence, run, spec_machine
+from kvfsm.testing import SpecViolation, run, spec_machine
 
 DECODE = SPECS / "pd_abort" / "decode_corrected.yaml"
 
@@ -74,7 +74,7 @@ def test_pages_kept_when_close_forces_their_release_are_caught_at_the_close() ->
     machine.begin("req-1")
     machine.fire("req-1", "bootstrapped")
     machine.close()
-    with pytest.raises(Divergence) as caught:
+    with pytest.raises(SpecViolation) as caught:
         machine.agrees_with_spec()
     assert caught.value.problems == (
         "observe says kv_pages still held by req-1 (req-1 has no instance, which holds nothing)",
@@ -104,5 +104,5 @@ def test_a_tracker_that_does_not_refuse_a_begin_after_close_is_caught() -> None:
     machine = Machine()
     machine.begin("req-1")
     machine.close()
-    with pytest.raises(Divergence, match="no TrackerClosed, but the tracker is closed"):
+    with pytest.raises(SpecViolation, match="no TrackerClosed, but the tracker is closed"):
         machine.begin("req-2")

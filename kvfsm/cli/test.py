@@ -74,8 +74,8 @@ def register(sub: Subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..gen.diagram import to_svg
     from ..spec import load
-    from ..testing import STEPS, load_factory
-    from ..testing import run as run_machine
+    from ..testing.runner import STEPS, load_factory
+    from ..testing.runner import run as run_machine
 
     if args.trace is not None:
         return _replay(args)
@@ -157,7 +157,7 @@ def _coverage(report: Report) -> None:
 
 def _replay(args: argparse.Namespace) -> int:
     from ..spec.system import is_system_file, load_system
-    from ..testing import load_factory
+    from ..testing.runner import load_factory
     from ..testing.trace_replay import replay_trace
 
     given = [

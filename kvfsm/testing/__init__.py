@@ -1,45 +1,61 @@
-"""Model-based tests of a driver, generated from its spec (Hypothesis stateful testing).
+"""Test a driver against its spec: model-based tests, trace replay, random specs (Hypothesis).
 
 >>> import kvfsm.testing
 >>> TestMyDriver = kvfsm.testing.spec_machine("specs/kv_request.yaml", MyDriver).TestCase
 >>> report = kvfsm.testing.run("specs/kv_request.yaml", MyDriver, examples=1000)
 >>> result = kvfsm.testing.replay_trace("specs/pd_abort/merged_fix.yaml", "trace.json", {"decode": MyDecode})
+>>> @given(kvfsm.testing.strategies.specs())
+... def test_my_property(spec): ...
 
-The driver must have ``observe(key)``, its real resources for the key; see
-:mod:`kvfsm.testing.machine` for the whole protocol, :mod:`kvfsm.testing.trace_replay`
-for replaying an explorer trace, and ``docs/testing.md`` for a walk-through.
+The driver must have ``observe(key)``, its real resources for the key; the
+whole contract is :mod:`kvfsm.testing.contract`. ``spec_tests`` (the pytest
+helper, :mod:`kvfsm.testing.plugin`) needs pytest and is imported on first
+use. Internals (the oracle :mod:`kvfsm.testing.oracle`, coverage counts, the
+story lines) stay importable from their modules. ``docs/testing.md`` walks
+through all of it.
 """
 
-from .coverage import Coverage, EdgeCount
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from . import strategies
+from .clock import VirtualClock
+from .contract import DriverFactory, FaultInjecting, ObservableDriver, TakesBeforeBegin, TakesBeforeFire
 from .ledger import LedgerDriver
-from .machine import KEYS, DriverFactory, SpecMachine, VirtualClock, fault_targets, spec_machine
-from .model import Outcome, SpecModel, Step
-from .runner import STEPS, FactoryError, Report, load_factory, run
-from .story import Divergence
-from .trace_replay import Mismatch, Replay, ReplayResult, StepReplay, replay_trace
+from .machine import SpecMachine, spec_machine
+from .runner import Report, run
+from .story import SpecViolation
+from .trace_replay import Replay, ReplayResult, replay_trace
+
+if TYPE_CHECKING:
+    from .plugin import spec_tests
 
 __all__ = [
-    "KEYS",
-    "STEPS",
-    "Coverage",
-    "Divergence",
     "DriverFactory",
-    "EdgeCount",
-    "FactoryError",
+    "FaultInjecting",
     "LedgerDriver",
-    "Mismatch",
-    "Outcome",
+    "ObservableDriver",
     "Replay",
     "ReplayResult",
     "Report",
     "SpecMachine",
-    "SpecModel",
-    "Step",
-    "StepReplay",
+    "SpecViolation",
+    "TakesBeforeBegin",
+    "TakesBeforeFire",
     "VirtualClock",
-    "fault_targets",
-    "load_factory",
     "replay_trace",
     "run",
     "spec_machine",
+    "spec_tests",
+    "strategies",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """``spec_tests`` comes from the pytest plugin, which needs pytest: imported only when asked for."""
+    if name == "spec_tests":
+        from .plugin import spec_tests
+
+        return spec_tests
+    raise AttributeError(f"module 'kvfsm.testing' has no attribute {name!r}")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..spec.model import Spec
-from .model import How, Outcome
+from .oracle import How, Outcome
 
 HOWS: tuple[How, ...] = ("fire", "timeout", "on_error", "close")
 
@@ -57,11 +57,11 @@ class Coverage:
         self.steps = 0
 
     def record(self, outcome: Outcome) -> None:
-        for step in outcome.steps:
-            if step.how == "begin":
+        for move in outcome.moves:
+            if move.how == "begin":
                 self.begins += 1
             else:
-                self.edges[step.source, step.event, step.how] += 1
+                self.edges[move.source, move.event, move.how] += 1
         self.forced += len(outcome.forced)
         for failure in outcome.failures:
             self.faults[failure.action] += 1

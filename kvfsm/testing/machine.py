@@ -8,20 +8,14 @@ move a virtual clock and ``poll()`` (some timeouts with a raising action),
 drain ``finished()`` and, in a fraction of the examples, ``close()`` mid-example,
 after which every begin and fire must raise ``TrackerClosed``; every example
 ends with ``close()``. After every step it checks that the Tracker agrees with
-:class:`~kvfsm.testing.model.SpecModel` and that the driver's ``observe(key)``
+:class:`~kvfsm.testing.oracle.SpecModel` and that the driver's ``observe(key)``
 (its real resources) equals what the spec says each key holds. A disagreement
-raises :class:`Divergence` with the story of the example.
+raises :class:`SpecViolation` with the story of the example.
 
-The driver protocol beyond the spec's actions:
-
-- ``observe(key) -> Iterable[str]`` (required): the resources the driver
-  really holds for ``key``, read from the real system.
-- ``before_begin(key, resources)`` (required when the initial state holds a
-  resource that no acquire action takes): do what your code does before
-  ``Tracker.begin`` (pin the request's blocks), so that ``observe`` sees it.
-- ``inject_fault(action)`` (optional): make the next call of ``action``, for
-  whichever key comes first, raise. The machine calls it just before the step
-  that will make that call. Drivers without it are tested without faults.
+The driver contract beyond the spec's actions is in :mod:`kvfsm.testing.contract`:
+``observe(key)`` (required), ``before_begin(key, resources)`` (required when
+the initial state holds a resource no acquire action takes) and
+``inject_fault(action)`` (optional; drivers without it are tested without faults).
 """
 
 from __future__ import annotations
@@ -39,12 +33,11 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from ..engine import Tracker
 from ..errors import ActionError, BindingError, DuplicateKey, Failure, IllegalTransition, TrackerClosed
 from ..spec import Spec, load
+from .clock import VirtualClock
+from .contract import DriverFactory, can_inject_faults
 from .coverage import Coverage
-from .model import Outcome, SpecModel
-from .story import Divergence, begin_line, clock, close_line, drain_line, fire_line, poll_line
-
-DriverFactory = Callable[[], object]
-"""Called with no arguments; must return a fresh driver each time (one per example)."""
+from .oracle import Outcome, SpecModel
+from .story import SpecViolation, begin_line, clock, close_line, drain_line, fire_line, poll_line
 
 KEYS = 3
 """Distinct keys one example uses: enough for instances to interfere through shared resources."""
@@ -54,16 +47,6 @@ CLOSE_MID_EXAMPLE = 4
 close, few enough that most examples spend their steps on live instances."""
 
 T = TypeVar("T")
-
-
-class VirtualClock:
-    """The clock the Tracker reads: time moves only when the test says so."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def fault_targets(spec: Spec) -> tuple[str, ...]:
@@ -129,7 +112,7 @@ class SpecMachine(RuleBasedStateMachine):
         self.model = SpecModel(cls.spec, cls.params)
         self.story: list[str] = []
         self.given = begin_resources(cls.spec)
-        self.can_fault = callable(getattr(self.driver, "inject_fault", None))
+        self.can_fault = can_inject_faults(self.driver)
         self.faultable = frozenset(fault_targets(cls.spec))
         self._busy = False
         """Set while a step runs: a step that never finished leaves it set, and teardown then stays away."""
@@ -177,8 +160,7 @@ class SpecMachine(RuleBasedStateMachine):
     def advance(self, dt: float, fault: int | None = None) -> None:
         """Move the clock by ``dt`` and ``poll()``; ``fault``: make the fault-th action of a due timeout raise."""
         with self._step("advance", dt, fault):
-            self.clock.now += dt
-            self.model.now = self.clock.now
+            self.model.now = self.clock.advance(dt)
             self.arm(self.model.poll_actions(), fault)
             outcome = self.model.poll()
             self._tell(poll_line(dt, outcome), outcome)
@@ -196,12 +178,13 @@ class SpecMachine(RuleBasedStateMachine):
         if fault is None or not candidates or not self.can_fault:
             return
         action = candidates[fault % len(candidates)]
-        self.model.faults.add(action)
         try:
-            self.driver.inject_fault(action)  # type: ignore[attr-defined]
+            armed = self.driver.inject_fault(action)  # type: ignore[attr-defined]
         except Exception as exc:
             self._tell(f"inject_fault({action!r})", Outcome())
             self._diverge([f"inject_fault({action!r}) raised {type(exc).__name__}: {exc}"])
+        if armed is not False:  # False: this driver cannot make that action raise, so no failure is expected
+            self.model.inject(action)
 
     def drain(self) -> None:
         with self._step("drain"):
@@ -275,7 +258,7 @@ class SpecMachine(RuleBasedStateMachine):
     def _reality(self, key: str, state: str | None) -> list[str]:
         """What observe(key) says against what the spec says ``key`` holds in ``state``."""
         try:
-            seen = set(self.driver.observe(key))  # type: ignore[attr-defined]
+            seen = set(self.driver.observe(key))
         except Exception as exc:
             return [f"observe({key!r}) raised {type(exc).__name__}: {exc}"]
         want = set(self.model.held(key))
@@ -291,7 +274,7 @@ class SpecMachine(RuleBasedStateMachine):
 
     def _observe_all(self) -> dict[str, frozenset[str]]:
         try:
-            return {k: frozenset(self.driver.observe(k)) for k in self.keys}  # type: ignore[attr-defined]
+            return {k: frozenset(self.driver.observe(k)) for k in self.keys}
         except Exception:
             return {}  # the invariant reports observe() raising
 
@@ -334,7 +317,7 @@ class SpecMachine(RuleBasedStateMachine):
                 )
                 self._diverge([problem + (f"; the spec expects {missing}" if missing else "")])
             return None
-        except Divergence:
+        except SpecViolation:
             raise
         except Exception as exc:
             self._diverge([f"{type(exc).__name__} escaped: {exc}"])
@@ -353,7 +336,7 @@ class SpecMachine(RuleBasedStateMachine):
         self._diverged = True
         story = list(self.story) or ["(before any step)"]
         story[-1] = f"{story[-1]}; " + "; ".join(problems)
-        raise Divergence(self.spec.name, story, problems, self.trace)
+        raise SpecViolation(self.spec.name, story, problems, self.trace)
 
 
 def _same_drain(got: list[tuple[Hashable, str]] | None, outcome: Outcome) -> bool:
@@ -377,9 +360,9 @@ def _ticks(spec: Spec, params: Mapping[str, float] | None) -> tuple[float, ...]:
     return tuple(sorted(afters | {a / 2 for a in afters}))
 
 
-def _pick(movable: list[tuple[str, list[str]]], which: int, choice: int) -> tuple[str, str]:
+def _pick(movable: list[tuple[Hashable, list[str]]], which: int, choice: int) -> tuple[str, str]:
     key, events = movable[which % len(movable)]
-    return key, events[choice % len(events)]
+    return str(key), events[choice % len(events)]  # the machine's keys are its names, strings
 
 
 def spec_machine(
@@ -490,9 +473,9 @@ def spec_machine(
 
 __all__ = [
     "KEYS",
-    "Divergence",
     "DriverFactory",
     "SpecMachine",
+    "SpecViolation",
     "VirtualClock",
     "begin_resources",
     "check_driver",

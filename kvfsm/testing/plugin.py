@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 
 from ..spec import load
-from .machine import DriverFactory
+from .contract import DriverFactory
 from .runner import Report, load_factory, run
 
 Drivers = Mapping[str, DriverFactory | str] | DriverFactory | str

@@ -26,9 +26,10 @@ from hypothesis.stateful import run_state_machine_as_test
 from ..engine import Tracker
 from ..errors import KvfsmError
 from ..spec import Spec, load
+from .contract import DriverFactory
 from .coverage import Coverage
-from .machine import KEYS, DriverFactory, SpecMachine, check_driver, spec_machine
-from .story import Divergence
+from .machine import KEYS, SpecMachine, check_driver, spec_machine
+from .story import SpecViolation
 
 STEPS = 50
 """Steps per example (Hypothesis' own default for stateful tests)."""
@@ -149,7 +150,7 @@ def run(
     try:
         with reporting.with_reporter(_silent):
             run_state_machine_as_test(use_seed(chosen)(machine), settings=config)
-    except Divergence as exc:
+    except SpecViolation as exc:
         exc = tidy(machine, exc)
         return Report(spec, False, chosen, budget, steps, machine.coverage, exc.story, exc.problems, str(exc))
     except Exception as exc:  # Hypothesis' own verdicts (e.g. a driver that does not repeat itself)
@@ -161,7 +162,7 @@ TraceStep = tuple[str, tuple[object, ...]]
 """One step of :attr:`SpecMachine.trace`: the machine method and its arguments."""
 
 
-def replay(machine: type[SpecMachine], trace: Sequence[TraceStep]) -> Divergence | None:
+def replay(machine: type[SpecMachine], trace: Sequence[TraceStep]) -> SpecViolation | None:
     """Run ``trace`` on a fresh machine, checking after each step as Hypothesis does; the divergence, if any."""
     quiet = type(machine.__name__, (machine,), {"coverage": Coverage(machine.spec)})
     m = quiet()
@@ -171,12 +172,12 @@ def replay(machine: type[SpecMachine], trace: Sequence[TraceStep]) -> Divergence
                 getattr(m, name)(*args)
                 m.agrees_with_spec()
         m.teardown()
-    except Divergence as exc:
+    except SpecViolation as exc:
         return exc
     return None
 
 
-def tidy(machine: type[SpecMachine], found: Divergence) -> Divergence:
+def tidy(machine: type[SpecMachine], found: SpecViolation) -> SpecViolation:
     """The shortest story that still shows the same problem.
 
     Drops steps one at a time, merges consecutive clock moves, then renames
@@ -213,7 +214,7 @@ def _without(trace: Sequence[TraceStep], i: int) -> Iterator[list[TraceStep]]:
         yield [*trace[:i], ("advance", (dt, after[1][1])), *trace[i + 2 :]]
 
 
-def _signature(d: Divergence) -> str:
+def _signature(d: SpecViolation) -> str:
     """The first problem's first clause, numbers blanked: what "the same failure" means to :func:`tidy`."""
     first = d.problems[0].split("; ")[0] if d.problems else ""
     return _NUMBER.sub("#", first)

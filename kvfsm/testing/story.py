@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .model import Outcome, Step
+from .oracle import Move, Outcome
 
 
 def clock(now: float) -> str:
@@ -19,14 +19,14 @@ def clock(now: float) -> str:
     return f"t={now:.1f}" if round(now, 1) == now else f"t={now:g}"
 
 
-def _step(step: Step) -> str:
-    return f"{step.event} {step.key}: {step.source} → {step.target}"
+def _move(move: Move) -> str:
+    return f"{move.event} {move.key}: {move.source} → {move.target}"
 
 
 def _after_faults(outcome: Outcome) -> str:
     """The failures (injected faults that fired) and the transitions that handled them."""
     raised = ", ".join(f"{f.action}() raised (injected fault)" for f in outcome.failures)
-    moved = "; ".join(_step(s) for s in outcome.steps)
+    moved = "; ".join(_move(m) for m in outcome.moves)
     if moved:
         return f"{raised}, so {moved}"
     return f"{raised}; no on_error transition, state unchanged"
@@ -43,7 +43,7 @@ def begin_line(key: str, outcome: Outcome) -> str:
     if outcome.failures:
         raised = ", ".join(f"{f.action}() raised (injected fault)" for f in outcome.failures)
         return f"begin {key}: {raised}; not begun"
-    return f"begin {key} → {outcome.steps[0].target}"
+    return f"begin {key} → {outcome.moves[0].target}"
 
 
 def fire_line(key: str, event: str, outcome: Outcome) -> str:
@@ -57,11 +57,11 @@ def fire_line(key: str, event: str, outcome: Outcome) -> str:
         return f"{event} {key}: illegal in {outcome.state} (IllegalTransition, nothing may change)"
     if outcome.failures:
         return f"{event} {key}: {_after_faults(outcome)}"
-    return _step(outcome.steps[0])
+    return _move(outcome.moves[0])
 
 
 def poll_line(dt: float, outcome: Outcome) -> str:
-    parts = _steps_and_faults(outcome)
+    parts = _moves_and_faults(outcome)
     return f"clock +{dt:g}, poll() → " + ("; ".join(parts) if parts else "nothing due")
 
 
@@ -74,28 +74,28 @@ def drain_line(outcome: Outcome) -> str:
 def close_line(outcome: Outcome, again: bool = False) -> str:
     if again:
         return "close() again → nothing to do"
-    parts = _steps_and_faults(outcome)
+    parts = _moves_and_faults(outcome)
     parts += [f"{k} released by force (abort cannot finish it)" for k in outcome.forced]
     return "close() → " + ("; ".join(parts) if parts else "nothing live")
 
 
-def _steps_and_faults(outcome: Outcome) -> list[str]:
+def _moves_and_faults(outcome: Outcome) -> list[str]:
     """Each transition in order; an on_error one told after the injected fault that caused it."""
     pending = list(outcome.failures)
     parts = []
-    for step in outcome.steps:
-        caused = [f for f in pending if f.key == step.key] if step.how == "on_error" else []
+    for move in outcome.moves:
+        caused = [f for f in pending if f.key == move.key] if move.how == "on_error" else []
         if caused:
             pending = [f for f in pending if f not in caused]
             raised = ", ".join(f"{f.action}() raised (injected fault)" for f in caused)
-            parts.append(f"{caused[0].event} {step.key}: {raised}, so {_step(step)}")
+            parts.append(f"{caused[0].event} {move.key}: {raised}, so {_move(move)}")
         else:
-            parts.append(_step(step))
+            parts.append(_move(move))
     parts += [f"{f.event} {f.key}: {f.action}() raised (injected fault); state unchanged" for f in pending]
     return parts
 
 
-class Divergence(AssertionError):
+class SpecViolation(AssertionError):
     """The Tracker or the driver did not do what the spec says.
 
     ``story`` holds one line per step of the (shrunk) example; the last line

@@ -1,0 +1,84 @@
+"""The driver contract of kvfsm.testing: what a driver offers beyond its spec's actions, as typing Protocols.
+
+A driver is any object with a method for each action its spec names (the
+Tracker checks those when it binds). To be model-tested it also reports what
+it really holds (:class:`ObservableDriver`); the other protocols are optional
+capabilities that kvfsm.testing uses when a driver has them, found by
+``callable(getattr(driver, name, None))``:
+
+- :class:`FaultInjecting`: faults on demand, so the on_error paths are tested;
+- :class:`TakesBeforeBegin`: required when the initial state holds a resource
+  that no acquire action takes (the caller takes it before ``begin``);
+- :class:`TakesBeforeFire`: used by trace replay when a transition enters a
+  state holding a resource that no action takes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Hashable, Iterable
+from typing import Protocol, runtime_checkable
+
+
+@runtime_checkable
+class ObservableDriver(Protocol):
+    """Required for model-based tests: ``observe(key)`` reads reality, so tests compare it with the spec."""
+
+    def observe(self, key: Hashable, /) -> Iterable[str]:
+        """The names of the resources the driver really holds for ``key`` now (a set, usually).
+
+        Read them from the real system (block-pool holders, queue entries, the
+        store's counters), never from a log of the calls made: the test then
+        checks what the driver left behind, not what it was asked to do.
+        """
+        ...
+
+
+@runtime_checkable
+class FaultInjecting(Protocol):
+    """Optional: make one action raise on demand; a driver without it is tested without faults."""
+
+    def inject_fault(self, action: str, /) -> bool:
+        """Make the next call of ``action``, for whichever key comes first, raise.
+
+        Return True when the fault is armed; False when this driver cannot make
+        ``action`` raise (the test then expects no failure). The model-based
+        test calls it just before the step that will make that call.
+        """
+        ...
+
+
+@runtime_checkable
+class TakesBeforeBegin(Protocol):
+    """Required when the initial state holds a resource that no acquire action takes."""
+
+    def before_begin(self, key: Hashable, resources: frozenset[str], /) -> None:
+        """Do what your code does before ``Tracker.begin(key)`` (e.g. pin the request's blocks), so observe sees it."""
+        ...
+
+
+@runtime_checkable
+class TakesBeforeFire(Protocol):
+    """Optional, for trace replay: take what a transition's target holds that no action takes."""
+
+    def before_fire(self, key: Hashable, event: str, resources: Collection[str], /) -> None:
+        """Do what your code does before ``Tracker.fire(key, event)`` when the new state holds ``resources``."""
+        ...
+
+
+DriverFactory = Callable[[], ObservableDriver]
+"""Called with no arguments; must return a fresh driver each time (one per example)."""
+
+
+def can_inject_faults(driver: object) -> bool:
+    """Whether ``driver`` offers :class:`FaultInjecting` (a method, not merely an attribute of that name)."""
+    return callable(getattr(driver, "inject_fault", None))
+
+
+__all__ = [
+    "DriverFactory",
+    "FaultInjecting",
+    "ObservableDriver",
+    "TakesBeforeBegin",
+    "TakesBeforeFire",
+    "can_inject_faults",
+]

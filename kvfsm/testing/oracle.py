@@ -1,0 +1,458 @@
+"""The one plain reading of a spec's single-machine semantics: what begin, fire, poll, finished and close must do.
+
+Independent of the engine on purpose. The Tracker compiles a spec into flat
+tables for speed; this module reads the spec model directly, asking it only
+its own questions (:meth:`~kvfsm.spec.Spec.edges`, :meth:`~kvfsm.spec.Spec.ignored`,
+:meth:`~kvfsm.spec.Spec.holds`, :meth:`~kvfsm.spec.Spec.acquires`,
+:meth:`~kvfsm.spec.Spec.releases`, :meth:`~kvfsm.spec.Spec.raising_actions`,
+the states' timeouts), and interprets them one instance at a time, slowly
+and visibly. Each call returns an :class:`Outcome`: the transitions taken,
+the exact driver calls the engine must make, in order, the failures an
+``ActionError`` must carry, and the value the Tracker must return. The
+model-based tests and the differential test hold the Tracker to it.
+
+The rules, as DESIGN.md states them and as they are applied below:
+
+- a transition runs its ``do``, then acquires what the target holds and the
+  source does not (in the target's holds order); the state then changes and
+  the derived releases run (in the source's holds order), each on its own;
+- release actions are called with the key only;
+- if the ``do`` or an acquire raises, the acquires already made are undone
+  (their releases, in acquire order), the state does not change, and the
+  ``on_error`` event fires from the source instead; if the failing edge is
+  that ``on_error`` edge itself (a spec KVF109 warns about), it is taken
+  bare: no ``do``, no acquires, its releases only;
+- a failed ``begin`` undoes its acquires and releases what the initial state
+  holds without an acquire action (the caller took that before ``begin``);
+- due timeouts fire state by state in declaration order, in arming order
+  within a state; deadlines armed during a poll wait for the next one;
+- ``close()`` aborts every live instance and releases by force what abort
+  cannot finish (a ``forced`` anomaly).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Hashable, Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+from ..spec import well_formed
+from ..spec.model import ABORT, Spec
+
+How = Literal["begin", "fire", "timeout", "on_error", "close"]
+"""What made a transition happen."""
+
+Phase = Literal["do", "acquire", "release"]
+
+NOT_BEGUN = "(not begun)"
+"""The state a failure at ``begin`` reports: no instance was created."""
+
+
+@dataclass(frozen=True)
+class Move:
+    """One transition the spec prescribes for one key (``source`` is ``""`` for begin)."""
+
+    key: Hashable
+    event: str
+    source: str
+    target: str
+    how: How
+
+
+@dataclass(frozen=True)
+class Call:
+    """One driver call the engine must make: the action, the key it is called with, and whether it raises."""
+
+    action: str
+    key: Hashable
+    raised: bool = False
+
+
+@dataclass
+class ExpectedFailure:
+    """One :class:`~kvfsm.Failure` the Tracker must report: which action, and where the instance ended."""
+
+    key: Hashable
+    event: str
+    action: str
+    phase: Phase
+    state: str = ""
+
+    def as_tuple(self) -> tuple[Hashable, str, str, str, str]:
+        return (self.key, self.event, self.action, self.phase, self.state)
+
+
+Refusal = Literal["ignored", "illegal", "unknown", "duplicate", "closed"]
+
+
+@dataclass
+class Outcome:
+    """What one call to the Tracker must do."""
+
+    moves: list[Move] = field(default_factory=list)
+    calls: list[Call] = field(default_factory=list)
+    """Every driver call, in order (after ``close()`` the spec leaves the order of keys open)."""
+    failures: list[ExpectedFailure] = field(default_factory=list)
+    """Non-empty: the call must raise ActionError carrying exactly these."""
+    event: str = ""
+    """fire(): the event fired."""
+    refused: Refusal | None = None
+    """A call that moved nothing: an event ignored (legal), illegal (IllegalTransition) or for an
+    unknown key; a begin of a live key (DuplicateKey); any begin or fire after close() (TrackerClosed)."""
+    state: str | None = None
+    """The state the event met (for refusals) or the call returns (for fire)."""
+    fired: list[tuple[Hashable, str, str]] = field(default_factory=list)
+    """poll(): (key, event, state afterwards) per timeout fired."""
+    drained: list[tuple[Hashable, str]] = field(default_factory=list)
+    """finished(): (key, final state) per instance retired."""
+    unordered: int = 0
+    """finished(): how many of the last ``drained`` close() finished; the spec leaves their order open."""
+    forced: list[Hashable] = field(default_factory=list)
+    """close(): keys whose resources were released without a transition."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    """An injected fault not yet spent: the next call of ``action`` (None: any) for ``key`` (None: any) raises."""
+
+    action: str | None = None
+    key: Hashable | None = None
+
+    def hits(self, action: str, key: Hashable) -> bool:
+        return self.action in (None, action) and (self.key is None or self.key == key)
+
+
+@dataclass(frozen=True)
+class Edge:
+    """One ``(source, event) → target`` with the driver actions the spec derives for it."""
+
+    source: str
+    event: str
+    target: str
+    do: str | None
+    acquires: tuple[tuple[str, str], ...]
+    """(acquire action, the release that undoes it), in the target's holds order."""
+    releases: tuple[str, ...]
+    """Release actions run after the state changes, in the source's holds order."""
+    bare: bool = False
+    """The on_error edge taken without its own actions, because one of them raised."""
+
+    @property
+    def prepare_actions(self) -> tuple[str, ...]:
+        """Actions that run before the state changes, in order: the do, then the acquires."""
+        return () if self.bare else tuple([self.do] if self.do else []) + tuple(a for a, _r in self.acquires)
+
+
+class Instance:
+    """One begun instance: its state and its armed deadline, if any."""
+
+    __slots__ = ("by_close", "due", "key", "seq", "state")
+
+    def __init__(self, key: Hashable, state: str) -> None:
+        self.key = key
+        self.state = state
+        self.due: float | None = None
+        self.seq = 0
+        """Arming number of ``due``: deadlines fire in arming order within a state."""
+        self.by_close = False
+
+
+class SpecModel:
+    """The spec's semantics over a handful of keys, with a clock and pending faults.
+
+    ``faults`` holds the injected faults not yet spent: the driver was told
+    the same, and the model knows which calls each transition makes, so it
+    can say exactly which call a fault breaks and what follows.
+    """
+
+    def __init__(self, spec: Spec, params: Mapping[str, float] | None = None) -> None:
+        """``spec`` must be one the engine runs (:func:`kvfsm.spec.well_formed`); ``params`` override its own."""
+        self.spec = well_formed(spec)
+        self.edges: dict[tuple[str, str], Edge] = {}
+        for e in spec.edges():
+            acquires = self._acquires(e.source, e.target)
+            releases = tuple(spec.resources[r].release for r in spec.releases(e.source, e.target))
+            self.edges[e.source, e.event] = Edge(e.source, e.event, e.target, e.do, acquires, releases)
+        self.ignored = {(state, event) for state, event, _rule in spec.ignored()}
+        self.after = {
+            s.name: (spec.param(s.timeout.after, params), s.timeout.fire)
+            for s in spec.states.values()
+            if s.timeout is not None
+        }
+        self.order = {name: i for i, name in enumerate(spec.states)}
+        initial = spec.initial.name
+        self.begin_acquires = self._acquires(None, initial)
+        self.begin_given = tuple(
+            spec.resources[r].release for r in spec.holds(initial) if not spec.resources[r].acquire
+        )
+        """Releases of what the initial state holds without an acquire action: undone if begin fails."""
+        self.live: dict[Hashable, Instance] = {}
+        """The current instance per key, final ones included until drained."""
+        self.finished: list[Instance] = []
+        self.faults: list[Fault] = []
+        self.now = 0.0
+        self.closed = False
+        self.counts = dict.fromkeys(
+            ("ignored", "illegal", "unknown", "stale", "forced", "timeouts", "action_errors", "release_errors"), 0
+        )
+        self.anomalies: list[tuple[str, str, Hashable, str]] = []
+        """(kind, id space, id, event) per anomaly, in order; the caller drains it."""
+        self._seq = 0
+
+    def _acquires(self, source: str | None, target: str) -> tuple[tuple[str, str], ...]:
+        out = []
+        for r in self.spec.acquires(source, target):
+            resource = self.spec.resources[r]
+            if resource.acquire:
+                out.append((resource.acquire, resource.release))
+        return tuple(out)
+
+    # -- faults --------------------------------------------------------------
+
+    def inject(self, action: str | None = None, key: Hashable | None = None) -> None:
+        """The next call of ``action`` (None: any) for ``key`` (None: any) raises, as the driver was told."""
+        self.faults.append(Fault(action, key))
+
+    def _call(self, out: Outcome, action: str, key: Hashable) -> bool:
+        """Make one driver call; returns whether it raises (spending the oldest fault that hits it)."""
+        hit = next((i for i, f in enumerate(self.faults) if f.hits(action, key)), None)
+        if hit is not None:
+            del self.faults[hit]
+        out.calls.append(Call(action, key, hit is not None))
+        return hit is not None
+
+    # -- queries -------------------------------------------------------------
+
+    def state(self, key: Hashable) -> str | None:
+        inst = self.live.get(key)
+        return inst.state if inst is not None else None
+
+    def held(self, key: Hashable) -> tuple[str, ...]:
+        state = self.state(key)
+        return self.spec.holds(state) if state is not None else ()
+
+    def is_final(self, key: Hashable) -> bool:
+        state = self.state(key)
+        return state is not None and self.spec.states[state].is_final
+
+    def live_count(self) -> int:
+        return sum(not self.spec.states[i.state].is_final for i in self.live.values())
+
+    def next_deadline(self) -> float | None:
+        dues = [i.due for i in self.live.values() if i.due is not None]
+        return min(dues) if dues else None
+
+    def accepted(self, state: str) -> set[str]:
+        """Events ``state`` handles or ignores: what IllegalTransition lists."""
+        return {e for (s, e) in self.edges if s == state} | {e for (s, e) in self.ignored if s == state}
+
+    def begin_actions(self, key: Hashable) -> tuple[str, ...]:
+        """Acquire actions ``begin(key)`` will run, in order (none for a live key, DuplicateKey, or once closed)."""
+        old = self.live.get(key)
+        if self.closed or (old is not None and not self.spec.states[old.state].is_final):
+            return ()
+        return tuple(a for a, _r in self.begin_acquires)
+
+    def fire_actions(self, key: Hashable, event: str) -> tuple[str, ...]:
+        """Actions ``fire(key, event)`` will run before the state changes, in order."""
+        inst = self.live.get(key)
+        edge = self.edges.get((inst.state, event)) if inst is not None and not self.closed else None
+        return edge.prepare_actions if edge is not None else ()
+
+    def poll_actions(self) -> tuple[str, ...]:
+        """Actions the timeouts due now will run before their states change, in firing order."""
+        out: list[str] = []
+        for _seq, inst in self._due(self.now):
+            _after, event = self.after[inst.state]
+            out += self.edges[inst.state, event].prepare_actions
+        return tuple(out)
+
+    def movable(self, running: Collection[str] | None = None) -> list[tuple[Hashable, list[str]]]:
+        """``(key, events its state handles)`` for every live instance not yet final.
+
+        An event that leads to another live state is listed three times, so a
+        pick from the list goes deeper into the machine more often than it
+        ends the instance. With ``running``, only the events whose transition
+        runs one of those actions are listed.
+        """
+        out = []
+        for key, inst in self.live.items():
+            if self.spec.states[inst.state].is_final:
+                continue
+            handled: list[str] = []
+            for (source, _event), e in self.edges.items():
+                if source == inst.state and (running is None or any(a in running for a in e.prepare_actions)):
+                    handled += [e.event] * (1 if self.spec.states[e.target].is_final else 3)
+            if handled:
+                out.append((key, handled))
+        return out
+
+    # -- the calls -------------------------------------------------------------
+
+    def begin(self, key: Hashable) -> Outcome:
+        out = Outcome(event="begin")
+        if self.closed:
+            out.refused = "closed"
+            return out
+        old = self.live.get(key)
+        if old is not None and not self.spec.states[old.state].is_final:
+            out.refused, out.state = "duplicate", old.state
+            return out
+        for done, (acquire, _release) in enumerate(self.begin_acquires):
+            if self._call(out, acquire, key):
+                self._failed(out, key, "begin", acquire, "acquire", NOT_BEGUN)
+                undo = (*(r for _a, r in self.begin_acquires[:done]), *self.begin_given)
+                self._release(out, key, "begin", undo, NOT_BEGUN)
+                return out
+        initial = self.spec.initial.name
+        inst = self.live[key] = Instance(key, initial)
+        self._arm(inst)
+        out.moves.append(Move(key, "begin", "", initial, "begin"))
+        return out
+
+    def fire(self, key: Hashable, event: str) -> Outcome:
+        """After close() every instance is final or gone, so every event is refused, and counted nowhere."""
+        out = Outcome(event=event)
+        inst = self.live.get(key)
+        if self.closed:
+            out.refused, out.state = "closed", inst.state if inst is not None else None
+            return out
+        if inst is None:
+            self._anomaly("unknown", key, event)
+            out.refused = "unknown"
+            return out
+        out.state = inst.state
+        edge = self.edges.get((inst.state, event))
+        if edge is None:
+            out.refused = "ignored" if (inst.state, event) in self.ignored else "illegal"
+            self.counts[out.refused] += 1
+            return out
+        self._take(inst, edge, "fire", out)
+        out.state = inst.state
+        return out
+
+    def poll(self, now: float | None = None) -> Outcome:
+        """Fire the timeouts due at ``now`` (default: the clock); ones armed meanwhile wait for the next poll."""
+        out = Outcome()
+        for seq, inst in self._due(self.now if now is None else now):
+            if inst.seq != seq or inst.due is None:
+                continue
+            _after, event = self.after[inst.state]
+            self.counts["timeouts"] += 1
+            self._take(inst, self.edges[inst.state, event], "timeout", out)
+            out.fired.append((inst.key, event, inst.state))
+        return out
+
+    def _due(self, now: float) -> list[tuple[int, Instance]]:
+        """``(arming number, instance)`` for each deadline due at ``now``: by state declaration, then arming."""
+        due = [i for i in self.live.values() if i.due is not None and i.due <= now]
+        return [(i.seq, i) for i in sorted(due, key=lambda i: (self.order[i.state], i.seq))]
+
+    def drain(self) -> Outcome:
+        out = Outcome()
+        done, self.finished = self.finished, []
+        for inst in done:
+            if self.live.get(inst.key) is inst:
+                del self.live[inst.key]
+            out.drained.append((inst.key, inst.state))
+            out.unordered += inst.by_close  # after a close nothing else finishes, so these come last
+        return out
+
+    def close(self) -> Outcome:
+        """Abort every live instance; one abort cannot finish is released by force (a ``forced`` anomaly).
+
+        A second close() does nothing. Afterwards begin and fire are refused
+        (TrackerClosed); poll finds nothing armed and finished() still drains.
+        """
+        out = Outcome()
+        if self.closed:
+            return out
+        for key, inst in list(self.live.items()):
+            if self.spec.states[inst.state].is_final:
+                continue
+            edge = self.edges.get((inst.state, ABORT))
+            if edge is not None:
+                self._take(inst, edge, "close", out)
+                inst.by_close = True
+            if not self.spec.states[inst.state].is_final:
+                self._anomaly("forced", key, ABORT)
+                del self.live[key]
+                inst.due = None
+                out.forced.append(key)
+                releases = tuple(self.spec.resources[r].release for r in self.spec.holds(inst.state))
+                self._release(out, key, ABORT, releases, inst.state)
+        self.closed = True
+        return out
+
+    # -- the transition ----------------------------------------------------------
+
+    def _take(self, inst: Instance, edge: Edge, how: How, out: Outcome) -> None:
+        """do → acquires → state change → releases; a raise before the change fires on_error instead."""
+        key = inst.key
+        mine = len(out.failures)
+        if not edge.bare:
+            if edge.do is not None and self._call(out, edge.do, key):
+                self._failed(out, key, edge.event, edge.do, "do")
+                self._on_error(inst, edge, mine, out)
+                return
+            for done, (acquire, _release) in enumerate(edge.acquires):
+                if self._call(out, acquire, key):
+                    self._failed(out, key, edge.event, acquire, "acquire")
+                    self._release(out, key, edge.event, tuple(r for _a, r in edge.acquires[:done]), "")
+                    self._on_error(inst, edge, mine, out)
+                    return
+        source = inst.state
+        inst.state = edge.target
+        inst.due = None
+        self._arm(inst)
+        if self.spec.states[edge.target].is_final:
+            self.finished.append(inst)
+        out.moves.append(Move(key, edge.event, source, edge.target, how))
+        self._release(out, key, edge.event, edge.releases, edge.target)
+
+    def _on_error(self, inst: Instance, failed: Edge, mine: int, out: Outcome) -> None:
+        """Fire on_error from the source, if it handles it (bare if ``failed`` is that very edge);
+        failures since ``mine`` report the state the instance ends in."""
+        handled = len(out.failures)
+        on_error = self.spec.on_error
+        handler = self.edges.get((inst.state, on_error)) if on_error is not None else None
+        if handler is not None:
+            if handler is failed:
+                handler = Edge(handler.source, handler.event, handler.target, None, (), handler.releases, bare=True)
+            self._take(inst, handler, "on_error", out)
+        for failure in out.failures[mine:handled]:
+            failure.state = inst.state
+
+    def _release(self, out: Outcome, key: Hashable, event: str, releases: tuple[str, ...], state: str) -> None:
+        """Each release on its own: one that raises is reported and the others still run."""
+        for release in releases:
+            if self._call(out, release, key):
+                self._failed(out, key, event, release, "release", state)
+
+    def _failed(self, out: Outcome, key: Hashable, event: str, action: str, phase: Phase, state: str = "") -> None:
+        self.counts["release_errors" if phase == "release" else "action_errors"] += 1
+        out.failures.append(ExpectedFailure(key, event, action, phase, state))
+
+    def _arm(self, inst: Instance) -> None:
+        timed = self.after.get(inst.state)
+        if timed is not None:
+            self._seq += 1
+            inst.due, inst.seq = self.now + timed[0], self._seq
+
+    def _anomaly(self, kind: Literal["unknown", "forced"], key: Hashable, event: str) -> None:
+        self.counts[kind] += 1
+        self.anomalies.append((kind, self.spec.key, key, event))
+
+
+__all__ = [
+    "NOT_BEGUN",
+    "Call",
+    "Edge",
+    "ExpectedFailure",
+    "Fault",
+    "How",
+    "Instance",
+    "Move",
+    "Outcome",
+    "SpecModel",
+]
