@@ -16,6 +16,7 @@ from typing import Any
 
 import kvfsm
 from kvfsm import IllegalTransition, Tracker
+from kvfsm.testing import VirtualClock
 
 SPEC = kvfsm.parse(
     """
@@ -114,14 +115,6 @@ class CountingPool:
 
     def blocks_in_use(self) -> int:
         return sum(1 for c in self.ref_cnt if c)
-
-
-class VirtualClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_events_from_worker_threads_leave_every_request_final_and_nothing_held() -> None:

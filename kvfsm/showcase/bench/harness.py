@@ -15,20 +15,10 @@ import time
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
+from ...testing.clock import VirtualClock as VirtualClock  # one manual clock for benchmarks and tests
+
 Workload = Callable[[], object]
 """A prepared, timed callable; what it returns is handed to the variant's check."""
-
-
-class VirtualClock:
-    """A clock that moves only when told to: deadlines become reproducible."""
-
-    __slots__ = ("now",)
-
-    def __init__(self, now: float = 0.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class NullDriver:
