@@ -26,7 +26,7 @@ properties' one evaluator (:func:`~kvfsm.spec.system.violation`). Reading and
 checking the trace is the trace format's (:mod:`kvfsm.explore.trace`).
 
 Beyond the spec's actions and ``observe``, drivers follow the protocol of
-:mod:`kvfsm.testing.machine` (``before_begin``), plus ``before_fire(key, event,
+:mod:`kvfsm.testing.contract` (``before_begin``), plus ``before_fire(key, event,
 resources)`` for a transition into a state that holds resources no acquire
 action takes: what your code takes before calling ``fire`` (prefill's own KV
 pages, once decode's page indices are in).
@@ -45,9 +45,11 @@ from ..explore.trace import Step, Trace, TraceError, TraceSource, as_trace, carr
 from ..spec import Spec
 from ..spec.system import LastStep, Snapshot, System, load_system, violation
 from ..spec.system.channel import Traffic
+from .clock import VirtualClock
+from .contract import DriverFactory
 from .ledger import LedgerDriver
-from .machine import DriverFactory, VirtualClock, begin_resources, check_driver
-from .model import SpecModel
+from .machine import begin_resources, check_driver
+from .oracle import SpecModel
 from .runner import FactoryError
 
 
