@@ -474,7 +474,7 @@ def test_tracker_does_what_the_oracle_reads_in_the_spec(name: str) -> None:
 
 
 @settings(max_examples=RANDOM_SPECS, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
-@given(spec=specs() | specs(error_path_actions=True), ops=OPS, close=CLOSE, after=AFTER)
+@given(spec=specs(shared_releases=True) | specs(error_path_actions=True), ops=OPS, close=CLOSE, after=AFTER)
 def test_tracker_does_what_the_oracle_reads_in_random_specs(
     spec: Spec, ops: list[Op], close: CloseFaults, after: list[Op]
 ) -> None:

@@ -8,8 +8,9 @@
 
 The specs are :class:`~kvfsm.spec.Spec` models built directly (no YAML), and
 every feature of the spec language's single-machine semantics shows up:
-resources with and without acquire actions, held in any order; ``do`` actions
-shared between transitions; timeouts after a param or a literal (zero
+resources with and without acquire actions, held in any order (one without
+is held from ``begin`` on, taken by the caller, never entered later); ``do``
+actions shared between transitions; timeouts after a param or a literal (zero
 included) firing any event their state handles; ``waits: local`` states;
 ``"*"`` sources; aborts into final states and into later live states (which
 ``close()`` must then release by force); an ``on_error`` event into a final
@@ -46,6 +47,7 @@ def specs(
     max_resources: int = 4,
     max_events: int = 4,
     error_path_actions: bool = False,
+    shared_releases: bool = False,
 ) -> st.SearchStrategy[Spec]:
     """Random machine specs with up to ``max_states`` live states, ``max_resources`` resources and
     ``max_events`` events besides abort and on_error, each passing :func:`kvfsm.spec.verify`.
@@ -53,13 +55,17 @@ def specs(
     ``error_path_actions=True`` also gives on_error transitions ``do``
     actions, so that an error raised while handling an error can happen;
     such specs break one rule only, KVF109, and the engine still runs them.
+    ``shared_releases=True`` lets two resources name one release action: the
+    engine then calls it once per resource, with the key only, so a driver
+    cannot tell which one goes; fine for testing the engine's calls, not a
+    driver's holdings.
     """
     if max_states < 1 or max_resources < 0 or max_events < 1:
         raise ValueError(
             f"specs(max_states={max_states}, max_resources={max_resources}, max_events={max_events}): "
             "a spec needs at least one live state and one event; resources may be 0"
         )
-    return _specs(max_states, max_resources, max_events, error_path_actions)
+    return _specs(max_states, max_resources, max_events, error_path_actions, shared_releases)
 
 
 Edges = dict[tuple[str, str], tuple[str, str | None]]
@@ -67,10 +73,12 @@ Edges = dict[tuple[str, str], tuple[str, str | None]]
 
 
 @st.composite
-def _specs(draw: st.DrawFn, max_states: int, max_resources: int, max_events: int, error_actions: bool) -> Spec:
+def _specs(
+    draw: st.DrawFn, max_states: int, max_resources: int, max_events: int, error_actions: bool, shared: bool
+) -> Spec:
     n = draw(st.integers(1, max_states), label="live states")
     live = [f"s{i}" for i in range(n)]
-    resources = _resources(draw, max_resources)
+    resources = _resources(draw, max_resources, shared)
     holds = {
         s: tuple(draw(st.lists(st.sampled_from(sorted(resources)), unique=True))) if resources else () for s in live
     }
@@ -99,6 +107,8 @@ def _specs(draw: st.DrawFn, max_states: int, max_resources: int, max_events: int
     spec_resources = {r.name: r for r in resources.values()}
     on_error = _error_paths(draw, live, holds, edges, spec_resources, error_actions)
 
+    _taken_only_at_begin(holds, edges, spec_resources)
+
     states_in_order = draw(st.permutations(live), label="declaration order")
     timed = {s: _timeout(draw, s, edges) for s in live}
     targets = {target for target, _do in edges.values()}
@@ -122,17 +132,34 @@ def _specs(draw: st.DrawFn, max_states: int, max_resources: int, max_events: int
     )
 
 
-def _resources(draw: st.DrawFn, most: int) -> dict[str, Resource]:
-    """Up to ``most`` resources; about half with an acquire action; now and then two sharing one release."""
+def _resources(draw: st.DrawFn, most: int, shared: bool) -> dict[str, Resource]:
+    """Up to ``most`` resources, about half with an acquire action; with ``shared``, now and then two share a release."""
     out: dict[str, Resource] = {}
     for i in range(draw(st.integers(0, most), label="resources")):
         name = f"r{i}"
         release = f"free_{name}"
-        if out and draw(st.integers(0, 4)) == 0:
+        if shared and out and draw(st.integers(0, 4)) == 0:
             release = draw(st.sampled_from(sorted({r.release for r in out.values()})))
         acquire = f"take_{name}" if draw(st.booleans()) else None
         out[name] = Resource(name, release, acquire)
     return out
+
+
+def _taken_only_at_begin(holds: dict[str, tuple[str, ...]], edges: Edges, resources: dict[str, Resource]) -> None:
+    """Drop, in place, a resource without an acquire action from every state a transition enters it in.
+
+    Such a resource is taken by the caller before ``begin``; entered later, on
+    a timeout or an abort, no one would take it, and a model-based test could
+    not tell its driver to. Only resources without acquire actions are
+    dropped, so which actions can raise on which edge does not change.
+    """
+    changed = True
+    while changed:
+        changed = False
+        for (source, _event), (target, _do) in edges.items():
+            kept = tuple(r for r in holds.get(target, ()) if resources[r].acquire or r in holds[source])
+            if target in holds and kept != holds[target]:
+                holds[target], changed = kept, True
 
 
 def _free_event(draw: st.DrawFn, events: list[str], source: str, edges: Edges) -> str:
