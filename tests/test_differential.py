@@ -279,7 +279,7 @@ class Pair:
         self.driver.clear_faults()
         self.model.faults.clear()
         actions = self.spec.actions()
-        for n, key in faults:
+        for n, key in faults if actions else ():
             self.fault(actions[n % len(actions)], key)
         self.closed = True
         out = self.model.close()
