@@ -169,7 +169,7 @@ CASES = {
     "timers": Case(kvfsm.parse(TIMERS, "timers.yaml"), {"long": 2.5}, 300),
     "error_cleanup": Case(read_text(ERROR_CLEANUP, "error_cleanup.yaml"), {}, 200),
 }
-RANDOM_SPECS = 1200
+RANDOM_SPECS = 1800
 """Examples of the random-spec test (one fresh spec each)."""
 
 KEYS = ("r1", "r2", "r3")
