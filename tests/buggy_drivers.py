@@ -196,11 +196,11 @@ class StoreSender(Faults):
         """What the scheduler does before begin(): pin the request's blocks so the pool cannot reuse them."""
         self.blocks[key] = self.gpu.allocate(key, 2)
 
-    def enqueue_job(self, key: Hashable, **_: Any) -> None:
+    def enqueue_job(self, key: Hashable) -> None:
         self.maybe_raise("enqueue_job", key)
         self.queue.put(key)
 
-    def start_transfer(self, key: Hashable, **_: Any) -> None:
+    def start_transfer(self, key: Hashable) -> None:
         self.stores_in_flight[key] += 1  # inc_stored_request
         try:
             self.batch_put(key)
@@ -211,12 +211,12 @@ class StoreSender(Faults):
         self.maybe_raise("start_transfer", key)
         self.store[key] = self.gpu.read(self.blocks[key])
 
-    def free_gpu_blocks(self, key: Hashable, **_: Any) -> None:
+    def free_gpu_blocks(self, key: Hashable) -> None:
         if self.stores_in_flight[key]:
             return  # delay-free: a store still reads these blocks, so they wait for dec_stored_request
         self.gpu.free(key, self.blocks[key])
 
-    def task_done(self, key: Hashable, **_: Any) -> None:
+    def task_done(self, key: Hashable) -> None:
         self.queue.task_done(key)
 
     def observe(self, key: Hashable) -> set[str]:
@@ -231,7 +231,7 @@ class StoreSender(Faults):
 class SkipsDecOnPutError(StoreSender):
     """Seed 000: ``dec_stored_request`` sits after ``batch_put``, so a put that raises skips it."""
 
-    def start_transfer(self, key: Hashable, **_: Any) -> None:
+    def start_transfer(self, key: Hashable) -> None:
         self.stores_in_flight[key] += 1
         self.batch_put(key)
         self.stores_in_flight[key] -= 1
@@ -240,7 +240,7 @@ class SkipsDecOnPutError(StoreSender):
 class TaskDoneFreesBlocks(StoreSender):
     """Double release: ``task_done`` also returns the job's blocks, then ``free_gpu_blocks`` does again."""
 
-    def task_done(self, key: Hashable, **_: Any) -> None:
+    def task_done(self, key: Hashable) -> None:
         self.queue.task_done(key)
         self.gpu.free(key, self.blocks[key])  # free_gpu_blocks frees them too
 
@@ -267,25 +267,25 @@ class CpuHitLoader(Faults):
         self.loading: dict[Hashable, list[int]] = {}
         self.gpu_blocks: dict[Hashable, list[int]] = {}
 
-    def pin_hit(self, key: Hashable, **_: Any) -> None:
+    def pin_hit(self, key: Hashable) -> None:
         self.maybe_raise("pin_hit", key)
         blocks = self.cache[f"prefix-{zlib.crc32(str(key).encode()) % len(self.cache)}"]
         self.cpu.touch(key, blocks)
         self.pending_hits[key] = blocks
 
-    def start_load(self, key: Hashable, **_: Any) -> None:
+    def start_load(self, key: Hashable) -> None:
         self.maybe_raise("start_load", key)
         self.loading[key] = self.pending_hits.pop(key)
 
-    def alloc_gpu(self, key: Hashable, **_: Any) -> None:
+    def alloc_gpu(self, key: Hashable) -> None:
         self.maybe_raise("alloc_gpu", key)
         self.gpu_blocks[key] = self.gpu.allocate(key, 2)
 
-    def unpin_hit(self, key: Hashable, **_: Any) -> None:
+    def unpin_hit(self, key: Hashable) -> None:
         blocks = self.loading.pop(key, None) or self.pending_hits.pop(key)
         self.cpu.free(key, blocks)
 
-    def free_gpu(self, key: Hashable, **_: Any) -> None:
+    def free_gpu(self, key: Hashable) -> None:
         self.gpu.free(key, self.gpu_blocks.pop(key))
 
     def observe(self, key: Hashable) -> set[str]:
@@ -300,7 +300,7 @@ class CpuHitLoader(Faults):
 class UnpinsOnlyLoadedHits(CpuHitLoader):
     """Seed 003: the pin is released from the phase-B table only; a hit cancelled between phases stays pinned."""
 
-    def unpin_hit(self, key: Hashable, **_: Any) -> None:
+    def unpin_hit(self, key: Hashable) -> None:
         blocks = self.loading.pop(key, None)
         if blocks is not None:
             self.cpu.free(key, blocks)
@@ -359,19 +359,19 @@ class NoObserve:
     """Has every action of kv_request but cannot say what it holds."""
 
     def before_begin(self, key: Hashable, resources: frozenset[str]) -> None: ...
-    def enqueue_job(self, key: Hashable, **_: Any) -> None: ...
-    def start_transfer(self, key: Hashable, **_: Any) -> None: ...
-    def free_gpu_blocks(self, key: Hashable, **_: Any) -> None: ...
-    def task_done(self, key: Hashable, **_: Any) -> None: ...
+    def enqueue_job(self, key: Hashable) -> None: ...
+    def start_transfer(self, key: Hashable) -> None: ...
+    def free_gpu_blocks(self, key: Hashable) -> None: ...
+    def task_done(self, key: Hashable) -> None: ...
 
 
 class LacksTaskDone:
     """Forgets one of kv_request's actions."""
 
     def before_begin(self, key: Hashable, resources: frozenset[str]) -> None: ...
-    def enqueue_job(self, key: Hashable, **_: Any) -> None: ...
-    def start_transfer(self, key: Hashable, **_: Any) -> None: ...
-    def free_gpu_blocks(self, key: Hashable, **_: Any) -> None: ...
+    def enqueue_job(self, key: Hashable) -> None: ...
+    def start_transfer(self, key: Hashable) -> None: ...
+    def free_gpu_blocks(self, key: Hashable) -> None: ...
     def observe(self, key: Hashable) -> set[str]:
         return set()
 
@@ -389,14 +389,14 @@ def write_cpu_hit_spec(folder: Path) -> Path:
 class FreesOnlyOnAck(DecodeDriver):
     """Frees the room's pages only on ABORT_ACK, whose handler (as merged) only logs: the free never happens."""
 
-    def release_kv_cache(self, room: Hashable, /, **_: Any) -> None:
+    def release_kv_cache(self, room: Hashable, /) -> None:
         pass  # moved to the ACK handler, which is never wired up
 
 
 class NeverTakesPages(DecodeDriver):
     """Preallocates pages and sends their indices, but never records them as the room's."""
 
-    def alloc_kv_pages(self, room: Hashable, /, **_: Any) -> None:
+    def alloc_kv_pages(self, room: Hashable, /) -> None:
         pass
 
 

@@ -86,8 +86,9 @@ class Faults:
     def __init__(self) -> None:
         self._armed: set[str] = set()
 
-    def inject_fault(self, action: str) -> None:
+    def inject_fault(self, action: str) -> bool:
         self._armed.add(action)
+        return True
 
     def _fault(self, action: str) -> None:
         if action in self._armed:

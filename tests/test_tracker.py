@@ -27,6 +27,7 @@ from kvfsm import (
     TrackerClosed,
 )
 from kvfsm.spec import read_text
+from kvfsm.testing import VirtualClock
 
 SPEC_TEXT = """
 kvfsm: 1
@@ -261,16 +262,6 @@ ACQUIRES = {"alloc_gpu_blocks", "alloc_host_buf", "take_slot", "take_lease"}
 RELEASES = {"free_gpu_blocks", "free_host_buf", "give_slot", "drop_lease"}
 
 
-class Clock:
-    """A virtual clock the test moves by hand."""
-
-    def __init__(self, now: float = 100.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
 Seen = tuple[Hashable, int, str, str, str, float]
 
 
@@ -278,7 +269,7 @@ Seen = tuple[Hashable, int, str, str, str, float]
 class Rig:
     tracker: Tracker
     driver: PoolDriver
-    clock: Clock
+    clock: VirtualClock
     seen: list[Seen]
 
     def transitions(self) -> list[tuple[str, str, str]]:
@@ -288,7 +279,7 @@ class Rig:
 
 def make_rig(spec: kvfsm.Spec = SPEC, *, params: dict[str, float] | None = None, spaces: tuple[str, ...] = ()) -> Rig:
     driver = PoolDriver()
-    clock = Clock()
+    clock = VirtualClock()
     seen: list[Seen] = []
 
     def observer(key: Hashable, gen: int, event: str, src: str, dst: str, when: float) -> None:

@@ -10,7 +10,7 @@ from rich.markup import escape
 
 from ..spec import Finding, check
 from ..spec.findings import READ_ERROR
-from .common import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, Subparsers, out
+from .common import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, Subparsers, findings_json, out, print_finding
 
 
 def register(sub: Subparsers) -> None:
@@ -27,26 +27,13 @@ def run(args: argparse.Namespace) -> int:
     warnings = len(findings) - errors
     unreadable = any(f.code == READ_ERROR for f in findings)
     if args.format == "json":
-        doc = {
-            "files": [
-                {"path": p, "clean": not any(f.severity == "error" for f in fs), "findings": [f.as_dict() for f in fs]}
-                for p, fs in reports
-            ],
-            "errors": errors,
-            "warnings": warnings,
-        }
-        out.print_json(json.dumps(doc))
+        out.print_json(json.dumps(findings_json(reports)))
     else:
         for path, fs in reports:
             if not fs:
                 out.print(f"[green]✓[/] {escape(path)}: clean")
-                continue
             for f in fs:
-                colour = "red" if f.severity == "error" else "yellow"
-                where = f"{f.path}:{f.line}" if f.line else f.path
-                out.print(f"[bold]{escape(where)}[/]: [{colour}]{f.severity} {f.code}[/] {escape(f.message)}")
-                if f.fix:
-                    out.print(f"    [dim]fix:[/] {escape(f.fix)}")
+                print_finding(f)
         summary = f"{len(reports)} spec(s): {errors} error(s), {warnings} warning(s)"
         out.print(f"[red]{summary}[/]" if errors else f"[green]{summary}[/]")
     if unreadable:

@@ -15,7 +15,7 @@ from .common import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, Subparsers, err, out, wr
 
 if TYPE_CHECKING:
     from ..testing import Report
-    from ..testing.trace_replay import ReplayResult
+    from ..testing.trace_replay import TraceResult
 
 
 def _positive(text: str) -> int:
@@ -206,7 +206,7 @@ def _replay(args: argparse.Namespace) -> int:
     return EXIT_OK if result.passed else EXIT_FINDINGS
 
 
-def _render_replay(result: ReplayResult, drivers: dict[str, str]) -> None:
+def _render_replay(result: TraceResult, drivers: dict[str, str]) -> None:
     from ..explore.trace import describe_step
 
     trace = result.trace

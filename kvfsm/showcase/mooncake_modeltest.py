@@ -73,8 +73,9 @@ class ModelSender(StoreSender):
         super().__init__(self.faults.store, buffer, prefix=prefix or f"model-{uuid.uuid4().hex[:12]}")
         self._plans = itertools.count(1)
 
-    def inject_fault(self, action: str) -> None:
+    def inject_fault(self, action: str) -> bool:
         self.faults.inject(action)
+        return True
 
     def pin_blocks(
         self,
@@ -132,8 +133,9 @@ class ModelLoader(StoreLoader):
         seeder.unpin_blocks("seed")
         self.pool.release("seed", blocks)
 
-    def inject_fault(self, action: str) -> None:
+    def inject_fault(self, action: str) -> bool:
         self.faults.inject(action)
+        return True
 
     def lookup_keys(
         self, load: Hashable, /, request_id: Hashable = None, block_hashes: Sequence[BlockHash] | None = None

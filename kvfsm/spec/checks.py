@@ -1,4 +1,4 @@
-"""Static checks KVF101–KVF111: properties proved over a spec's transition graph.
+"""Static checks KVF101–KVF112: properties proved over a spec's transition graph.
 
 Every check works on the expanded edge set of the model (``Spec.edges``), so a
 wildcard source, a timeout or an ``on_error`` path is seen exactly as the
@@ -308,6 +308,21 @@ def check_ignore_overlap(spec: Spec) -> Iterable[Finding]:
             )
 
 
+def check_release_actions(spec: Spec) -> Iterable[Finding]:
+    """KVF112: each resource has a release action of its own."""
+    first: dict[str, str] = {}
+    for r in spec.resources.values():
+        other = first.setdefault(r.release, r.name)
+        if other != r.name:
+            yield _finding(
+                "KVF112",
+                r.loc,
+                f"resources {other!r} and {r.name!r} are both released by {r.release}(): it is called once per "
+                "resource with the key alone, so it cannot tell which of them is going (and frees both twice)",
+                f"Give {r.name!r} a release action of its own, e.g. 'release: {r.release}_{r.name}'.",
+            )
+
+
 CHECKS: tuple[Check, ...] = (
     check_initial,
     check_references,
@@ -319,6 +334,7 @@ CHECKS: tuple[Check, ...] = (
     check_abortable,
     check_error_paths,
     check_ignore_overlap,
+    check_release_actions,
 )
 
 

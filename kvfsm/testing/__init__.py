@@ -26,7 +26,7 @@ from .ledger import LedgerDriver
 from .machine import SpecMachine, spec_machine
 from .runner import Report, run
 from .story import SpecViolation
-from .trace_replay import Replay, ReplayResult, replay_trace
+from .trace_replay import TraceResult, TraceRun, replay_trace
 
 if TYPE_CHECKING:
     from .plugin import spec_tests
@@ -36,13 +36,13 @@ __all__ = [
     "FaultInjecting",
     "LedgerDriver",
     "ObservableDriver",
-    "Replay",
-    "ReplayResult",
     "Report",
     "SpecMachine",
     "SpecViolation",
     "TakesBeforeBegin",
     "TakesBeforeFire",
+    "TraceResult",
+    "TraceRun",
     "VirtualClock",
     "replay_trace",
     "run",

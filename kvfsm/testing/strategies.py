@@ -55,10 +55,10 @@ def specs(
     ``error_path_actions=True`` also gives on_error transitions ``do``
     actions, so that an error raised while handling an error can happen;
     such specs break one rule only, KVF109, and the engine still runs them.
-    ``shared_releases=True`` lets two resources name one release action: the
-    engine then calls it once per resource, with the key only, so a driver
-    cannot tell which one goes; fine for testing the engine's calls, not a
-    driver's holdings.
+    ``shared_releases=True`` lets two resources name one release action
+    (KVF112): the engine then calls it once per resource, with the key only,
+    so a driver cannot tell which one goes; fine for testing the engine's
+    calls, not a driver's holdings.
     """
     if max_states < 1 or max_resources < 0 or max_events < 1:
         raise ValueError(

@@ -482,11 +482,6 @@ def replay_trace(
     """
     return TraceRun(system, trace, drivers).run()
 
-
-# kvfsm.testing and kvfsm.cli.test import these two names; TraceRun and TraceResult are the ones to use.
-Replay = TraceRun
-ReplayResult = TraceResult
-
 __all__ = [
     "Mismatch",
     "TraceError",

@@ -58,7 +58,7 @@ class MasterProcess:
         found = binary or master_binary()
         if found is None:
             raise StoreUnavailable(
-                "mooncake_master not found next to the interpreter or on PATH; pip install mooncake-transfer-engine-non-cuda"
+                "mooncake_master not found next to the interpreter or on PATH; pip install 'kvfsm[mooncake]'"
             )
         self.binary = found
         self.lease_ttl_ms = lease_ttl_ms

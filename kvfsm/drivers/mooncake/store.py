@@ -57,7 +57,7 @@ def import_store_module() -> Any:
         if "libibverbs" in str(exc):
             fix = "install the system library: apt-get install -y --no-install-recommends libibverbs1"
         else:
-            fix = "pip install mooncake-transfer-engine-non-cuda"
+            fix = "pip install 'kvfsm[mooncake]'"
         raise StoreUnavailable(f"the Mooncake wheel cannot be imported ({exc}); {fix}") from exc
 
 
