@@ -5,7 +5,7 @@ properties of it (:func:`check`), runs it (:class:`Tracker`) with releases
 derived from the spec, and draws and tests it.
 """
 
-from .engine import Tracker
+from .engine import Tracker, batch
 from .errors import (
     ActionError,
     Anomaly,
@@ -37,6 +37,7 @@ __all__ = [
     "SpecError",
     "Tracker",
     "TrackerClosed",
+    "batch",
     "check",
     "load",
     "parse",

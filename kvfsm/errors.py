@@ -47,8 +47,9 @@ class IllegalTransition(KvfsmError):
         )
 
 
-Phase = Literal["do", "acquire", "release", "observer", "queued"]
-"""Where a failure happened: a driver action of that kind, the observer, or a call an action queued."""
+Phase = Literal["do", "acquire", "release", "observer", "queued", "refused"]
+"""Where a failure happened: a driver action of that kind, the observer, a call an action queued, or
+(in ``fire_many``) an event a key's state neither handles nor ignores."""
 
 
 @dataclass(frozen=True, slots=True)

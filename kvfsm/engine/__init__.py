@@ -1,6 +1,6 @@
 """The compiled runtime: flat tables, instances, deadlines (knows nothing of YAML)."""
 
-from .program import Program, compile_program
+from .program import Program, batch, compile_program
 from .tracker import Observer, Tracker
 
-__all__ = ["Observer", "Program", "Tracker", "compile_program"]
+__all__ = ["Observer", "Program", "Tracker", "batch", "compile_program"]

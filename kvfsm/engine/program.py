@@ -10,7 +10,7 @@ over short tuples; nothing on the per-event path looks at the spec again.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,8 +50,8 @@ class CEdge:
     """
 
     __slots__ = (
-        "acquire_fns", "acquires", "bare", "do", "do_name", "event", "prepare", "release_fns", "releases", "source",
-        "target",
+        "acquire_fns", "acquires", "bare", "batch_acquires", "batch_do", "batch_releases", "do", "do_name", "event",
+        "prepare", "release_fns", "releases", "source", "target",
     )  # fmt: skip
 
     def __init__(
@@ -67,20 +67,78 @@ class CEdge:
         self.event = event
         self.source = source
         self.target = target
-        self.do = do
+        self.do = per_key(do) if do is not None else None
         self.do_name = do_name
-        self.acquires = acquires
-        self.releases = releases
-        self.acquire_fns = tuple(acquire[1] for acquire in acquires)
-        self.release_fns = tuple(fn for _name, fn in releases)
+        self.batch_do = per_batch(do) if do is not None else None
+        self.batch_acquires = tuple(per_batch(acquire[1]) for acquire in acquires)
+        self.batch_releases = tuple(per_batch(fn) for _name, fn in releases)
+        """The same actions called once per batch of keys (see :func:`batch`): what ``fire_many`` runs."""
+        self.acquires = tuple((a, per_key(fn), r, per_key(undo)) for a, fn, r, undo in acquires)
+        self.releases = tuple((name, per_key(fn)) for name, fn in releases)
+        self.acquire_fns = tuple(acquire[1] for acquire in self.acquires)
+        self.release_fns = tuple(fn for _name, fn in self.releases)
         self.prepare = do is not None or bool(acquires)
         """Whether anything runs (and can raise) before the state changes."""
-        self.bare = self if not self.prepare else CEdge(event, source, target, None, None, (), releases)
+        self.bare = self if not self.prepare else CEdge(event, source, target, None, None, (), self.releases)
         """This edge without the actions that can raise: how on_error is taken when its own action fails."""
 
     def __repr__(self) -> str:
         src = self.source.name if self.source else "∅"
         return f"<edge {src} -{self.event}-> {self.target.name}>"
+
+
+Failed = Mapping[Hashable, BaseException]
+"""What a batch action returns: the keys it failed for, each with its error (None or empty: none failed)."""
+
+BATCH_MARK = "__kvfsm_batch__"
+
+
+def batch(method: Callable[..., Failed | None]) -> Callable[..., Failed | None]:
+    """Mark a driver action as taking a list of keys: ``fire_many`` calls it once per batch.
+
+    The action is called as ``method(keys, **payload)`` (a release as
+    ``method(keys)``) and returns the keys it failed for, each with its
+    error, or None; raising fails every key of the batch. ``fire`` calls it
+    with a one-key list. A batch action suits an API that is batched already
+    (Mooncake's ``batch_put_from``, vLLM's sets of finished requests).
+    """
+    setattr(method, BATCH_MARK, True)
+    return method
+
+
+def is_batch(action: Action) -> bool:
+    return bool(getattr(action, BATCH_MARK, False))
+
+
+def per_key(action: Action) -> Action:
+    """``action`` as ``fire`` calls it: with one key (a batch action gets a one-key list, and its failure raises)."""
+    if not is_batch(action):
+        return action
+
+    def one(key: Hashable, /, **payload: Any) -> None:
+        failed = action([key], **payload)
+        if failed:
+            raise failed[key] if key in failed else next(iter(failed.values()))
+
+    one.__name__ = getattr(action, "__name__", "batch_action")
+    return one
+
+
+def per_batch(action: Action) -> Callable[..., Failed | None]:
+    """``action`` as ``fire_many`` calls it: with a list of keys (a per-key action is called for each)."""
+    if is_batch(action):
+        return action
+
+    def each(keys: list[Hashable], /, **payload: Any) -> Failed | None:
+        failed: dict[Hashable, BaseException] = {}
+        for key in keys:
+            try:
+                action(key, **payload) if payload else action(key)
+            except BaseException as exc:
+                failed[key] = exc
+        return failed
+
+    return each
 
 
 IGNORED: Any = object()

@@ -22,6 +22,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
+from itertools import repeat
 from pathlib import Path
 from typing import Any, Final
 
@@ -256,6 +257,85 @@ class Tracker:
             if lock is not None:
                 lock.release()
 
+    def fire_many(self, event: str, keys: Iterable[Hashable], /, **payload: Any) -> None:
+        """Apply ``event`` to every key, under one lock, with each driver action called once per group.
+
+        Keys are grouped by the state they are in; for each group the edge's
+        ``do``, acquires and releases run once with the group's keys when the
+        driver marks them :func:`~kvfsm.batch` (per key otherwise), and every
+        key then gets what :meth:`fire` would give it: the legality and
+        ignore rules of its own state, on_error for the keys an action failed
+        for, derived releases, deadlines, the observer's lines. Events that
+        actions fire are queued and run after each group (run to completion).
+
+        One bad key does not stop the batch: an unknown key is counted and
+        reported by :meth:`anomalies`; an event a key's state neither handles
+        nor ignores is a failure of phase ``refused`` carrying its
+        :class:`IllegalTransition`; both, and failed actions, are raised
+        together as one :class:`ActionError` once every key is done.
+        Undeclared payload raises :class:`PayloadError` before anything runs.
+        From inside an action, each key's event is queued as :meth:`fire` would.
+        """
+        lock = self._lock
+        if lock is not None:
+            lock.acquire()
+        try:
+            if self._busy:
+                for key in keys:
+                    self._enqueue(key, event, payload)
+                return
+            if payload and not payload.keys() <= self._payloads.get(event, _EMPTY):
+                raise self._payload_error(event, payload)
+            keys = keys if isinstance(keys, list) else list(keys)
+            rounds = [keys] if len(set(keys)) == len(keys) else _rounds(keys)
+            self._busy = True
+            try:
+                for batch in rounds:
+                    self._fire_batch(event, batch, payload)
+            finally:
+                self._busy = False
+                if self._queue:
+                    self._queue.clear()
+            if self._failures:
+                self._raise_failures(None)
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def _fire_batch(self, event: str, keys: list[Hashable], payload: dict[str, Any]) -> None:
+        """One round of ``fire_many``: distinct keys, grouped by state, each group stepped at once."""
+        states = list(map(self._live.get, keys))
+        if states and states[0] is not None and states.count(states[0]) == len(states):
+            groups = {states[0]: keys}  # the usual batch: every key in one state
+        else:
+            groups = self._group(event, keys, states)
+        for state, group in groups.items():
+            edge = state.row.get(event)
+            if edge is None or edge is IGNORED:
+                if self._closed:
+                    raise TrackerClosed(f"tracker for {self.spec.name!r} is closed; {event!r} refused")
+                self._refuse_many(group, state, event, edge)
+            else:
+                self._step_many(group, state, edge, payload)
+            if self._queue:
+                self._drain()
+
+    def _group(self, event: str, keys: list[Hashable], states: list[CState | None]) -> dict[CState, list[Hashable]]:
+        """Keys by the state they are in, in first-seen order; unknown keys are reported and left out."""
+        groups: dict[CState, list[Hashable]] = {}
+        for key, state in zip(keys, states, strict=True):
+            if state is None:
+                if self._closed:
+                    raise TrackerClosed(f"tracker for {self.spec.name!r} is closed; {event!r} refused")
+                self._anomaly("unknown", self.spec.key, key, event)
+                continue
+            group = groups.get(state)
+            if group is None:
+                groups[state] = [key]
+            else:
+                group.append(key)
+        return groups
+
     def fire_by(self, space: str, ident: Hashable, event: str, /, **payload: Any) -> str | None:
         """Like :meth:`fire`, for the instance ``ident`` names in id space ``space``.
 
@@ -487,6 +567,85 @@ class Tracker:
         if self._observer is not None:
             self._notify(key, edge.event, source.name, target.name)
         return target
+
+    def _step_many(self, keys: list[Hashable], source: CState, edge: CEdge, payload: dict[str, Any]) -> None:
+        """:meth:`_step` for keys all in ``source``: each action once for the batch, the bookkeeping in bulk.
+
+        Keys an action failed for leave the batch there: their earlier
+        acquires are undone and on_error fires for each, as in ``_step``.
+        """
+        if edge.prepare:
+            if edge.batch_do is not None:
+                keys = self._prepare_many(keys, source, edge, edge.batch_do, edge.do_name or "", "do", -1, payload)
+            for done, acquire in enumerate(edge.batch_acquires):
+                if not keys:
+                    return
+                keys = self._prepare_many(keys, source, edge, acquire, edge.acquires[done][0], "acquire", done, payload)
+            if not keys:
+                return
+        target = edge.target
+        self._live.update(dict.fromkeys(keys, target))
+        armed = self._deadlines.armed
+        if source.after is not None:
+            for key in keys:
+                armed.pop(key, None)
+        if target.after is not None:
+            due = self._clock() + target.after
+            entries = [(due, key) for key in keys]
+            armed.update(zip(keys, entries, strict=True))
+            self._deadlines.queues[target.index].extend(entries)
+        if target.final:
+            self._finished.extend(zip(keys, repeat(target)))
+        for index, release in enumerate(edge.batch_releases):
+            try:
+                failed = release(keys)
+            except BaseException as exc:
+                failed = dict.fromkeys(keys, exc)
+            if failed:
+                name = edge.releases[index][0]
+                for key, error in failed.items():
+                    self.counts["release_errors"] += 1
+                    self._failures.append(Failure(key, edge.event, name, "release", error, target.name))
+        if self._observer is not None:
+            for key in keys:
+                self._notify(key, edge.event, source.name, target.name)
+
+    def _prepare_many(
+        self,
+        keys: list[Hashable],
+        source: CState,
+        edge: CEdge,
+        action: Callable[..., Mapping[Hashable, BaseException] | None],
+        name: str,
+        phase: Phase,
+        done: int,
+        payload: dict[str, Any],
+    ) -> list[Hashable]:
+        """Run one before-the-change action for the batch; the keys it failed for take on_error. Returns the rest."""
+        try:
+            failed = action(keys, **payload) if payload else action(keys)
+        except BaseException as exc:
+            failed = dict.fromkeys(keys, exc)
+        if not failed:
+            return keys
+        for key, error in failed.items():
+            if phase == "do":
+                index = self._record(key, edge.event, name, "do", error, source.name)
+            else:
+                index = self._acquire_failed(key, edge, done, error, source.name)
+            self._on_error(key, source, edge, index)
+        return [key for key in keys if key not in failed]
+
+    def _refuse_many(self, keys: list[Hashable], state: CState, event: str, edge: CEdge | None) -> None:
+        """An event no key of the group can take: counted as ignored, or one ``refused`` failure per key."""
+        if edge is IGNORED:
+            self.counts["ignored"] += len(keys)
+            return
+        self.counts["illegal"] += len(keys)
+        accepted = list(state.row)
+        for key in keys:
+            error = IllegalTransition(key, event, state.name, accepted)
+            self._failures.append(Failure(key, event, "<none>", "refused", error, state.name))
 
     def _begin(self, key: Hashable, payload: dict[str, Any]) -> None:
         """Create key's instance in the initial state; the caller has set ``_busy``.
@@ -749,6 +908,22 @@ class Tracker:
         if fatal is not None:
             raise fatal from error
         raise error
+
+
+def _rounds(keys: list[Hashable]) -> list[list[Hashable]]:
+    """Split keys into rounds of distinct keys, in order: a key named twice is fired again in the next round."""
+    rounds: list[list[Hashable]] = []
+    seen: list[set[Hashable]] = []
+    for key in keys:
+        for index, members in enumerate(seen):
+            if key not in members:
+                members.add(key)
+                rounds[index].append(key)
+                break
+        else:
+            seen.append({key})
+            rounds.append([key])
+    return rounds
 
 
 def _bounded(value: Any) -> Any:
