@@ -82,6 +82,12 @@ class CEdge:
         self.bare = self if not self.prepare else CEdge(event, source, target, None, None, (), self.releases)
         """This edge without the actions that can raise: how on_error is taken when its own action fails."""
 
+    def add_tap(self, tap: Callable[[Hashable], None]) -> None:
+        """Call ``tap(key)`` after this edge's releases (and its on_error twin's): see :meth:`Tracker.tap`."""
+        for edge in {self, self.bare}:
+            edge.release_fns += (tap,)
+            edge.batch_releases += (per_batch(tap),)
+
     def __repr__(self) -> str:
         src = self.source.name if self.source else "∅"
         return f"<edge {src} -{self.event}-> {self.target.name}>"
@@ -154,6 +160,11 @@ class Program:
     """Pseudo-edge entering the initial state: its acquires run at ``begin``. Its
     ``releases`` are the initial resources with no acquire action: held from the
     moment ``begin`` is called, so released if an acquire of ``begin`` fails."""
+
+    def edges(self) -> list[CEdge]:
+        """Every compiled transition (not the begin pseudo-edge), each once."""
+        return [edge for state in self.states for edge in state.row.values() if isinstance(edge, CEdge)]
+
     payloads: Mapping[str, frozenset[str]]
     """Event → the payload keys ``fire`` accepts for it; ``begin`` is :attr:`begin_payload`."""
     begin_payload: frozenset[str]

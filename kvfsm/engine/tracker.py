@@ -107,7 +107,7 @@ class Tracker:
     __slots__ = (
         "spec", "driver", "counts", "_program", "_begin_edge", "_payloads", "_clock", "_observer", "_lock", "_guard",
         "_live", "_gens", "_links", "_linked", "_deadlines", "_finished", "_queue", "_busy", "_closed", "_failures",
-        "_anomalies", "_serial",
+        "_anomalies", "_serial", "_begin_taps",
     )  # fmt: skip
 
     def __init__(
@@ -138,6 +138,7 @@ class Tracker:
         self.driver = driver
         self._program = compile_program(spec, driver, params)
         self._begin_edge = self._program.begin
+        self._begin_taps: tuple[Callable[[Hashable], None], ...] = ()
         self._payloads = self._program.payloads
         self.counts: dict[str, int] = dict.fromkeys(
             (
@@ -518,12 +519,68 @@ class Tracker:
         with self._guard:
             return self._deadlines.next_due()
 
+    def now(self) -> float:
+        """The tracker's clock, as deadlines read it."""
+        return self._clock()
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        """The clock deadlines read (a clock that ran backwards is held, see ``__init__``)."""
+        return self._clock
+
+    def timeout(self, state: str) -> float | None:
+        """Seconds ``state``'s deadline is armed for, params resolved (None: it has no timeout)."""
+        return self._program.by_name[state].after
+
+    def due(self, key: Hashable) -> float | None:
+        """When ``key``'s armed deadline is due (tracker clock), or None if its state has none."""
+        with self._guard:
+            entry = self._deadlines.armed.get(key)
+            return entry[0] if entry is not None else None
+
+    def ids(self, key: Hashable) -> dict[str, Hashable]:
+        """The ids linked to ``key``'s current instance, by id space."""
+        with self._guard:
+            gen = self._gens.get(key)
+            out: dict[str, Hashable] = {}
+            for space, ident in self._linked.get(key, ()):
+                if self._links[space].get(ident) == (key, gen):
+                    out[space] = ident
+            return out
+
+    def snapshot(self) -> list[tuple[Hashable, str]]:
+        """``(key, state)`` of every current instance, copied under the lock in one pass (for dumps and gauges)."""
+        with self._guard:
+            items = list(self._live.items())
+        return [(key, state.name) for key, state in items]
+
     def anomalies(self) -> list[Anomaly]:
         """Drain the events that were dropped (unknown or stale ids) since the last call."""
         with self._guard:
             out = list(self._anomalies)
             self._anomalies.clear()
             return out
+
+    def tap(
+        self,
+        on_edge: Callable[[str, str, str], Callable[[Hashable], None] | None],
+        on_begin: Callable[[Hashable], None] | None = None,
+    ) -> None:
+        """Install taps: ``on_edge(source, event, target)`` returns what to call with each key that takes that
+        transition (after its releases), ``on_begin`` is called with each key begun.
+
+        A tap must not raise and must not call the tracker; it runs inside the
+        call, under its lock. Taps are compiled into the transitions they
+        watch, so a tracker without taps pays nothing for them: this is how
+        :mod:`kvfsm.observe` counts transitions and times states.
+        """
+        with self._guard:
+            for cedge in self._program.edges():
+                made = on_edge(cedge.source.name if cedge.source else "", cedge.event, cedge.target.name)
+                if made is not None:
+                    cedge.add_tap(made)
+            if on_begin is not None:
+                self._begin_taps += (on_begin,)
 
     # -- the transition itself ----------------------------------------------
 
@@ -602,7 +659,7 @@ class Tracker:
             except BaseException as exc:
                 failed = dict.fromkeys(keys, exc)
             if failed:
-                name = edge.releases[index][0]
+                name = edge.releases[index][0] if index < len(edge.releases) else "<tap>"
                 for key, error in failed.items():
                     self.counts["release_errors"] += 1
                     self._failures.append(Failure(key, edge.event, name, "release", error, target.name))
@@ -673,6 +730,8 @@ class Tracker:
             self._gens[key] = self._serial = self._serial + 1
         if target.after is not None:
             self._deadlines.arm(key, target.index, self._clock() + target.after)
+        for tap in self._begin_taps:
+            tap(key)
         if self._observer is not None:
             self._notify(key, "begin", "", target.name)
 
@@ -688,7 +747,7 @@ class Tracker:
             )
 
     def _release_failed(self, key: Hashable, edge: CEdge, release: Action, exc: BaseException, target: CState) -> None:
-        name = next(n for n, fn in edge.releases if fn is release)
+        name = next((n for n, fn in edge.releases if fn is release), "<tap>")
         self.counts["release_errors"] += 1
         self._failures.append(Failure(key, edge.event, name, "release", exc, target.name))
 

@@ -1,0 +1,206 @@
+"""Prometheus metrics of a tracker, generated from its spec: every state, resource and transition, from zero.
+
+What connector authors write by hand, per connector, comes out of the spec
+here: live instances per state, held units per resource, transitions per
+(from, event, to), finished instances per final state (expired apart from
+failed), anomalies by kind, action and release failures by phase, timeouts,
+time spent in each state, and the age of the oldest instance in each live
+state. Labels are bounded (machine, state, event, resource, kind): never a
+request id. Every series exists at zero from the start, so an alert on a
+rate works before the first event.
+
+Counting and timing are taps compiled into the tracker's transitions
+(:meth:`kvfsm.Tracker.tap`): a tracker without metrics pays nothing; the
+gauges are read from the tracker when Prometheus scrapes.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..engine import Tracker
+
+try:
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+    from prometheus_client.registry import REGISTRY, CollectorRegistry
+except ImportError as exc:  # pragma: no cover - exercised by the light-install test
+    raise ImportError("kvfsm.observe.metrics needs prometheus_client: pip install 'kvfsm[metrics]'") from exc
+
+BUCKETS: tuple[float, ...] = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 600.0)
+"""Upper bounds (seconds) of the time-in-state histogram: from a copy's milliseconds to NIXL's 480 s expiry."""
+
+ANOMALIES = ("unknown", "stale", "forced", "clock_backwards")
+FAILURES = {
+    "action_errors": "action",
+    "release_errors": "release",
+    "observer_errors": "observer",
+    "queued_errors": "queued",
+}
+
+
+class TrackerMetrics:
+    """The metrics of one tracker; register it with a Prometheus registry (the default one unless given).
+
+    >>> metrics = TrackerMetrics(tracker)          # counting and timing start now
+    >>> prometheus_client.start_http_server(9400, addr="127.0.0.1")
+
+    ``state_times=False`` counts transitions but does not time states (the
+    histogram and the oldest-age gauge then stay empty): about half the cost.
+    """
+
+    def __init__(
+        self,
+        tracker: Tracker,
+        *,
+        registry: CollectorRegistry | None = REGISTRY,
+        state_times: bool = True,
+        buckets: Sequence[float] = BUCKETS,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        self.tracker = tracker
+        self.machine = tracker.spec.name
+        self.buckets = tuple(buckets)
+        self.clock = clock if clock is not None else tracker.clock
+        """Times states on the tracker's own clock unless told otherwise."""
+        spec = tracker.spec
+        self.edges: list[tuple[str, str, str]] = []
+        self.taken: list[int] = []
+        self.begun = [0]
+        self.entered: dict[Hashable, float] = {}
+        """When each live instance entered its current state (only with ``state_times``)."""
+        self.histograms = {name: [0] * (len(self.buckets) + 1) for name in spec.states}
+        self.sums = {name: [0.0] for name in spec.states}
+        tracker.tap(
+            self._edge_tap if state_times else self._count_tap, self._begin_tap if state_times else self._count_begin
+        )
+        if registry is not None:
+            registry.register(self)
+
+    # -- taps: run inside the tracker's calls, per key -------------------------------
+
+    def _slot(self, source: str, event: str, target: str) -> int:
+        self.edges.append((source, event, target))
+        self.taken.append(0)
+        return len(self.taken) - 1
+
+    def _count_tap(self, source: str, event: str, target: str) -> Callable[[Hashable], None]:
+        taken, slot = self.taken, self._slot(source, event, target)
+
+        def count(_key: Hashable) -> None:
+            taken[slot] += 1
+
+        return count
+
+    def _count_begin(self, _key: Hashable) -> None:
+        self.begun[0] += 1
+
+    def _edge_tap(self, source: str, event: str, target: str) -> Callable[[Hashable], None]:
+        taken, slot = self.taken, self._slot(source, event, target)
+        entered, clock, bounds = self.entered, self.clock, self.buckets
+        counts, total = self.histograms[source], self.sums[source]
+        pop = entered.pop
+        final = self.tracker.spec.states[target].is_final
+
+        def time_state(key: Hashable) -> None:
+            taken[slot] += 1
+            now = clock()
+            since = pop(key, now)
+            counts[bisect_left(bounds, now - since)] += 1
+            total[0] += now - since
+            if not final:
+                entered[key] = now
+
+        return time_state
+
+    def _begin_tap(self, key: Hashable) -> None:
+        self.begun[0] += 1
+        self.entered[key] = self.clock()
+
+    # -- the collector: read when scraped ----------------------------------------------
+
+    def collect(self) -> Iterator[Metric]:
+        """Every series of this tracker, each state, resource and transition present even at zero."""
+        t, m, spec = self.tracker, self.machine, self.tracker.spec
+        census, holding = t.census(), t.holding()
+        live = GaugeMetricFamily(
+            "kvfsm_instances", "Instances per state (final ones until drained)", labels=["machine", "state"]
+        )
+        for state in spec.states:
+            live.add_metric([m, state], census.get(state, 0))
+        yield live
+        held = GaugeMetricFamily("kvfsm_held", "Instances holding each resource", labels=["machine", "resource"])
+        for resource in spec.resources:
+            held.add_metric([m, resource], holding.get(resource, 0))
+        yield held
+        begun = CounterMetricFamily("kvfsm_begun", "Instances begun", labels=["machine"])
+        begun.add_metric([m], self.begun[0])
+        yield begun
+        moved = CounterMetricFamily("kvfsm_transitions", "Transitions taken", labels=["machine", "from", "event", "to"])
+        finished: dict[str, int] = dict.fromkeys(spec.finals, 0)
+        for (source, event, target), n in zip(self.edges, self.taken, strict=True):
+            moved.add_metric([m, source, event, target], n)
+            if target in finished:
+                finished[target] += n
+        yield moved
+        ended = CounterMetricFamily(
+            "kvfsm_finished", "Instances that reached each final state", labels=["machine", "state", "outcome"]
+        )
+        for state, n in finished.items():
+            ended.add_metric([m, state, spec.states[state].final or ""], n)
+        yield ended
+        anomalies = CounterMetricFamily(
+            "kvfsm_anomalies", "Events dropped or forced, by kind", labels=["machine", "kind"]
+        )
+        for kind in ANOMALIES:
+            anomalies.add_metric([m, kind], t.counts.get(kind, 0))
+        yield anomalies
+        failures = CounterMetricFamily(
+            "kvfsm_failures", "Driver action failures, by phase", labels=["machine", "phase"]
+        )
+        for count, phase in FAILURES.items():
+            failures.add_metric([m, phase], t.counts.get(count, 0))
+        yield failures
+        timeouts = CounterMetricFamily("kvfsm_timeouts", "Deadlines that fired", labels=["machine"])
+        timeouts.add_metric([m], t.counts.get("timeouts", 0))
+        yield timeouts
+        yield from self._times()
+
+    def _times(self) -> Iterator[Metric]:
+        m = self.machine
+        seconds = HistogramMetricFamily(
+            "kvfsm_state_seconds", "Time spent in each state, observed on leaving it", labels=["machine", "state"]
+        )
+        for state, counts in self.histograms.items():
+            cumulative, running = [], 0
+            for bound, n in zip([*map(str, self.buckets), "+Inf"], counts, strict=True):
+                running += n
+                cumulative.append((bound, running))
+            seconds.add_metric([m, state], cumulative, self.sums[state][0])
+        yield seconds
+        oldest = GaugeMetricFamily(
+            "kvfsm_oldest_seconds",
+            "Age in its state of the oldest instance of each live state",
+            labels=["machine", "state"],
+        )
+        for state, age in self.oldest().items():
+            oldest.add_metric([m, state], age)
+        yield oldest
+
+    def oldest(self) -> dict[str, float]:
+        """Seconds the oldest instance of each live state has been in it (0 where none is, or untimed)."""
+        now = self.clock()
+        out = dict.fromkeys(self.tracker.spec.live, 0.0)
+        states = self.tracker.snapshot()
+        entered = self.entered
+        for key, state in states:
+            since = entered.get(key)
+            if since is not None and state in out:
+                out[state] = max(out[state], now - since)
+        return out
+
+    def describe(self) -> list[Any]:
+        """No description up front: the collector's series are only known from the spec, at collection."""
+        return []
