@@ -1,0 +1,13 @@
+"""The PD abort protocol across processes: prefill and decode running the role specs the explorer verified.
+
+:func:`run_job` starts a prefill and a decode process on loopback, joined by
+pyzmq control messages (:mod:`kvfsm.wire`) and a KV transport (embedded
+shared memory, or the Mooncake TransferEngine), injects faults, and returns
+the :class:`Ledger`. docs/pd.md describes the processes; docs/demo.md the
+ledger.
+"""
+
+from .config import BACKENDS, PROTOCOLS, JobConfig
+from .job import Ledger, Progress, run_job
+
+__all__ = ["BACKENDS", "PROTOCOLS", "JobConfig", "Ledger", "Progress", "run_job"]

@@ -1,0 +1,130 @@
+"""What the prefill and decode processes share: the verified role spec, its sends, and delivering messages to it.
+
+A role runs the machine spec the explorer verified
+(``specs/pd_abort/<role>_<protocol>.yaml``) in a :class:`~kvfsm.Tracker`. The
+messages a transition sends are read from that spec (its ``send:`` lines) by
+the tracker's observer, so the process sends exactly what the model
+checker assumed, for every transition: fired by a message, by a local event,
+by a timeout or by ``on_error``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Hashable, Mapping
+from typing import Any
+
+from ...engine import Tracker
+from ...errors import ActionError, IllegalTransition
+from ...spec import Spec
+from ...spec.bundled import SPECS
+from ...spec.system import System, load_system
+from ...wire import Message
+from ...wire.listener import Listener
+from .config import JobConfig
+from .faults import Faults, Outbox
+
+
+def system(protocol: str) -> System:
+    """The composition ``specs/pd_abort/<protocol>.yaml``: both role specs and the messages between them."""
+    return load_system(SPECS / "pd_abort" / f"{protocol}.yaml")
+
+
+def tag(message: Message) -> str:
+    """The message's type tag: for a room message, the event it is at the receiving role."""
+    return str(message.__struct_config__.tag)
+
+
+class Sends:
+    """The tracker's observer: queues ``(room, message)`` for every ``send:`` of every transition taken."""
+
+    def __init__(self, spec: Spec) -> None:
+        table = spec.table
+        self._sends = {pair: tuple(s.message for s in edge.transition.sends) for pair, edge in table.items()}
+        self.pending: list[tuple[Hashable, str]] = []
+
+    def __call__(self, key: Hashable, generation: int, event: str, source: str | None, target: str, now: float) -> None:
+        for message in self._sends.get((source or "", event), ()):
+            self.pending.append((key, message))
+
+    def drain(self) -> list[tuple[Hashable, str]]:
+        out, self.pending = self.pending, []
+        return out
+
+
+class Role:
+    """One side of the job: a tracker over the role's spec, a listener, and an outbox to the peer."""
+
+    name = ""
+    peer_name = ""
+
+    def __init__(
+        self, config: JobConfig, driver: object, params: Mapping[str, float], port: int, peer_port: int, seed: int
+    ) -> None:
+        self.config = config
+        self.system = system(config.protocol)
+        self.spec = self.system.roles[self.name].spec
+        self.sends = Sends(self.spec)
+        params = {k: v for k, v in params.items() if k in self.spec.params}  # the protocols differ in their params
+        self.tracker = Tracker(self.spec, driver, params=params, observer=self.sends, threadsafe=False)
+        self.faults = Faults(config.fault_rate, seed)
+        self.listener = Listener(port=port, check=self.check)
+        from ...wire.sender import Sender
+
+        self.outbox = Outbox(Sender(f"tcp://127.0.0.1:{peer_port}"), self.faults)
+        self.counts: Counter[str] = Counter()
+
+    def check(self, message: Message) -> str | None:
+        """Drop reason for a message this role must not take (runs in the listener thread)."""
+        if message.peer != self.peer_name:
+            return "unknown_id"
+        if tag(message) in self.system.messages and self.system.messages[tag(message)].receiver != self.name:
+            return "unexpected"
+        return None
+
+    def deliver(self, room: int, event: str) -> None:
+        """Fire ``event`` at ``room`` by its id space; what the spec refuses is counted, never raised."""
+        try:
+            self.tracker.fire_by(self.spec.key, room, event)
+        except IllegalTransition:
+            self.counts["illegal"] += 1
+        except ActionError:
+            self.counts["action_errors"] += 1
+
+    def fire(self, room: int, event: str) -> None:
+        """A local event; an action that raised has already taken the spec's ``on_error`` path."""
+        try:
+            self.tracker.fire(room, event)
+        except ActionError:
+            self.counts["action_errors"] += 1
+
+    def flush(self, now: float) -> None:
+        """Send what the transitions taken since the last flush sent, then what a delay held back."""
+        for room, name in self.sends.drain():
+            message = self.compose(name, room)
+            if message is not None:
+                self.outbox.send(message, now)
+        self.outbox.flush(now)
+
+    def compose(self, name: str, room: Hashable) -> Message | None:
+        raise NotImplementedError
+
+    def live(self, room: int) -> bool:
+        """Whether the room's instance is still under way (not finished, not unknown)."""
+        state = self.tracker.state(room)
+        return state is not None and state in self.spec.live
+
+    def stats(self) -> dict[str, Any]:
+        listener = self.listener.stats()
+        return {
+            "faults": dict(self.faults.counts),
+            "drops": listener.drops,
+            "listener_alive": listener.alive,
+            "received": listener.received,
+            "counts": dict(self.counts),
+            "tracker": {k: v for k, v in self.tracker.counts.items() if v},
+        }
+
+    def close(self) -> None:
+        self.listener.close()
+        self.outbox.sender.close()
