@@ -1,4 +1,4 @@
-"""``fire_many`` does to every key what ``fire`` would, with batch actions called once per group.
+"""``fire_many`` and ``begin_many`` do to every key what ``fire`` and ``begin`` would, with batch actions called once per group.
 
 Two trackers run the same random program on the same random spec: one fires
 each key in turn, the other fires the batch. Their drivers keep real ledgers
@@ -85,7 +85,7 @@ def failures(exc: ActionError) -> Counter[tuple[Any, ...]]:
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(spec=specs(max_states=4, max_resources=3, max_events=3).map(own_actions), data=st.data())
-def test_fire_many_does_to_each_key_what_fire_does(spec: Spec, data: st.DataObject) -> None:
+def test_fire_many_and_begin_many_do_to_each_key_what_fire_and_begin_do(spec: Spec, data: st.DataObject) -> None:
     actions = spec.actions()
     batched = frozenset(data.draw(st.sets(st.sampled_from(actions)) if actions else st.just(set()), label="batched"))
     faults = frozenset(
@@ -115,16 +115,25 @@ def test_fire_many_does_to_each_key_what_fire_does(spec: Spec, data: st.DataObje
             assert outcomes[0] == outcomes[1]
             continue
         if kind == "begin":
-            for t in (t1, t2):
-                for key in dict.fromkeys(keys):
-                    if t.state(key) is None or t.spec.states[t.state(key) or ""].is_final:
-                        try:
-                            t.begin(key)
-                        except ActionError:
-                            pass
+            expected: Counter[tuple[Any, ...]] = Counter()
+            for key in keys:
+                try:
+                    t1.begin(key)
+                except ActionError as exc:
+                    expected += failures(exc)
+                except kvfsm.DuplicateKey:
+                    expected[key, "begin", "<none>", "refused", t1.state(key)] += 1
+            got: Counter[tuple[Any, ...]] = Counter()
+            try:
+                t2.begin_many(keys)
+            except ActionError as exc:
+                got = failures(exc)
+            assert got == expected
+            assert {k: t1.state(k) for k in KEYS} == {k: t2.state(k) for k in KEYS}
+            assert {k: set(one.held[k]) for k in KEYS} == {k: set(many.held[k]) for k in KEYS}
             continue
         event = data.draw(st.sampled_from(events), label="event")
-        expected: Counter[tuple[Any, ...]] = Counter()
+        expected = Counter()
         for key in keys:
             try:
                 t1.fire(key, event)
@@ -132,7 +141,7 @@ def test_fire_many_does_to_each_key_what_fire_does(spec: Spec, data: st.DataObje
                 expected += failures(exc)
             except IllegalTransition as exc:
                 expected[key, event, "<none>", "refused", exc.state] += 1
-        got: Counter[tuple[Any, ...]] = Counter()
+        got = Counter()
         try:
             t2.fire_many(event, keys)
         except ActionError as exc:

@@ -258,6 +258,85 @@ class Tracker:
             if lock is not None:
                 lock.release()
 
+    def begin_many(self, keys: Iterable[Hashable], /, **payload: Any) -> None:
+        """:meth:`begin` for every key, under one lock, each acquire called once for the batch (see :meth:`fire_many`).
+
+        A key that cannot begin (live already, or named twice) is a failure of
+        phase ``refused`` carrying its :class:`DuplicateKey`, as the second of
+        two ``begin`` calls would be; keys an acquire
+        failed for are not begun and hold nothing. All are raised together as
+        one :class:`ActionError` once every other key has begun.
+        """
+        lock = self._lock
+        if lock is not None:
+            lock.acquire()
+        try:
+            if self._busy:
+                for key in keys:
+                    self._enqueue(key, _BEGIN, payload)
+                return
+            if self._closed:
+                raise TrackerClosed(f"tracker for {self.spec.name!r} is closed; begin_many refused")
+            if payload and not payload.keys() <= self._program.begin_payload:
+                raise self._payload_error("begin", payload)
+            self._busy = True
+            try:
+                keys = keys if isinstance(keys, list) else list(keys)
+                for batch in [keys] if len(set(keys)) == len(keys) else _rounds(keys):
+                    self._begin_batch(batch, payload)
+                    if self._queue:
+                        self._drain()
+            finally:
+                self._busy = False
+                if self._queue:
+                    self._queue.clear()
+            if self._failures:
+                self._raise_failures(None)
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def _begin_batch(self, keys: list[Hashable], payload: dict[str, Any]) -> None:
+        live, edge = self._live, self._begin_edge
+        fresh: list[Hashable] = []
+        for key in keys:
+            old = live.get(key)
+            if old is not None and not old.final:
+                error = DuplicateKey(
+                    f"{key!r} is already live in state {old.name!r}; finish it before beginning it again"
+                )
+                self._failures.append(Failure(key, "begin", "<none>", "refused", error, old.name))
+                continue
+            fresh.append(key)
+        for done, acquire in enumerate(edge.batch_acquires):
+            if not fresh:
+                return
+            try:
+                failed = acquire(fresh, **payload) if payload else acquire(fresh)
+            except BaseException as exc:
+                failed = dict.fromkeys(fresh, exc)
+            if failed:
+                for key, why in failed.items():
+                    self._acquire_failed(key, edge, done, why, "(not begun)")
+                fresh = [key for key in fresh if key not in failed]
+        target = edge.target
+        regen = [key for key in fresh if key in live and key in self._gens] if self._gens else []
+        live.update(dict.fromkeys(fresh, target))
+        if regen or self._observer is not None:
+            for key in regen if self._observer is None else fresh:
+                self._gens[key] = self._serial = self._serial + 1
+        if target.after is not None:
+            due = self._clock() + target.after
+            entries = [(due, key) for key in fresh]
+            self._deadlines.armed.update(zip(fresh, entries, strict=True))
+            self._deadlines.queues[target.index].extend(entries)
+        for tap in self._begin_taps:
+            for key in fresh:
+                tap(key)
+        if self._observer is not None:
+            for key in fresh:
+                self._notify(key, "begin", "", target.name)
+
     def fire_many(self, event: str, keys: Iterable[Hashable], /, **payload: Any) -> None:
         """Apply ``event`` to every key, under one lock, with each driver action called once per group.
 

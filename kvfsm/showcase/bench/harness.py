@@ -15,10 +15,33 @@ import time
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
+from ...engine import batch
 from ...testing.clock import VirtualClock as VirtualClock  # one manual clock for benchmarks and tests
 
 Workload = Callable[[], object]
 """A prepared, timed callable; what it returns is handed to the variant's check."""
+
+
+class NullBatchDriver:
+    """kv_request's actions as batch actions (one call per group of keys), doing nothing: for ``fire_many``."""
+
+    __slots__ = ()
+
+    @batch
+    def enqueue_job(self, keys: list[Hashable]) -> None:
+        pass
+
+    @batch
+    def start_transfer(self, keys: list[Hashable]) -> None:
+        pass
+
+    @batch
+    def free_gpu_blocks(self, keys: list[Hashable]) -> None:
+        pass
+
+    @batch
+    def task_done(self, keys: list[Hashable]) -> None:
+        pass
 
 
 class NullDriver:

@@ -39,6 +39,8 @@ class BenchReport:
     """Python, platform, CPU count, library versions, and the sizes used."""
     notes: list[str] = field(default_factory=list)
     """Method notes and anything skipped (e.g. python-statemachine not installed)."""
+    figures: dict[str, float] = field(default_factory=dict)
+    """The headline ratios under stable names (``lifecycle_vs_handwritten``, ``batch_vs_handwritten``, …)."""
     seconds: float = 0.0
 
     @property
@@ -65,6 +67,7 @@ class BenchReport:
             "rows": [{**r._asdict(), "value": num(r.value), "ratio": num(r.ratio)} for r in self.rows],
             "targets": [{**t._asdict(), "measured": num(t.measured)} for t in self.targets],
             "notes": list(self.notes),
+            "figures": {name: num(value) for name, value in self.figures.items()},
         }
 
 
@@ -99,6 +102,11 @@ def format_table(report: BenchReport) -> str:
     for t in report.targets:
         mark = "PASS" if t.passed else "FAIL"
         lines.append(f"  {mark}  {t.description:<{dwidth}}  measured {fmt_number(t.measured)}")
+    if report.figures:
+        lines.append("")
+        lines.append("== figures")
+        fwidth = max(len(name) for name in report.figures)
+        lines.extend(f"  {name:<{fwidth}}  {fmt_number(value)}" for name, value in report.figures.items())
     if report.notes:
         lines.append("")
         lines.append("== notes")

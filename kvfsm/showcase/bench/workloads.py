@@ -27,7 +27,7 @@ from ...engine import Tracker
 from ...spec import Spec, load, read_text, run_checks
 from ...spec.bundled import SPECS
 from .handwritten import kv_request_tracker, pingpong_tracker
-from .harness import NullDriver, VirtualClock, Workload, interleaved, time_once
+from .harness import NullBatchDriver, NullDriver, VirtualClock, Workload, interleaved, time_once
 from .report import BenchReport, Row, Target
 from .rivals import TransitionsTracker, statemachine_tracker
 
@@ -146,6 +146,43 @@ def _lifecycle(tracker: Lifecycle, keys: Sequence[Hashable]) -> Workload:
     return workload
 
 
+BATCH = 256
+"""Keys per ``fire_many`` call in the batch variant: a scheduler step's worth of completions."""
+
+
+def _lifecycle_batched(tracker: Tracker, keys: Sequence[Hashable]) -> Workload:
+    """The same lifecycle with each phase, begin included, done ``BATCH`` keys at a time."""
+    chunks = [list(keys[i : i + BATCH]) for i in range(0, len(keys), BATCH)]
+
+    def workload() -> list[tuple[Hashable, str]]:
+        fire_many = tracker.fire_many
+        for chunk in chunks:
+            tracker.begin_many(chunk)
+        for event in ("enqueue", "start", "complete"):
+            for chunk in chunks:
+                fire_many(event, chunk)
+        return tracker.finished()
+
+    return workload
+
+
+def _metered(spec: Spec, driver: Any, params: dict[str, float]) -> Tracker:
+    """The default Tracker with :class:`~kvfsm.observe.metrics.TrackerMetrics` counting and timing it."""
+    from ...observe.metrics import TrackerMetrics
+
+    tracker = Tracker(spec, driver, params=params)
+    TrackerMetrics(tracker, registry=None)
+    return tracker
+
+
+def _have_metrics() -> bool:
+    try:
+        import prometheus_client  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def _expect_all_done(n: int) -> Callable[[str, object], None]:
     def check(name: str, result: object) -> None:
         assert isinstance(result, list), name
@@ -163,6 +200,7 @@ def make_lifecycle_trackers(spec: Spec, driver: Any) -> dict[str, Callable[[], L
         "Tracker(threadsafe=False)": lambda: Tracker(spec, driver, params=params, threadsafe=False),
         "hand-written + lock": lambda: kv_request_tracker(driver, time.monotonic, TRANSFER_TIMEOUT, threadsafe=True),
         "Tracker": lambda: Tracker(spec, driver, params=params),
+        "Tracker + metrics": lambda: _metered(spec, driver, params),
         "transitions": lambda: TransitionsTracker(driver, time.monotonic, TRANSFER_TIMEOUT),
         "python-statemachine": lambda: statemachine_tracker(driver, time.monotonic, TRANSFER_TIMEOUT),
     }
@@ -187,15 +225,33 @@ def lifecycle(report: BenchReport, sizes: Sizes, spec: Spec) -> None:
     n = sizes.lifecycle_n
     keys = keys_for(n)
     makers = make_lifecycle_trackers(spec, NullDriver())
-    names = ("hand-written", "Tracker(threadsafe=False)", "hand-written + lock", "Tracker")
-    setups = {name: (lambda m=makers[name]: _lifecycle(m(), keys)) for name in names}
+    names = ["hand-written", "Tracker(threadsafe=False)", "hand-written + lock", "Tracker"]
+    baselines = ["hand-written", "hand-written", "hand-written", "hand-written + lock"]
+    setups: dict[str, Callable[[], Workload]] = {}
+    for name in names:
+        make = makers[name]
+        setups[name] = lambda make=make: _lifecycle(make(), keys)  # type: ignore[misc]
+    batched = f"Tracker.fire_many (batch {BATCH})"
+    params = {"transfer_timeout": TRANSFER_TIMEOUT}
+    setups[batched] = lambda: _lifecycle_batched(Tracker(spec, NullBatchDriver(), params=params), keys)
+    names.append(batched)
+    baselines.append("hand-written")
+    if _have_metrics():
+        setups["Tracker + metrics"] = lambda: _lifecycle(makers["Tracker + metrics"](), keys)
+        names.append("Tracker + metrics")
+        baselines.append("Tracker")
+    else:
+        report.notes.append("prometheus_client is not installed (pip install 'kvfsm[metrics]'): no metrics row")
     median = interleaved(setups, sizes.lifecycle_repeats, _expect_all_done(n))
     per = {name: median[name] / n * 1e6 for name in names}
     section = f"lifecycle: begin + enqueue + start + complete + drain, per request (N={n:,})"
-    for name, baseline in zip(
-        names, ("hand-written", "hand-written", "hand-written", "hand-written + lock"), strict=True
-    ):
+    for name, baseline in zip(names, baselines, strict=True):
         report.rows.append(Row(section, name, per[name], "µs/request", per[name] / per[baseline], baseline))
+    report.figures["lifecycle_vs_handwritten"] = per["Tracker"] / per["hand-written"]
+    report.figures["lifecycle_unlocked_vs_handwritten"] = per["Tracker(threadsafe=False)"] / per["hand-written"]
+    report.figures["batch_vs_handwritten"] = per[batched] / per["hand-written"]
+    if "Tracker + metrics" in per:
+        report.figures["metrics_overhead"] = per["Tracker + metrics"] / per["Tracker"]
     single = per["Tracker(threadsafe=False)"] / per["hand-written"]
     locked = per["Tracker"] / per["hand-written + lock"]
     report.targets.append(
@@ -233,6 +289,7 @@ def rival_lifecycle(report: BenchReport, sizes: Sizes, spec: Spec, name: str) ->
     report.rows.append(Row(section, name, per, "µs/request", per / tracker_row.value, "Tracker", note))
     if name == "transitions":
         ratio = per / tracker_row.value
+        report.figures["vs_transitions"] = ratio
         report.targets.append(
             Target(
                 f"lifecycle transitions (N={n:,}) / Tracker (N={sizes.lifecycle_n:,}) ≥ 20", ratio, 20.0, ratio >= 20
@@ -298,6 +355,7 @@ def scaling(report: BenchReport, sizes: Sizes) -> None:
     gc.collect()
     top, bottom = f"Tracker, N={largest:,}", f"Tracker, N={smallest:,}"
     ratio = per_event[top] / per_event[bottom]
+    report.figures["scaling_1m_vs_1k" if largest == 1_000_000 and smallest == 1_000 else "scaling"] = ratio
     row = report.row(top)
     report.rows[report.rows.index(row)] = row._replace(note=f"{ratio:.2f}x the cost at N={smallest:,}")
     report.targets.append(Target(f"fire() at {largest:,} live / at {smallest:,} live ≤ 1.3", ratio, 1.3, ratio <= 1.3))
@@ -374,6 +432,8 @@ def memory(report: BenchReport, sizes: Sizes, spec: Spec) -> None:
         report.rows.append(Row(section, f"Tracker, {stage}", t, "B/instance", t / h, f"hand-written, {stage}"))
         report.rows.append(Row(section, f"hand-written, {stage}", h, "B/instance"))
         report.targets.append(Target(f"bytes per live instance, {stage} ≤ 250", t, 250.0, t <= 250))
+        if events:
+            report.figures["bytes_per_instance"] = t
 
 
 def _armed(spec: Spec, n: int) -> tuple[Tracker, VirtualClock]:
