@@ -75,5 +75,5 @@ def decode(frames: Sequence[bytes]) -> Message:
         text = str(exc)
         reason = "unknown_type" if "`$.type`" in text and "Invalid value" in text else "invalid"
         raise WireError(reason, text) from None
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # a str field that is not UTF-8 raises the latter
         raise WireError("malformed", str(exc)) from None
