@@ -255,6 +255,17 @@ def compile_program(spec: Spec, driver: object, params: Mapping[str, float] | No
     problems = spec.param_problems(params)
     if problems:
         raise BindingError("; ".join(problems))
+    broken = spec.broken_relations(params)
+    if broken:
+        values = {**spec.params, **params}
+        raise BindingError(
+            "; ".join(
+                f"params break relation {r.text!r} declared at {r.loc} ("
+                + ", ".join(f"{p} = {values[p]:g}" for p in dict.fromkeys(r.params))
+                + ")"
+                for r in broken
+            )
+        )
     missing: list[str] = []
     release = {r.name: _bind(driver, r.release, missing) for r in spec.resources.values()}
     acquire = {r.name: _bind(driver, r.acquire, missing) for r in spec.resources.values() if r.acquire}

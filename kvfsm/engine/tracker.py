@@ -42,6 +42,7 @@ from ..errors import (
 from ..spec import Spec, load
 from ..spec.model import ABORT
 from .deadlines import Deadlines
+from .params import log_once, resolve
 from .program import IGNORED, Action, CEdge, CState, compile_program
 
 Observer = Callable[[Hashable, int, str, str, str, float], None]
@@ -107,7 +108,7 @@ class Tracker:
     __slots__ = (
         "spec", "driver", "counts", "_program", "_begin_edge", "_payloads", "_clock", "_observer", "_lock", "_guard",
         "_live", "_gens", "_links", "_linked", "_deadlines", "_finished", "_queue", "_busy", "_closed", "_failures",
-        "_anomalies", "_serial", "_begin_taps",
+        "_anomalies", "_serial", "_begin_taps", "params",
     )  # fmt: skip
 
     def __init__(
@@ -124,7 +125,11 @@ class Tracker:
         """Bind ``driver`` to ``spec`` (a model or a path to load and check).
 
         ``spec`` must pass the static checks (a model built in code is checked
-        here). ``clock`` should be monotonic; one that is not is held at its
+        here). Each param is taken from ``params``, else from the environment
+        variable ``KVFSM_<MACHINE>_<PARAM>``, else from the spec; the values
+        and their sources are logged once (logger ``kvfsm.params``) and kept
+        in :attr:`params`, and every relation the spec declares between them
+        must hold. ``clock`` should be monotonic; one that is not is held at its
         latest reading whenever it runs backwards (counted as
         ``clock_backwards``), so deadlines stay in order. ``params`` override
         the spec's; ``spaces`` declares the id spaces that :meth:`link` and
@@ -136,7 +141,11 @@ class Tracker:
             spec = load(spec)
         self.spec = spec
         self.driver = driver
-        self._program = compile_program(spec, driver, params)
+        resolved = resolve(spec, dict(params or {}))
+        self._program = compile_program(spec, driver, {name: r.value for name, r in resolved.items()})
+        self.params = resolved
+        """Every param's value and its source (``Tracker(params=...)``, ``environment KVFSM_...``, ``spec``)."""
+        log_once(spec, resolved)
         self._begin_edge = self._program.begin
         self._begin_taps: tuple[Callable[[Hashable], None], ...] = ()
         self._payloads = self._program.payloads

@@ -1,4 +1,4 @@
-"""Static checks KVF101–KVF112: properties proved over a spec's transition graph.
+"""Static checks KVF101–KVF113: properties proved over a spec's transition graph.
 
 Every check works on the expanded edge set of the model (``Spec.edges``), so a
 wildcard source, a timeout or an ``on_error`` path is seen exactly as the
@@ -323,6 +323,28 @@ def check_release_actions(spec: Spec) -> Iterable[Finding]:
             )
 
 
+def check_relations(spec: Spec) -> Iterable[Finding]:
+    """KVF106 and KVF113: a relation names declared params, and the spec's own values keep it."""
+    for relation in spec.relations:
+        unknown = [p for p in relation.params if p not in spec.params]
+        if unknown:
+            declared = ", ".join(spec.params) or "none"
+            yield _finding(
+                "KVF106",
+                relation.loc,
+                f"relation {relation.text!r} names undeclared param(s) {', '.join(map(repr, unknown))}",
+                f"Declare them under 'params:' or use one of: {declared}.",
+            )
+        elif not relation.holds(spec.params):
+            values = ", ".join(f"{p} = {spec.params[p]:g}" for p in dict.fromkeys(relation.params))
+            yield _finding(
+                "KVF113",
+                relation.loc,
+                f"the spec's own params break relation {relation.text!r} ({values})",
+                "Change the params' values so the relation holds, or fix the relation.",
+            )
+
+
 CHECKS: tuple[Check, ...] = (
     check_initial,
     check_references,
@@ -335,6 +357,7 @@ CHECKS: tuple[Check, ...] = (
     check_error_paths,
     check_ignore_overlap,
     check_release_actions,
+    check_relations,
 )
 
 

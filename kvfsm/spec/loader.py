@@ -8,12 +8,13 @@ it. It collects every schema error it can before raising.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from yaml.nodes import Node, ScalarNode, SequenceNode
 
 from .findings import READ_ERROR, Finding, SpecError
-from .model import IgnoreRule, Resource, Send, Spec, State, Timeout, Transition
+from .model import IgnoreRule, Relation, Resource, Send, Spec, State, Timeout, Transition
 from .schema import NULL, STR, Schema
 
 TOP_KEYS = {
@@ -28,6 +29,7 @@ TOP_KEYS = {
     "ignore": "legal no-op events",
     "on_error": "event fired when an action raises",
     "begin": "what begin() carries: {payload: [names]}",
+    "relations": "relations the params must keep, e.g. 'lease_ttl > transfer_timeout'",
 }
 BEGIN_KEYS = ("payload", "doc")
 RESOURCE_KEYS = ("release", "acquire", "doc")
@@ -198,6 +200,38 @@ def _ignore(s: Schema, node: Node) -> IgnoreRule | None:
     return IgnoreRule(events, states, s.loc(node))
 
 
+_RELATION = re.compile(r"^\s*(?P<left>[^<>=]+?)\s*(?P<op>>=|<=|>|<)\s*(?P<right>[^<>=]+?)\s*$")
+_TERM = re.compile(
+    r"^\s*(?:(?P<coef>[0-9]+(?:\.[0-9]*)?)\s*\*\s*)?(?P<name>[A-Za-z_][A-Za-z0-9_]*)\s*$|^\s*(?P<num>[0-9]+(?:\.[0-9]*)?)\s*$"
+)
+
+
+def _relation(s: Schema, node: Node) -> Relation | None:
+    """``a > b + 2 * c``: two sums of params and numbers compared with <, <=, > or >=."""
+    text = s.scalar(node, "relation")
+    if text is None:
+        return None
+    fix = "Write '<param> > <param>' with sums like 'a + 2 * b + 5' on either side and one of <, <=, >, >=."
+    match = _RELATION.match(text)
+    if match is None:
+        s.error(node, f"relation {text!r} is not 'left <op> right'", fix)
+        return None
+    sides: list[tuple[tuple[float, str | None], ...]] = []
+    for side in (match["left"], match["right"]):
+        terms: list[tuple[float, str | None]] = []
+        for part in side.split("+"):
+            term = _TERM.match(part)
+            if term is None:
+                s.error(node, f"relation {text!r}: {part.strip()!r} is not a param, a number or 'number * param'", fix)
+                return None
+            if term["num"] is not None:
+                terms.append((float(term["num"]), None))
+            else:
+                terms.append((float(term["coef"] or 1.0), term["name"]))
+        sides.append(tuple(terms))
+    return Relation(sides[0], match["op"], sides[1], text.strip(), s.loc(node))
+
+
 def read_text(text: str, path: str = "<string>") -> Spec:
     """Read spec text (schema only: see :func:`kvfsm.parse` for the checks); raises :class:`SpecError` listing every KVF001."""
     s = Schema(path)
@@ -250,6 +284,7 @@ def read_text(text: str, path: str = "<string>") -> Spec:
     ignore = s.sequence(top["ignore"][1], "ignore", lambda n: _ignore(s, n)) if "ignore" in top else ()
     on_error = s.name(top["on_error"][1], "on_error") if "on_error" in top else None
     begin_payload = _begin(s, top["begin"][1]) if "begin" in top else ()
+    relations = s.sequence(top["relations"][1], "relations", lambda n: _relation(s, n)) if "relations" in top else ()
 
     if s.errors or name is None or key is None:
         raise SpecError(sorted(s.errors, key=lambda f: (f.line, f.col)))
@@ -267,6 +302,7 @@ def read_text(text: str, path: str = "<string>") -> Spec:
         path=path,
         locs=locs,
         begin_payload=begin_payload,
+        relations=relations,
     )
 
 

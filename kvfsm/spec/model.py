@@ -9,7 +9,7 @@ releases) are computed here once, so no consumer re-derives them its own way.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Literal
@@ -118,6 +118,40 @@ class IgnoreRule:
     loc: Loc = NOWHERE
 
 
+Term = tuple[float, str | None]
+"""``coefficient × param`` (a bare number when the name is None)."""
+
+COMPARE: Mapping[str, Callable[[float, float], bool]] = {
+    ">": lambda a, b: a > b,
+    ">=": lambda a, b: a >= b,
+    "<": lambda a, b: a < b,
+    "<=": lambda a, b: a <= b,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Relation:
+    """A declared relation between params, e.g. ``lease_ttl > transfer_timeout + 5``: sums of terms compared."""
+
+    left: tuple[Term, ...]
+    op: str
+    right: tuple[Term, ...]
+    text: str
+    loc: Loc = NOWHERE
+
+    @property
+    def params(self) -> tuple[str, ...]:
+        return tuple(name for _c, name in (*self.left, *self.right) if name is not None)
+
+    def holds(self, values: Mapping[str, float]) -> bool:
+        """Whether the relation holds for these param values (every param it names must be given)."""
+
+        def total(terms: tuple[Term, ...]) -> float:
+            return sum(c * (values[name] if name is not None else 1.0) for c, name in terms)
+
+        return COMPARE[self.op](total(self.left), total(self.right))
+
+
 @dataclass(frozen=True, slots=True)
 class Edge:
     """A transition expanded to one concrete source state."""
@@ -147,6 +181,8 @@ class Spec:
     """Where each top-level key was written (for findings about the spec as a whole)."""
     begin_payload: tuple[str, ...] = ()
     """The keyword arguments ``begin`` carries to the initial state's acquire actions."""
+    relations: tuple[Relation, ...] = ()
+    """Relations every binding of the params must keep (``lease_ttl > transfer_timeout``)."""
 
     # -- derived structure -------------------------------------------------
 
@@ -272,6 +308,11 @@ class Spec:
                     "(a negative, infinite or NaN deadline is no deadline)"
                 )
         return problems
+
+    def broken_relations(self, overrides: Mapping[str, float] | None = None) -> list[Relation]:
+        """The declared relations the params break, with ``overrides`` applied to the spec's values."""
+        values = {**self.params, **(overrides or {})}
+        return [r for r in self.relations if all(p in values for p in r.params) and not r.holds(values)]
 
     def param(self, value: str | float, overrides: Mapping[str, float] | None = None) -> float:
         """Resolve a timeout's ``after`` (param name or number) to seconds."""
