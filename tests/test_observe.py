@@ -220,3 +220,26 @@ def test_kvfsm_top_once_renders_every_state_of_a_running_tracker(rig, capsys: py
         assert main(["top", server.url, "--once"]) == 0
     out = capsys.readouterr().out
     assert "kv_request" in out and all(state in out for state in SPEC.states)
+
+
+def test_a_declared_warn_after_watches_a_state_without_a_timeout(caplog: pytest.LogCaptureFixture) -> None:
+    text = (
+        (SPECS / "kv_request.yaml")
+        .read_text()
+        .replace(
+            "    doc: Blocks pinned, waiting to be queued by the scheduler.",
+            "    doc: Blocks pinned, waiting to be queued by the scheduler.\n    warn_after: 3",
+        )
+    )
+    assert "warn_after: 3" in text
+    clock = VirtualClock()
+    t = Tracker(kvfsm.parse(text, "warned.yaml"), Driver(), clock=clock)
+    metrics = TrackerMetrics(t, registry=None)
+    watch = StuckWatch(t, entered=metrics.entered)
+    t.begin("r")
+    clock.advance(2.0)
+    assert watch.check() == []
+    clock.advance(2.0)
+    with caplog.at_level(logging.WARNING, logger="kvfsm.stuck"):
+        assert watch.check() == [("r", "pinned", 4.0)]
+    assert "warned after 3.0 s" in caplog.records[0].getMessage()

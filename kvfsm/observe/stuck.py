@@ -3,14 +3,15 @@
 A transfer that will expire usually looks stuck long before it does. A
 :class:`StuckWatch` checked now and then (each scheduler step, or by the debug
 endpoint's thread) logs one warning per instance per state once it has been
-there ``fraction`` of the state's timeout, naming what it holds; it changes
-nothing in the tracker.
+there for the state's ``warn_after`` (declared in the spec) or, for a state
+with a timeout and no ``warn_after``, ``fraction`` of that timeout, naming
+what it holds; it changes nothing in the tracker.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -20,18 +21,46 @@ LOGGER = logging.getLogger("kvfsm.stuck")
 
 
 class StuckWatch:
-    """Logs ``key`` once per state when it has spent ``fraction`` of that state's timeout there."""
+    """Logs ``key`` once per stay in a state that has lasted past the state's warning threshold.
 
-    def __init__(self, tracker: Tracker, *, fraction: float = 0.8, logger: logging.Logger = LOGGER) -> None:
+    ``entered`` (as :class:`~kvfsm.observe.metrics.TrackerMetrics` keeps it)
+    gives entry times for states without a timeout; without it only timed
+    states can be watched.
+    """
+
+    def __init__(
+        self,
+        tracker: Tracker,
+        *,
+        fraction: float = 0.8,
+        entered: Mapping[Hashable, float] | None = None,
+        logger: logging.Logger = LOGGER,
+    ) -> None:
         if not 0.0 < fraction <= 1.0:
             raise ValueError(
                 f"fraction must be in (0, 1], not {fraction!r}: the share of the deadline that counts as stuck"
             )
         self.tracker = tracker
         self.fraction = fraction
+        self.entered = entered
         self.logger = logger
+        self.thresholds = {name: self._threshold(name) for name in tracker.spec.live}
+        """Seconds in each live state after which an instance is stuck (None: not watched)."""
         self.warned: dict[tuple[Hashable, int | None], str] = {}
         """(key, generation) → the state it was warned about."""
+
+    def _threshold(self, state: str) -> float | None:
+        declared = self.tracker.spec.states[state].warn_after
+        if declared is not None:
+            return self.tracker.params[declared].value if isinstance(declared, str) else float(declared)
+        after = self.tracker.timeout(state)
+        return None if after is None else self.fraction * after
+
+    def _since(self, key: Hashable, state: str) -> float | None:
+        if self.entered is not None and key in self.entered:
+            return self.entered[key]
+        after, due = self.tracker.timeout(state), self.tracker.due(key)
+        return None if after is None or due is None else due - after
 
     def check(self, now: float | None = None) -> list[tuple[Hashable, str, float]]:
         """Warn about every instance newly found stuck; returns ``(key, state, seconds there)`` for each."""
@@ -40,26 +69,23 @@ class StuckWatch:
         found: list[tuple[Hashable, str, float]] = []
         seen: set[tuple[Hashable, int | None]] = set()
         for key, state in t.snapshot():
-            after = t.timeout(state)
-            due = t.due(key) if after else None
-            if after is None or due is None:
-                continue
-            there = now - (due - after)
-            if there < self.fraction * after:
+            threshold = self.thresholds.get(state)
+            since = self._since(key, state) if threshold is not None else None
+            if threshold is None or since is None or now - since < threshold:
                 continue
             ident = (key, t.generation(key))
             seen.add(ident)
             if self.warned.get(ident) == state:
                 continue
             self.warned[ident] = state
-            found.append((key, state, there))
+            found.append((key, state, now - since))
             self.logger.warning(
-                "%s %r has been in %r for %.1f s of its %.1f s deadline, holding %s",
+                "%s %r has been in %r for %.1f s (warned after %.1f s), holding %s",
                 t.spec.name,
                 key,
                 state,
-                there,
-                after,
+                now - since,
+                threshold,
                 ", ".join(t.held(key)) or "nothing",
             )
         for ident in [i for i in self.warned if i not in seen]:

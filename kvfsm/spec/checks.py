@@ -94,6 +94,13 @@ def check_references(spec: Spec) -> Iterable[Finding]:
                     f"state {state.name!r} holds undeclared resource {r!r}",
                     "Declare it under 'resources:' with the action that releases it: '{release: <method>}'.",
                 )
+        if isinstance(state.warn_after, str) and state.warn_after not in spec.params:
+            yield _finding(
+                "KVF106",
+                state.loc,
+                f"state {state.name!r} warns after undeclared param {state.warn_after!r}",
+                "Declare it under 'params:' or write the seconds directly.",
+            )
         if state.timeout is not None:
             after = state.timeout.after
             if isinstance(after, str) and after not in spec.params:

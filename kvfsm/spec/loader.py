@@ -33,7 +33,7 @@ TOP_KEYS = {
 }
 BEGIN_KEYS = ("payload", "doc")
 RESOURCE_KEYS = ("release", "acquire", "doc")
-STATE_KEYS = ("initial", "final", "holds", "waits", "timeout", "doc")
+STATE_KEYS = ("initial", "final", "holds", "waits", "timeout", "warn_after", "doc")
 TIMEOUT_KEYS = ("after", "fire")
 TRANSITION_KEYS = ("event", "from", "to", "do", "doc", "send", "payload")
 SEND_KEYS = ("to", "message")
@@ -64,6 +64,13 @@ def _resource(s: Schema, name: str, knode: Node, node: Node) -> Resource | None:
     return Resource(name, release, acquire, doc, s.loc(knode))
 
 
+def _seconds(s: Schema, node: Node, what: str) -> str | float | None:
+    """A number of seconds, or the name of a param that holds one."""
+    if isinstance(node, ScalarNode) and node.tag != STR:  # seconds, not a param
+        return s.number(node, what)
+    return s.name(node, what)
+
+
 def _timeout(s: Schema, owner: str, knode: Node, node: Node) -> Timeout | None:
     """``knode`` is the ``timeout:`` key: findings about the timeout point there."""
     what = f"state {owner!r} timeout"
@@ -75,11 +82,7 @@ def _timeout(s: Schema, owner: str, knode: Node, node: Node) -> Timeout | None:
     fire_node = s.require(items, "fire", knode, what, fix)
     if after_node is None or fire_node is None:
         return None
-    after: str | float | None
-    if isinstance(after_node, ScalarNode) and after_node.tag != STR:  # seconds, not a param
-        after = s.number(after_node, f"{what}: after")
-    else:
-        after = s.name(after_node, f"{what}: after")
+    after = _seconds(s, after_node, f"{what}: after")
     fire = s.name(fire_node, f"{what}: fire")
     if after is None or fire is None:
         return None
@@ -125,6 +128,7 @@ def _state(s: Schema, name: str, knode: Node, node: Node) -> State | None:
         holds=s.names(items["holds"][1], f"{what}: holds", empty=True) if "holds" in items else (),
         waits_local=waits_local,
         timeout=_timeout(s, name, *items["timeout"]) if "timeout" in items else None,
+        warn_after=_seconds(s, items["warn_after"][1], f"{what}: warn_after") if "warn_after" in items else None,
         doc=s.text(items["doc"][1], f"{what}: doc") if "doc" in items else "",
         loc=s.loc(knode),
     )

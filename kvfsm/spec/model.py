@@ -69,6 +69,8 @@ class State:
     timeout: Timeout | None = None
     doc: str = ""
     loc: Loc = NOWHERE
+    warn_after: str | float | None = None
+    """Seconds (or a param) after which an instance still here is worth one warning (observe-only)."""
 
     @property
     def is_final(self) -> bool:
