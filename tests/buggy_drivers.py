@@ -23,6 +23,9 @@ the real bugs did:
   only logs, so aborted rooms keep their pages.
 - :class:`NeverTakesPages`: decode sends its page indices but never makes
   the pages the room's, so nothing says they are held.
+- :class:`ClosesWriteTwice` (a bug on the success edge alone): the producer
+  closes its write task when the write completes, and the spec-derived
+  ``close_write`` closes it again.
 
 Usable as ``kvfsm test SPEC --driver buggy_drivers:FACTORY`` from ``tests/``.
 """
@@ -72,6 +75,38 @@ transitions:
   - {event: expire,   from: loading,  to: expired}
 ignore:
   - {event: [abort, done, fail, expire], in: [loaded, missed, failed, aborted, expired]}
+on_error: fail
+"""
+
+
+PRODUCER_SPEC = """\
+# A producer saves a request's KV blocks, waits for the remote side, writes, and is done.
+kvfsm: 1
+machine: kv_producer
+doc: One request's KV blocks saved, then written to a remote consumer once it is ready.
+key: request_id
+params:
+  remote_timeout: 5.0
+  write_timeout: 10.0
+resources:
+  kv_blocks:  {acquire: pin_blocks, release: unpin_blocks, doc: "the saved blocks, pinned until written"}
+  write_task: {acquire: open_write, release: close_write, doc: the open write to the consumer}
+states:
+  new:     {initial: true, waits: local}
+  saved:   {holds: [kv_blocks], timeout: {after: remote_timeout, fire: expire}}
+  writing: {holds: [kv_blocks, write_task], timeout: {after: write_timeout, fire: expire}}
+  sent:    {final: success}
+  failed:  {final: failure}
+  aborted: {final: failure}
+transitions:
+  - {event: save,         from: new,     to: saved}
+  - {event: remote_ready, from: saved,   to: writing, do: start_write}
+  - {event: write_done,   from: writing, to: sent,    do: finish_write}
+  - {event: fail,         from: [new, saved, writing], to: failed}
+  - {event: abort,        from: "*",     to: aborted}
+  - {event: expire,       from: [saved, writing], to: failed}
+ignore:
+  - {event: [abort, fail, expire, write_done], in: [sent, failed, aborted]}
 on_error: fail
 """
 
@@ -304,6 +339,81 @@ class UnpinsOnlyLoadedHits(CpuHitLoader):
         blocks = self.loading.pop(key, None)
         if blocks is not None:
             self.cpu.free(key, blocks)
+
+
+# -- kv_producer: a six-state producer with a bug on its success edge --------------------------
+
+
+class Producer(Faults):
+    """Saves a request's blocks, opens a write to the consumer, and flushes it, for :data:`PRODUCER_SPEC`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gpu = BlockPool(12)
+        self.writes: dict[Hashable, bytearray] = {}
+        self.blocks: dict[Hashable, list[int]] = {}
+
+    def pin_blocks(self, key: Hashable) -> None:
+        self.maybe_raise("pin_blocks", key)
+        self.blocks[key] = self.gpu.allocate(key, 2)
+
+    def unpin_blocks(self, key: Hashable) -> None:
+        self.gpu.free(key, self.blocks.pop(key))
+
+    def open_write(self, key: Hashable) -> None:
+        self.maybe_raise("open_write", key)
+        self.writes[key] = bytearray()
+
+    def start_write(self, key: Hashable) -> None:
+        self.maybe_raise("start_write", key)
+
+    def finish_write(self, key: Hashable) -> None:
+        self.maybe_raise("finish_write", key)
+        self.writes[key] += self.gpu.read(self.blocks[key])
+
+    def close_write(self, key: Hashable) -> None:
+        if key not in self.writes:
+            raise PoolCorrupted(f"close_write({key}): no write task is open (closed twice?)")
+        del self.writes[key]
+
+    def observe(self, key: Hashable) -> set[str]:
+        held = set()
+        if self.gpu.held_by(key):
+            held.add("kv_blocks")
+        if key in self.writes:
+            held.add("write_task")
+        return held
+
+
+class ClosesWriteTwice(Producer):
+    """Closes the write task as soon as the write completes; the spec-derived ``close_write`` closes it again."""
+
+    def finish_write(self, key: Hashable) -> None:
+        super().finish_write(key)
+        self.close_write(key)
+
+
+PEER_SPEC = PRODUCER_SPEC.replace("machine: kv_producer", "machine: kv_producer_peer").replace(
+    "do: start_write}", "do: start_write, payload: [peer]}"
+)
+"""The producer with ``remote_ready`` carrying the peer to write to."""
+
+
+class NeedsPeer(Producer):
+    """``start_write`` cannot run without the peer, so a test that fires ``remote_ready`` bare cannot take it."""
+
+    def start_write(self, key: Hashable, peer: str) -> None:  # type: ignore[override]
+        super().start_write(key)
+
+    def open_write(self, key: Hashable, peer: str | None = None) -> None:
+        super().open_write(key)
+
+
+class GivesPeer(NeedsPeer):
+    """Says what its scheduler passes with each event, so the test fires ``remote_ready`` as production does."""
+
+    def before_fire(self, key: Hashable, event: str, resources: frozenset[str]) -> dict[str, str]:
+        return {"peer": "decode-0"} if event == "remote_ready" else {}
 
 
 # -- any spec: one pool per resource ------------------------------------------------------------

@@ -91,7 +91,7 @@ FEATURES: dict[str, Callable[[Spec], bool]] = {
 def test_500_generated_specs_reach_every_feature_of_the_spec_language() -> None:
     seen: set[str] = set()
 
-    @settings(max_examples=500, database=None, phases=[Phase.generate])
+    @settings(max_examples=500, database=None, deadline=None, phases=[Phase.generate])
     @given(specs())
     def collect(spec: Spec) -> None:
         seen.update(name for name, has in FEATURES.items() if has(spec))

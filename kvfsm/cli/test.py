@@ -28,6 +28,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def _percent(text: str) -> float:
+    try:
+        value = float(text.rstrip("%"))
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 100:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a percentage from 0 to 100")
+    return value / 100
+
+
 def _seed(text: str) -> int:
     try:
         return int(text)
@@ -67,6 +77,21 @@ def register(sub: Subparsers) -> None:
     p.add_argument(
         "--coverage-svg", type=Path, default=None, metavar="FILE", help="the diagram with coverage drawn on it"
     )
+    p.add_argument(
+        "--min-coverage",
+        type=_percent,
+        default=None,
+        metavar="PERCENT",
+        help="pass with only this share of the edges, deadlines and ignore rules exercised (default 100)",
+    )
+    p.add_argument(
+        "--exempt",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="YAML exemption list: machine → {'SOURCE --EVENT--> TARGET' (or 'deadline of S', 'ignored E in S'): "
+        "why it may go unexercised}",
+    )
     p.add_argument("--format", choices=("text", "json"), default="text")
     p.set_defaults(run=run)
 
@@ -74,6 +99,7 @@ def register(sub: Subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..gen.diagram import to_svg
     from ..spec import load
+    from ..testing.bar import Bar, load_exemptions
     from ..testing.runner import STEPS, load_factory
     from ..testing.runner import run as run_machine
 
@@ -88,7 +114,9 @@ def run(args: argparse.Namespace) -> int:
     driver = args.driver[0]
     spec = load(args.spec)
     factory = load_factory(driver)
-    report = run_machine(spec, factory, examples=args.examples, seed=args.seed, steps=args.steps or STEPS)
+    exempt = load_exemptions(args.exempt).get(spec.name, {}) if args.exempt is not None else {}
+    bar = Bar(args.min_coverage if args.min_coverage is not None else 1.0, exempt)
+    report = run_machine(spec, factory, examples=args.examples, seed=args.seed, steps=args.steps or STEPS, bar=bar)
     svg_note = ""
     if args.coverage_svg is not None:
         data = to_svg(spec, coverage=report.coverage.taken())
@@ -105,9 +133,24 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _render(args: argparse.Namespace, driver: str, report: Report) -> None:
-    budget = f"seed {report.seed}, {report.coverage.examples} example(s) of up to {report.steps} steps"
-    if report.passed:
-        out.print(f"[green]✓ {escape(report.spec.name)}: the driver kept to the spec[/] ({budget})")
+    budget = (
+        f"seed {report.seed}, {report.coverage.examples} example(s) of up to {report.steps} steps, "
+        f"{report.planned} of them planned"
+    )
+    if not report.diverged:
+        verdict = report.verdict
+        if report.passed:
+            out.print(f"[green]✓ {escape(report.spec.name)}: the driver kept to the spec[/] ({budget})")
+        else:
+            out.print(
+                f"[red]✗ {escape(report.spec.name)}: the driver kept to the spec, but the run left part of it "
+                f"unexercised[/] ({budget})"
+            )
+        for gap in verdict.gaps if verdict is not None else ():
+            mark = "[yellow]not reached[/]" if report.passed else "[red]not reached[/]"
+            out.print(f"  {mark} {escape(gap.name)}: {escape(gap.why)}")
+        for gap, reason in verdict.exempted if verdict is not None else ():
+            out.print(f"  [dim]exempt {escape(gap.name)}: {escape(reason)}[/]")
     else:
         out.print(f"[red]✗ {escape(report.spec.name)}: the driver diverged from the spec[/] ({budget})")
         *steps, last = report.story or ("",)
@@ -120,6 +163,8 @@ def _render(args: argparse.Namespace, driver: str, report: Report) -> None:
             out.print(f"  {escape(last)}")
         if not report.story:
             out.print(f"  {escape(report.error)}")
+        if report.found_by:
+            out.print(f"  [dim](found by the planned example for {escape(report.found_by)})[/]")
         again = ["kvfsm", "test", str(args.spec), "--driver", driver, "--seed", str(report.seed)]
         if args.examples:
             again += ["--examples", str(args.examples)]
@@ -161,7 +206,9 @@ def _replay(args: argparse.Namespace) -> int:
     from ..testing.trace_replay import replay_trace
 
     given = [
-        f"--{name.replace('_', '-')}" for name in ("examples", "steps", "seed", "coverage_svg") if getattr(args, name)
+        f"--{name.replace('_', '-')}"
+        for name in ("examples", "steps", "seed", "coverage_svg", "min_coverage", "exempt")
+        if getattr(args, name) is not None
     ]
     if given:
         verb = "does" if len(given) == 1 else "do"

@@ -3,6 +3,7 @@
 >>> import kvfsm.testing
 >>> TestMyDriver = kvfsm.testing.spec_machine("specs/kv_request.yaml", MyDriver).TestCase
 >>> report = kvfsm.testing.run("specs/kv_request.yaml", MyDriver, examples=1000)
+>>> report = kvfsm.testing.run(spec, MyDriver, bar=kvfsm.testing.Bar(exempt={"ignored abort in done": "why"}))
 >>> result = kvfsm.testing.replay_trace("specs/pd_abort/merged_fix.yaml", "trace.json", {"decode": MyDecode})
 >>> @given(kvfsm.testing.strategies.specs())
 ... def test_my_property(spec): ...
@@ -20,6 +21,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from . import strategies
+from .bar import Bar
 from .clock import VirtualClock
 from .contract import DriverFactory, FaultInjecting, ObservableDriver, TakesBeforeBegin, TakesBeforeFire
 from .ledger import LedgerDriver
@@ -32,6 +34,7 @@ if TYPE_CHECKING:
     from .plugin import spec_tests
 
 __all__ = [
+    "Bar",
     "DriverFactory",
     "FaultInjecting",
     "LedgerDriver",

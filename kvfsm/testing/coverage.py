@@ -4,15 +4,19 @@ Counted from the model's outcomes (which the Tracker was checked to agree
 with), summed over every example of a run, shrinking included. An edge is a
 ``(source, event)`` pair of :meth:`Spec.edges`; a timeout counts only when the
 deadline fired it, not when the test fired the same event by hand.
+:meth:`Coverage.gaps` names what was never exercised, and why, for the
+coverage verdict.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from ..spec.model import Spec
+from .cover import routes
 from .oracle import How, Outcome
 
 HOWS: tuple[How, ...] = ("fire", "timeout", "on_error", "close")
@@ -32,6 +36,28 @@ class EdgeCount:
     @property
     def taken(self) -> int:
         return sum(self.by.values())
+
+
+@dataclass(frozen=True)
+class Gap:
+    """Something the spec says a run must exercise that it never did: an edge, a deadline or an ignore rule."""
+
+    kind: Literal["edge", "deadline", "ignored"]
+    name: str
+    """How an exemption names it: ``queued --start--> transferring``, ``deadline of transferring``,
+    ``ignored abort in done``."""
+    why: str
+
+    def as_dict(self) -> dict[str, str]:
+        return {"kind": self.kind, "name": self.name, "why": self.why}
+
+
+def edge_name(source: str, event: str, target: str) -> str:
+    return f"{source} --{event}--> {target}"
+
+
+NOT_TAKEN = "never taken, though the path cover plans it; the run ended before its plan"
+"""Why, when nothing stops the test from taking it: the run was cut short (a failure, or no cover)."""
 
 
 class Coverage:
@@ -111,6 +137,42 @@ class Coverage:
             "timeouts": (sum(n > 0 for _s, _e, n in timeouts), len(timeouts)),
             "ignored": (sum(n > 0 for _s, _e, n in ignored), len(ignored)),
         }
+
+    def gaps(self, blocked: Mapping[tuple[str, str], str] | None = None) -> list[Gap]:
+        """Every edge, deadline and ignored pair never exercised, with why (``blocked``: edges the driver
+        cannot take, and why; a state reachable only through them cannot be reached either)."""
+        blocked = blocked or {}
+        reachable = routes(self.spec, blocked)
+
+        def why(state: str, pair: tuple[str, str]) -> str:
+            if pair in blocked:
+                return blocked[pair]
+            if state not in reachable:
+                return f"{state} is reachable only through edges the driver cannot take (see those)"
+            return NOT_TAKEN
+
+        out = [
+            Gap("edge", edge_name(r.source, r.event, r.target), why(r.source, (r.source, r.event)))
+            for r in self.edge_counts()
+            if not r.taken
+        ]
+        out += [Gap("deadline", f"deadline of {s}", why(s, (s, e))) for s, e, n in self.timeouts() if not n]
+        out += [Gap("ignored", f"ignored {e} in {s}", why(s, ("", ""))) for s, e, n in self.ignored_pairs() if not n]
+        return out
+
+    def names(self) -> list[str]:
+        """What :meth:`gaps` may name: every edge, deadline and ignored pair, as an exemption names it."""
+        return [
+            *(edge_name(r.source, r.event, r.target) for r in self.edge_counts()),
+            *(f"deadline of {s}" for s, _e, _n in self.timeouts()),
+            *(f"ignored {e} in {s}" for s, e, _n in self.ignored_pairs()),
+        ]
+
+    def ratio(self) -> float:
+        """Exercised over total, edges, deadlines and ignored pairs together (1.0 for a spec with none)."""
+        done = sum(a for a, _b in self.summary().values())
+        total = sum(b for _a, b in self.summary().values())
+        return done / total if total else 1.0
 
     def as_dict(self) -> dict[str, Any]:
         """Everything, for ``--format json``."""

@@ -12,10 +12,16 @@ ends with ``close()``. After every step it checks that the Tracker agrees with
 (its real resources) equals what the spec says each key holds. A disagreement
 raises :class:`SpecViolation` with the story of the example.
 
+Each example may start from a planned prefix (a shortest path to a live
+state, from :mod:`kvfsm.testing.cover`), so random steps begin deep in the
+machine as often as at its start.
+
 The driver contract beyond the spec's actions is in :mod:`kvfsm.testing.contract`:
 ``observe(key)`` (required), ``before_begin(key, resources)`` (required when
-the initial state holds a resource no acquire action takes) and
-``inject_fault(action)`` (optional; drivers without it are tested without faults).
+the initial state holds a resource no acquire action takes), ``before_fire(key,
+event, resources)`` (optional: takes what a transition enters with no action,
+and may return the event's payload) and ``inject_fault(action)`` (optional;
+drivers without it are tested without faults).
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from collections import Counter
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import ClassVar, NoReturn, TypeVar
+from typing import Any, ClassVar, NoReturn, TypeVar
 
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -35,6 +41,7 @@ from ..errors import ActionError, BindingError, DuplicateKey, Failure, IllegalTr
 from ..spec import Spec, load
 from .clock import VirtualClock
 from .contract import DriverFactory, can_inject_faults
+from .cover import Pair, blocked_edges, caller_taken, routes
 from .coverage import Coverage
 from .oracle import Outcome, SpecModel
 from .story import SpecViolation, begin_line, clock, close_line, drain_line, fire_line, poll_line
@@ -63,7 +70,7 @@ def fault_targets(spec: Spec) -> tuple[str, ...]:
 
 def begin_resources(spec: Spec) -> frozenset[str]:
     """What the initial state holds that no acquire action takes: the caller holds it before ``begin``."""
-    return frozenset(r for r in spec.holds(spec.initial.name) if not spec.resources[r].acquire)
+    return caller_taken(spec, None, spec.initial.name)
 
 
 def check_driver(spec: Spec, driver: object) -> None:
@@ -101,6 +108,11 @@ class SpecMachine(RuleBasedStateMachine):
     keys: ClassVar[tuple[str, ...]]
     coverage: ClassVar[Coverage]
     """Summed over every example this class runs."""
+    blocked: ClassVar[dict[Pair, str] | None] = None
+    """``(source, event) → why`` for edges the test cannot take with this driver (see
+    :func:`~kvfsm.testing.cover.blocked_edges`); found from the first driver made."""
+    routes: ClassVar[dict[str, tuple[Pair, ...]] | None] = None
+    """State → a shortest path to it around the blocked edges, for :meth:`walk`."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -113,6 +125,9 @@ class SpecMachine(RuleBasedStateMachine):
         self.story: list[str] = []
         self.given = begin_resources(cls.spec)
         self.can_fault = can_inject_faults(self.driver)
+        if cls.blocked is None:
+            cls.blocked = blocked_edges(cls.spec, self.driver)
+        self.gives = callable(getattr(self.driver, "before_fire", None))
         self.faultable = frozenset(fault_targets(cls.spec))
         self._busy = False
         """Set while a step runs: a step that never finished leaves it set, and teardown then stays away."""
@@ -130,25 +145,40 @@ class SpecMachine(RuleBasedStateMachine):
         with self._step("begin", key, fault):
             # A caller takes what the initial state holds only for a begin that can succeed.
             live = self.model.state(key) is not None and not self.model.is_final(key)
-            if self.given and not live and not self.model.closed:
-                try:
-                    self.driver.before_begin(key, self.given)  # type: ignore[attr-defined]
-                except Exception as exc:
-                    self._tell(f"begin {key}", Outcome())
-                    self._diverge([f"before_begin({key!r}) raised {type(exc).__name__}: {exc}"])
+            payload: Mapping[str, Any] = {}
+            asks = self.given or (self.spec.begin_payload and hasattr(self.driver, "before_begin"))
+            if asks and not live and not self.model.closed:
+                payload = self._hook(f"begin {key}", "before_begin", key, self.given)
             self.arm(self.model.begin_actions(key), fault)
             outcome = self.model.begin(key)
             self._tell(begin_line(key, outcome), outcome)
-            self._call(outcome, lambda: self.tracker.begin(key))
+            self._call(outcome, lambda: self.tracker.begin(key, **payload))
 
     def fire(self, key: str, event: str, fault: int | None = None) -> None:
-        """``fire(key, event)``; ``fault``: make the fault-th action the transition runs raise."""
+        """``fire(key, event)``; ``fault``: make the fault-th action the transition runs raise.
+
+        An edge the driver cannot take (:attr:`blocked`) is left alone: the step does nothing.
+        """
+        state = None if self.model.closed else self.model.state(key)
+        if state is not None and (state, event) in (self.blocked or {}):
+            return
         with self._step("fire", key, event, fault):
+            payload: Mapping[str, Any] = {}
+            edge = self.spec.table.get((state, event)) if state is not None else None
+            if (
+                edge is not None
+                and self.gives
+                and (edge.transition.payload or caller_taken(self.spec, state, edge.target))
+            ):
+                taken = caller_taken(self.spec, state, edge.target)
+                payload = self._hook(f"fire {key} {event}", "before_fire", key, event, taken)
+                if taken:
+                    fault = None  # what the caller took for the target would outlive a transition that fails
             self.arm(self.model.fire_actions(key, event), fault)
             outcome = self.model.fire(key, event)
             self._tell(fire_line(key, event, outcome), outcome)
             before = self._observe_all() if outcome.refused else None
-            got = self._call(outcome, lambda: self.tracker.fire(key, event))
+            got = self._call(outcome, lambda: self.tracker.fire(key, event, **payload))
             if outcome.refused not in ("illegal", "closed") and not outcome.failures and got != outcome.state:
                 self._diverge([f"fire() returned {got!r}, the spec says {outcome.state!r}"])
             if before is not None:
@@ -185,6 +215,28 @@ class SpecMachine(RuleBasedStateMachine):
             self._diverge([f"inject_fault({action!r}) raised {type(exc).__name__}: {exc}"])
         if armed is not False:  # False: this driver cannot make that action raise, so no failure is expected
             self.model.inject(action)
+
+    def walk(self, key: str, state: str) -> None:
+        """Begin ``key`` and fire the events of a shortest path to ``state`` (around edges the driver cannot take)."""
+        cls = type(self)
+        if cls.routes is None:
+            cls.routes = routes(cls.spec, cls.blocked or {})
+        path = cls.routes.get(state)
+        if path is None:
+            return
+        self.begin(key)
+        for _source, event in path:
+            self.fire(key, event)
+
+    def _hook(self, where: str, name: str, *args: object) -> Mapping[str, Any]:
+        """Call the driver's ``before_begin``/``before_fire``; what it returns, if a mapping, is the payload."""
+        try:
+            got = getattr(self.driver, name)(*args)
+        except Exception as exc:
+            self._tell(where, Outcome())
+            shown = ", ".join(map(repr, args[:-1]))
+            self._diverge([f"{name}({shown}, …) raised {type(exc).__name__}: {exc}"])
+        return got if isinstance(got, Mapping) else {}
 
     def drain(self) -> None:
         with self._step("drain"):
@@ -371,6 +423,7 @@ def spec_machine(
     *,
     params: Mapping[str, float] | None = None,
     keys: int = KEYS,
+    steer: bool = True,
 ) -> type[SpecMachine]:
     """A Hypothesis state machine testing the drivers ``driver_factory`` makes against ``spec``.
 
@@ -378,7 +431,8 @@ def spec_machine(
 
     ``spec`` is a :class:`Spec` or a path (loaded and checked); ``params``
     override the spec's (the clock is virtual, so the spec's own are fine);
-    ``keys`` is how many distinct keys one example uses.
+    ``keys`` is how many distinct keys one example uses; ``steer=False``
+    drops the planned prefixes, leaving a plain random walk from ``begin``.
     """
     if not isinstance(spec, Spec):
         spec = load(spec)
@@ -402,6 +456,9 @@ def spec_machine(
         if st_.timeout is not None
         for a in SpecModel(spec, params).edges[st_.name, st_.timeout.fire].prepare_actions
     )
+
+    deep = tuple(s for s in spec.live if s != spec.initial.name) if steer else ()
+    """Live states a planned prefix may walk a key to."""
 
     class Machine(SpecMachine):
         @rule(key=key, fault=st.integers(0, 7) if begin_faults else st.just(0))
@@ -447,6 +504,15 @@ def spec_machine(
         @rule()
         def drain_finished(self) -> None:
             self.drain()
+
+        if deep:
+
+            @initialize(key=key, start=st.integers(0, 2 * len(deep) - 1))
+            def start_from_a_planned_prefix(self, key: str, start: int) -> None:
+                """In one example in two, begin a key and walk it to a live state by a shortest path, before
+                the random steps: the deep states and their edges get as many random steps as the shallow ones."""
+                if start < len(deep):
+                    self.walk(key, deep[start])
 
         @initialize(roll=st.integers(0, CLOSE_MID_EXAMPLE - 1), after=st.integers(1, 30))
         def decide_whether_to_close_mid_example(self, roll: int, after: int) -> None:

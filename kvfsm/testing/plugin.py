@@ -15,8 +15,11 @@ package's ``pytest11`` entry point), a line of pytest configuration::
 makes every matching spec file pytest visits a test item (so the folder must
 be under a path pytest collects, e.g. ``testpaths = ["tests", "specs"]``).
 Either way a test is one :func:`kvfsm.testing.run`, the same as ``kvfsm
-test``; ``--kvfsm-examples N`` and ``--kvfsm-seed S`` turn it into a long
-campaign or a repeat. Loaded but not configured, the plugin does nothing.
+test``, coverage verdict included: an edge, deadline or ignore rule never
+exercised fails the test unless ``min_coverage`` or an exemption file
+(``exempt=`` or the ``kvfsm_exempt`` ini option) lowers the bar.
+``--kvfsm-examples N`` and ``--kvfsm-seed S`` turn it into a long campaign or
+a repeat. Loaded but not configured, the plugin does nothing.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from typing import Any
 import pytest
 
 from ..spec import load
+from .bar import Bar, load_exemptions
 from .contract import DriverFactory
 from .runner import Report, load_factory, run
 
@@ -37,6 +41,7 @@ Drivers = Mapping[str, DriverFactory | str] | DriverFactory | str
 """One factory (or ``"MODULE:FACTORY"``) for every spec, or one per machine name or file stem."""
 
 INI = "kvfsm_specs"
+EXEMPT_INI = "kvfsm_exempt"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -46,9 +51,22 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=[],
         help="kvfsm model-based tests: lines 'GLOB = MODULE:FACTORY' (GLOB relative to the rootdir)",
     )
+    parser.addini(
+        EXEMPT_INI,
+        type="string",
+        default="",
+        help="kvfsm model-based tests: a YAML exemption file (machine → {edge name: reason}), relative to the rootdir",
+    )
     group = parser.getgroup("kvfsm", "kvfsm model-based tests")
     group.addoption("--kvfsm-examples", type=int, default=None, metavar="N", help="examples per spec (default 100)")
     group.addoption("--kvfsm-seed", type=int, default=None, metavar="S", help="seed, to repeat a run exactly")
+    group.addoption(
+        "--kvfsm-min-coverage",
+        type=float,
+        default=None,
+        metavar="PERCENT",
+        help="pass with only this share of edges, deadlines and ignore rules exercised (default 100)",
+    )
 
 
 def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Collector | None:
@@ -104,7 +122,8 @@ class SpecItem(pytest.Item):
 
     def runtest(self) -> None:
         factory = load_factory(self.factory, search=self.config.rootpath)
-        report = _run(self.path, factory, self.config)
+        exempt = self.config.getini(EXEMPT_INI)
+        report = _run(self.path, factory, self.config, exempt=self.config.rootpath / exempt if exempt else None)
         if not report.passed:
             raise SpecFailed(failure_text(report))
 
@@ -123,21 +142,26 @@ def spec_tests(
     *,
     examples: int | None = None,
     seed: int | None = None,
+    min_coverage: float = 1.0,
+    exempt: str | Path | Mapping[str, Mapping[str, str]] | None = None,
 ) -> Callable[..., None]:
     """A pytest test function with one case per spec file: assign it to a ``test_*`` name.
 
     ``specs``: spec files, folders (every ``*.yaml`` in them) or globs, relative
     to the calling module's folder. ``drivers``: see :data:`Drivers`.
+    ``min_coverage`` (0 to 1) and ``exempt`` (an exemption file, relative to
+    the module's folder, or machine → {name: reason}) lower the coverage bar.
     """
     caller = Path(sys._getframe(1).f_globals.get("__file__", "."))
     base = caller.resolve().parent
     paths = _spec_paths(specs, base)
+    exemptions = exempt if exempt is None or isinstance(exempt, Mapping) else base / exempt
 
     @pytest.mark.parametrize("kvfsm_spec", paths, ids=[p.stem for p in paths])
     def test_spec_model(kvfsm_spec: Path, request: pytest.FixtureRequest) -> None:
         spec = load(kvfsm_spec)
         factory = _driver_for(drivers, spec.name, kvfsm_spec)
-        report = _run(kvfsm_spec, factory, request.config, examples, seed)
+        report = _run(kvfsm_spec, factory, request.config, examples, seed, min_coverage, exemptions)
         if not report.passed:
             pytest.fail(failure_text(report), pytrace=False)
 
@@ -177,20 +201,38 @@ def _driver_for(drivers: Drivers, machine: str, path: Path) -> DriverFactory:
 
 
 def _run(
-    path: Path, factory: DriverFactory, config: pytest.Config, examples: int | None = None, seed: int | None = None
+    path: Path,
+    factory: DriverFactory,
+    config: pytest.Config,
+    examples: int | None = None,
+    seed: int | None = None,
+    min_coverage: float = 1.0,
+    exempt: Path | Mapping[str, Mapping[str, str]] | None = None,
 ) -> Report:
     option_examples = config.getoption("kvfsm_examples", default=None)
     option_seed = config.getoption("kvfsm_seed", default=None)
+    option_bar = config.getoption("kvfsm_min_coverage", default=None)
+    spec = load(path)
+    exemptions = load_exemptions(exempt) if isinstance(exempt, Path) else exempt or {}
+    bar = Bar(option_bar / 100 if option_bar is not None else min_coverage, dict(exemptions.get(spec.name, {})))
     return run(
-        path,
+        spec,
         factory,
         examples=option_examples if option_examples is not None else examples,
         seed=option_seed if option_seed is not None else seed,
+        bar=bar,
     )
 
 
 def failure_text(report: Report) -> str:
-    """The failing story as pytest shows it, with how to repeat the run."""
+    """The failing story (or what the run never exercised) as pytest shows it, with how to repeat the run."""
+    if not report.diverged and report.verdict is not None:
+        lines = [
+            f"{report.spec.path}: the driver kept to spec {report.spec.name!r}, but the run left part of it unexercised:"
+        ]
+        lines += [f"  not reached: {g.name}: {g.why}" for g in report.verdict.gaps]
+        lines.append("exercise it, or exempt it on purpose (exempt=, kvfsm_exempt, or --kvfsm-min-coverage)")
+        return "\n".join(lines)
     run = f"seed {report.seed}, failed in example {report.coverage.examples} of {report.examples}"
     lines = [f"{report.spec.path}: the driver diverged from spec {report.spec.name!r} ({run}):"]
     lines += [f"  {line}" for line in report.story] or [f"  {report.error}"]

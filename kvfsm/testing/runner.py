@@ -2,9 +2,11 @@
 
 One implementation for every front end: :func:`run` checks the driver once up
 front (so a missing method is an error, not a hundred failing examples), runs
-Hypothesis with a known seed and no example database (so a run is reproduced
-by its seed alone), and returns a :class:`Report` that the CLI renders and the
-pytest helpers turn into a failure.
+the path cover (planned examples that take every edge, deadline, ignore rule
+and fault point), then Hypothesis with a known seed and no example database
+(so a run is reproduced by its seed alone), judges the coverage against the
+bar, and returns a :class:`Report` that the CLI renders and the pytest helpers
+turn into a failure.
 """
 
 from __future__ import annotations
@@ -26,9 +28,11 @@ from hypothesis.stateful import run_state_machine_as_test
 from ..engine import Tracker
 from ..errors import KvfsmError
 from ..spec import Spec, load
-from .contract import DriverFactory
+from .bar import Bar, Verdict, check_exemptions, judge
+from .contract import DriverFactory, ObservableDriver, can_inject_faults
+from .cover import TraceStep, blocked_edges, path_cover
 from .coverage import Coverage
-from .machine import KEYS, SpecMachine, check_driver, spec_machine
+from .machine import KEYS, SpecMachine, check_driver, fault_targets, spec_machine
 from .story import SpecViolation
 
 STEPS = 50
@@ -41,7 +45,11 @@ class FactoryError(KvfsmError):
 
 @dataclass(frozen=True)
 class Report:
-    """The result of one run: passed or the failing story, the seed that reproduces it, the coverage."""
+    """The result of one run: passed or the failing story, the seed that reproduces it, the coverage.
+
+    ``passed`` needs both: the driver kept to the spec, and the coverage cleared
+    the bar (:attr:`verdict`).
+    """
 
     spec: Spec
     passed: bool
@@ -56,6 +64,17 @@ class Report:
     """What went wrong, alone (the end of the story's last line)."""
     error: str = ""
     """Why it failed, when that is not a divergence with a story (e.g. a flaky driver)."""
+    verdict: Verdict | None = None
+    """What was never exercised and whether that clears the bar (None: a divergence ended the run first)."""
+    planned: int = 0
+    """Planned examples of the path cover that ran (they count among :attr:`coverage`'s examples)."""
+    found_by: str = ""
+    """The goal of the planned example that found the failure ("" if a random example did)."""
+
+    @property
+    def diverged(self) -> bool:
+        """The driver (or the Tracker) disagreed with the spec, as opposed to falling short of the coverage bar."""
+        return bool(self.story or self.error)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -65,10 +84,18 @@ class Report:
             "seed": self.seed,
             "examples": self.examples,
             "steps": self.steps,
+            "planned": self.planned,
             "failure": None
-            if self.passed
-            else {"story": list(self.story), "problems": list(self.problems), "error": self.error},
+            if not self.diverged
+            else {
+                "story": list(self.story),
+                "problems": list(self.problems),
+                "error": self.error,
+                "found_in_example": self.coverage.examples,
+                "found_by": self.found_by or None,
+            },
             "coverage": self.coverage.as_dict(),
+            "coverage_verdict": self.verdict.as_dict() if self.verdict is not None else None,
         }
 
 
@@ -101,8 +128,8 @@ def load_factory(ref: str, search: Path | None = None) -> DriverFactory:
     return factory
 
 
-def probe(spec: Spec, factory: DriverFactory, params: Mapping[str, float] | None = None) -> None:
-    """Make one driver and bind it, so a bad driver fails once, clearly, before any example runs."""
+def probe(spec: Spec, factory: DriverFactory, params: Mapping[str, float] | None = None) -> ObservableDriver:
+    """Make one driver and bind it, so a bad driver fails once, clearly, before any example runs; returns it."""
     try:
         driver = factory()
     except Exception as exc:
@@ -110,6 +137,7 @@ def probe(spec: Spec, factory: DriverFactory, params: Mapping[str, float] | None
         raise FactoryError(f"driver factory {name}() raised {type(exc).__name__}: {exc}") from None
     Tracker(spec, driver, params=params).close()  # BindingError names every missing action
     check_driver(spec, driver)
+    return driver
 
 
 def run(
@@ -121,17 +149,25 @@ def run(
     steps: int = STEPS,
     params: Mapping[str, float] | None = None,
     keys: int = KEYS,
+    bar: Bar | None = None,
+    cover: bool = True,
 ) -> Report:
     """Model-test the drivers ``factory`` makes against ``spec``; returns a :class:`Report`.
 
     ``examples`` defaults to the current Hypothesis profile's ``max_examples``
-    (100 unless a profile says otherwise); ``seed`` defaults to a random one,
-    reported so the run can be repeated exactly.
+    (100 unless a profile says otherwise), run after the path cover's planned
+    examples; ``seed`` defaults to a random one, reported so the run can be
+    repeated exactly. ``bar`` is the coverage the run must reach (default:
+    everything); ``cover=False`` runs the random examples alone, with no plan
+    (what the generator did before it had a path cover: for comparisons).
     """
     if not isinstance(spec, Spec):
         spec = load(spec)
-    probe(spec, factory, params)
-    machine = spec_machine(spec, factory, params=params, keys=keys)
+    bar = bar if bar is not None else Bar()
+    check_exemptions(Coverage(spec), bar.exempt)
+    driver = probe(spec, factory, params)
+    machine = spec_machine(spec, factory, params=params, keys=keys, steer=cover)
+    machine.blocked = blocked_edges(spec, driver)
     budget = examples if examples is not None else Settings().max_examples
     chosen = seed if seed is not None else random.SystemRandom().randrange(2**32)
     config = Settings(
@@ -146,26 +182,37 @@ def run(
         print_blob=False,
         phases=(Phase.explicit, Phase.generate),
     )
-    report = Report(spec, True, chosen, budget, steps, machine.coverage)
+    faults = fault_targets(spec) if can_inject_faults(driver) else ()
+    plans = path_cover(spec, params, machine.keys, blocked=machine.blocked, faults=faults) if cover else []
+    for n, plan in enumerate(plans, 1):
+        found = play(machine, plan.steps)
+        if found is not None:
+            found = tidy(machine, found)
+            return Report(
+                spec, False, chosen, budget, steps, machine.coverage, found.story, found.problems, str(found),
+                planned=n, found_by=plan.goal,
+            )  # fmt: skip
     try:
         with reporting.with_reporter(_silent):
             run_state_machine_as_test(use_seed(chosen)(machine), settings=config)
     except SpecViolation as exc:
         exc = tidy(machine, exc)
-        return Report(spec, False, chosen, budget, steps, machine.coverage, exc.story, exc.problems, str(exc))
+        return Report(
+            spec, False, chosen, budget, steps, machine.coverage, exc.story, exc.problems, str(exc), planned=len(plans)
+        )
     except Exception as exc:  # Hypothesis' own verdicts (e.g. a driver that does not repeat itself)
-        return Report(spec, False, chosen, budget, steps, machine.coverage, error=f"{type(exc).__name__}: {exc}")
-    return report
+        error = f"{type(exc).__name__}: {exc}"
+        return Report(spec, False, chosen, budget, steps, machine.coverage, error=error, planned=len(plans))
+    verdict = judge(machine.coverage, bar, machine.blocked)
+    return Report(spec, verdict.cleared, chosen, budget, steps, machine.coverage, verdict=verdict, planned=len(plans))
 
 
-TraceStep = tuple[str, tuple[object, ...]]
-"""One step of :attr:`SpecMachine.trace`: the machine method and its arguments."""
+def play(machine: type[SpecMachine], trace: Sequence[TraceStep]) -> SpecViolation | None:
+    """Run ``trace`` on a fresh ``machine``, checking after each step as Hypothesis does; the divergence, if any.
 
-
-def replay(machine: type[SpecMachine], trace: Sequence[TraceStep]) -> SpecViolation | None:
-    """Run ``trace`` on a fresh machine, checking after each step as Hypothesis does; the divergence, if any."""
-    quiet = type(machine.__name__, (machine,), {"coverage": Coverage(machine.spec)})
-    m = quiet()
+    Counted in ``machine.coverage``, as an example of the run.
+    """
+    m = machine()
     try:
         for name, args in trace:
             if name != "teardown":
@@ -175,6 +222,11 @@ def replay(machine: type[SpecMachine], trace: Sequence[TraceStep]) -> SpecViolat
     except SpecViolation as exc:
         return exc
     return None
+
+
+def replay(machine: type[SpecMachine], trace: Sequence[TraceStep]) -> SpecViolation | None:
+    """:func:`play` on a copy of ``machine`` that counts its coverage apart (for shrinking, which is no example)."""
+    return play(type(machine.__name__, (machine,), {"coverage": Coverage(machine.spec)}), trace)
 
 
 def tidy(machine: type[SpecMachine], found: SpecViolation) -> SpecViolation:

@@ -47,15 +47,11 @@ from ..spec.system import LastStep, Snapshot, System, load_system, violation
 from ..spec.system.channel import Traffic
 from .clock import VirtualClock
 from .contract import DriverFactory
+from .cover import caller_taken
 from .ledger import LedgerDriver
 from .machine import begin_resources, check_driver
 from .oracle import SpecModel
 from .runner import FactoryError
-
-
-def taken_by_caller(spec: Spec, source: str, target: str) -> frozenset[str]:
-    """Resources a ``source → target`` transition enters with no acquire action: the caller takes them."""
-    return frozenset(r for r in spec.acquires(source, target) if not spec.resources[r].acquire)
 
 
 def _held(names: Collection[str]) -> str:
@@ -301,7 +297,7 @@ class TraceRun:
         assert event is not None  # check_trace
         edge = model.edges.get((tracker.state(req) or "", event))
         if step.action == "fire" and edge is not None:
-            given = taken_by_caller(model.spec, edge.source, edge.target)
+            given = caller_taken(model.spec, edge.source, edge.target)
             if given:
                 self._hook(role, "before_fire", req, event, given)
         why = ""
@@ -460,7 +456,7 @@ def _describe(snap: Snapshot) -> str:
 
 def _check_before_fire(spec: Spec, driver: object) -> None:
     """A spec that enters a resource with no acquire action needs the driver's ``before_fire``."""
-    given = sorted({r for e in spec.edges() for r in taken_by_caller(spec, e.source, e.target)})
+    given = sorted({r for e in spec.edges() for r in caller_taken(spec, e.source, e.target)})
     if given and not callable(getattr(driver, "before_fire", None)):
         raise BindingError(
             f"spec {spec.name!r}: a transition enters {', '.join(given)} with no acquire action, so your code takes "
@@ -482,6 +478,7 @@ def replay_trace(
     """
     return TraceRun(system, trace, drivers).run()
 
+
 __all__ = [
     "Mismatch",
     "TraceError",
@@ -489,5 +486,4 @@ __all__ = [
     "TraceRun",
     "TraceStepResult",
     "replay_trace",
-    "taken_by_caller",
 ]
