@@ -243,3 +243,32 @@ def test_a_declared_warn_after_watches_a_state_without_a_timeout(caplog: pytest.
     with caplog.at_level(logging.WARNING, logger="kvfsm.stuck"):
         assert watch.check() == [("r", "pinned", 4.0)]
     assert "warned after 3.0 s" in caplog.records[0].getMessage()
+
+
+def test_each_lifecycle_is_a_span_with_a_child_per_state_and_crosses_processes_by_carrier() -> None:
+    sdk = pytest.importorskip("opentelemetry.sdk.trace", reason="opentelemetry-sdk not installed")
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from kvfsm.observe.tracing import LifecycleSpans
+
+    exporter = InMemorySpanExporter()
+    provider = sdk.TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("test")
+    prefill_spans, decode_spans = LifecycleSpans(SPEC, tracer), LifecycleSpans(SPEC, tracer)
+    prefill = Tracker(SPEC, Driver(), observer=prefill_spans)
+    decode = Tracker(SPEC, Driver(), observer=decode_spans)
+    prefill.begin("r1")
+    decode_spans.adopt("r1", prefill_spans.carrier("r1"))
+    decode.begin("r1")
+    for event in ("enqueue", "start", "complete"):
+        prefill.fire("r1", event)
+    decode.fire("r1", "abort")
+    spans = exporter.get_finished_spans()
+    roots = [s for s in spans if s.name == "kv_request lifecycle"]
+    assert len(roots) == 2 and roots[0].context.trace_id == roots[1].context.trace_id
+    prefill_root = next(s for s in roots if s.attributes["kvfsm.final"] == "done")
+    children = [s.name for s in spans if s.parent is not None and s.parent.span_id == prefill_root.context.span_id]
+    assert children == ["pinned", "queued", "transferring", "kv_request lifecycle"]  # decode's continues prefill's
+    assert prefill_spans.lifecycles == {} and decode_spans.lifecycles == {}
