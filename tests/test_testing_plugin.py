@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from buggy_drivers import CPU_HIT_SPEC, KV_REQUEST
+from buggy_drivers import CPU_HIT_SPEC, KV_REQUEST, PEER_SPEC
 
 TESTS = Path(__file__).resolve().parent
 
@@ -93,3 +93,28 @@ def test_examples_option_runs_a_longer_campaign(tmp_path: Path) -> None:
     result = pytest_in(root, "-p", "kvfsm.testing.plugin", "specs/kv_request.yaml", "--kvfsm-examples", "300")
     assert result.returncode == 1
     assert " of 300)" in result.stdout and "task_done() raised PoolCorrupted" in result.stdout
+
+
+def test_an_unexercised_edge_fails_the_test_unless_the_bar_is_lowered(tmp_path: Path) -> None:
+    """The coverage verdict, as kvfsm test gives it: spec_tests and the plugin's exemption file."""
+    root = project(
+        tmp_path,
+        'testpaths = ["tests", "specs"]\nkvfsm_specs = ["specs/kv_producer_peer.yaml = drivers:NeedsPeer"]\n'
+        'kvfsm_exempt = "exempt.yaml"\n',
+    )
+    (root / "specs" / "kv_producer_peer.yaml").write_text(PEER_SPEC)
+    (root / "exempt.yaml").write_text('kv_producer_peer: {"deadline of writing": tested against the real peer}\n')
+    (root / "tests").mkdir()
+    (root / "tests" / "test_model.py").write_text(
+        "from kvfsm.testing.plugin import spec_tests\n"
+        'test_strict = spec_tests("../specs/kv_producer_peer.yaml", drivers="drivers:NeedsPeer", seed=0, examples=5)\n'
+        'test_lowered = spec_tests("../specs/kv_producer_peer.yaml", drivers="drivers:NeedsPeer", seed=0, examples=5,'
+        " min_coverage=0.5)\n"
+    )
+    result = pytest_in(root, "-p", "kvfsm.testing.plugin", "--kvfsm-examples", "5", "-rA")
+    out = result.stdout
+    assert result.returncode == 1, out + result.stderr
+    assert "2 failed, 1 passed" in out  # test_strict and the plugin's item fail; test_lowered passes
+    assert "PASSED tests/test_model.py::test_lowered" in out
+    assert "not reached: saved --remote_ready--> writing: behind a payload the test cannot produce" in out
+    assert "Traceback" not in out
