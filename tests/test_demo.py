@@ -1,4 +1,4 @@
-"""`kvfsm demo` run for real at --quick sizes: each part's figures, its files, and its exit code.
+"""`kvfsm demo`: the P/D job's ledger and exit code, and the tour run for real at --quick sizes.
 
 One in-process JSON run is shared by the tests that read its figures; the
 console script runs once in a subprocess, from a directory that is not the
@@ -38,7 +38,7 @@ def demo(*args: str) -> tuple[int, str]:
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, dict[str, Any], Path]:
     out = tmp_path_factory.mktemp("demo")
-    code, text = demo("--quick", "--format", "json", "--out", str(out))
+    code, text = demo("--tour", "--quick", "--format", "json", "--out", str(out))
     return code, json.loads(text), out
 
 
@@ -103,7 +103,7 @@ def test_the_explorer_finds_write_after_free_in_the_merged_fix_and_verifies_the_
 
 
 def test_the_text_output_shows_the_trace_and_ends_with_the_verdict(tmp_path: Path) -> None:
-    code, text = demo("--only", "explore", "--quick", "--out", str(tmp_path))
+    code, text = demo("--tour", "--only", "explore", "--quick", "--out", str(tmp_path))
     assert code == 0
     assert "write_after_free" in text and "abort_req" in text and "shortest trace" in text
     assert text.rstrip().splitlines()[-1].startswith("✓ every part came out as expected")
@@ -149,7 +149,7 @@ def test_the_console_script_runs_the_quick_demo_from_any_directory(tmp_path: Pat
     script = Path(sys.executable).with_name("kvfsm")
     command = [str(script)] if script.exists() else [sys.executable, "-m", "kvfsm.cli"]
     result = subprocess.run(
-        [*command, "demo", "--quick", "--format", "json", "--out", "tmp"],
+        [*command, "demo", "--tour", "--quick", "--format", "json", "--out", "tmp"],
         capture_output=True,
         text=True,
         cwd=tmp_path,
@@ -160,3 +160,55 @@ def test_the_console_script_runs_the_quick_demo_from_any_directory(tmp_path: Pat
     doc = json.loads(result.stdout)
     assert doc["ok"] is True
     assert (tmp_path / "tmp" / "diagrams" / "kv_request.mmd").stat().st_size > 0
+
+
+# -- the P/D job (the default) --------------------------------------------------------
+
+
+def test_the_default_demo_runs_the_pd_job_and_exits_zero_on_a_clean_ledger_with_faults_injected(tmp_path: Path) -> None:
+    script = Path(sys.executable).with_name("kvfsm")
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "kvfsm.cli"]
+    result = subprocess.run(
+        [*command, "demo", "--requests", "300", "--concurrency", "32", "--format", "json"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    doc = json.loads(result.stdout)
+    assert doc["driver"] == "pd" and doc["protocol"] == "corrected" and doc["backend"] == "embedded"
+    assert doc["requests"] == doc["finished"] == 300
+    assert doc["leaked_blocks"] == 0 and doc["hung"] == 0 and doc["corrupted"] == 0 and doc["clean"] is True
+    assert sum(doc["faults_injected"].values()) > 0 and doc["faults_injected"]["kill"] == 1
+    assert set(doc["latency_ms"]) == {"p50", "p90", "p99", "max"}
+
+
+def test_the_merged_fix_demo_reports_corrupted_pages_and_exits_one() -> None:
+    code, text = demo("--protocol", "merged_fix", "--requests", "600", "--concurrency", "32", "--fault-rate", "0.2",
+                      "--seed", "4")  # fmt: skip
+    assert code == 1
+    assert "pages corrupted" in text and "write-after-free" in text and "merged_fix.yaml" in text
+
+
+def test_the_text_ledger_names_every_figure_and_ends_with_the_verdict() -> None:
+    code, text = demo("--requests", "200", "--concurrency", "16")
+    assert code == 0, text
+    for figure in ("pages leaked", "requests hung", "pages corrupted", "faults injected", "listener drops", "latency"):
+        assert figure in text
+    assert text.rstrip().splitlines()[-1].startswith("✓ clean ledger")
+
+
+def test_a_bad_fault_rate_is_a_usage_error_without_a_traceback(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _text = demo("--fault-rate", "2")
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "not a probability" in err and "Traceback" not in err
+
+
+@pytest.mark.mooncake
+def test_the_real_backend_demo_runs_over_the_mooncake_transfer_engine() -> None:
+    pytest.importorskip("mooncake.engine", reason="Mooncake TransferEngine wheel cannot import here")
+    code, text = demo("--backend", "real", "--requests", "200", "--concurrency", "16", "--format", "json")
+    doc = json.loads(text)
+    assert code == 0 and doc["backend"] == "real" and doc["clean"] is True, text[-2000:]

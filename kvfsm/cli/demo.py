@@ -1,4 +1,4 @@
-"""``kvfsm demo``: the main job on the embedded default, rendered on one screen (docs/demo.md)."""
+"""``kvfsm demo``: the P/D job across two processes and its ledger; ``--tour`` for the tour (docs/demo.md)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,9 @@ from rich.table import Table
 from .common import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, Subparsers, err, missing_extra, out
 
 if TYPE_CHECKING:
+    from collections import Counter
+
+    from ..drivers.pd import JobConfig, Ledger
     from ..showcase.bench.mooncake import SoakResult
     from ..showcase.demo import (
         CheckPart,
@@ -35,28 +38,163 @@ PART_NAMES = "check, diagrams, offload, mooncake, explore"
 def register(sub: Subparsers) -> None:
     p = sub.add_parser(
         "demo",
-        help="check and draw every bundled spec, then replay seeds 003, 000 and 002 on embedded stand-ins "
-        "(exit 0 when every part came out as expected, 1 otherwise)",
-        description="Checks every spec and draws every machine spec, then replays three seed reports: the "
-        "CPU-offload connector in the vLLM scheduler simulator (003), the Mooncake store worker under injected "
-        "faults next to the pre-fix sender (000), and the PD abort compositions in the explorer (002). Needs "
-        "nothing started: the Mooncake store is the embedded one, KV blocks are CPU tensors unless CUDA is "
-        "present. Under half a minute on two cores; --quick takes seconds. See docs/demo.md.",
+        help="run a prefill and a decode process through the PD abort protocol under injected faults and print the "
+        "ledger (exit 0 only if nothing leaked, hung or was corrupted); --tour for the tour of checks, diagrams and seeds",
+        description="Starts a prefill and a decode process on loopback, runs --requests requests at --concurrency "
+        "through the PD driver (the role specs the explorer verified, specs/pd_abort/*_<protocol>.yaml), injects "
+        "faults at --fault-rate (raising actions; dropped, duplicated, delayed, reordered and malformed messages; "
+        "aborts at random points; slow writes; the prefill process killed and restarted) and ends with a ledger: "
+        "requests by outcome, pages leaked, requests hung, pages corrupted, faults by kind, listener drops by reason, "
+        "latency percentiles. Exit 0 only if the ledger is clean. --protocol merged_fix runs SGLang's merged fix "
+        "and shows the corruption the explorer predicts (exit 1). --tour runs the tour of checks, diagrams and seed "
+        "replays instead. See docs/demo.md.",
     )
-    p.add_argument("--out", type=Path, default=Path("out"), metavar="DIR", help="diagrams go to DIR/diagrams/")
     p.add_argument(
-        "--specs", type=Path, default=None, metavar="DIR", help="the specs to check and draw (default: bundled specs/)"
+        "--tour", action="store_true", help="the tour: check and draw every spec, replay seeds 003, 000, 002"
     )
-    p.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the simulator's and the soak's randomness")
-    p.add_argument("--quick", action="store_true", help="small sizes: a smoke run in seconds")
+    p.add_argument("--driver", choices=("pd",), default="pd", help="the driver the job runs (pd)")
     p.add_argument(
-        "--only", action="append", default=[], metavar="PART", help=f"run only this part (repeatable): {PART_NAMES}"
+        "--backend",
+        choices=("embedded", "real"),
+        default="embedded",
+        help="embedded: shared-memory pages; real: Mooncake TransferEngine (tcp, P2PHANDSHAKE)",
+    )
+    p.add_argument(
+        "--protocol",
+        choices=("corrected", "merged_fix"),
+        default="corrected",
+        help="which role specs run: the corrected protocol, or SGLang's merged fix (corrupts pages)",
+    )
+    p.add_argument("--requests", type=int, default=2000, metavar="N", help="requests to run (default 2000)")
+    p.add_argument("--concurrency", type=int, default=64, metavar="C", help="requests under way at once (default 64)")
+    p.add_argument(
+        "--fault-rate",
+        type=float,
+        default=0.1,
+        metavar="P",
+        help="probability of a fault at each opportunity: a message, an action, a write, a request (0.1)",
+    )
+    p.add_argument(
+        "--seed", type=int, default=0, metavar="N", help="seed of the fault injection (and the tour's soaks)"
     )
     p.add_argument("--format", choices=("text", "json"), default="text")
+    tour = p.add_argument_group("tour options (with --tour)")
+    tour.add_argument("--out", type=Path, default=Path("out"), metavar="DIR", help="diagrams go to DIR/diagrams/")
+    tour.add_argument(
+        "--specs", type=Path, default=None, metavar="DIR", help="the specs to check and draw (default: bundled specs/)"
+    )
+    tour.add_argument("--quick", action="store_true", help="small sizes: a smoke run in seconds")
+    tour.add_argument(
+        "--only", action="append", default=[], metavar="PART", help=f"run only this part (repeatable): {PART_NAMES}"
+    )
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.tour or args.quick or args.only or args.specs is not None:
+        return run_tour(args)
+    return run_pd(args)
+
+
+def run_pd(args: argparse.Namespace) -> int:
+    """The main job: a P/D run across two processes, and its ledger."""
+    try:
+        from ..drivers.pd import JobConfig
+    except ImportError as exc:
+        return missing_extra("demo", "showcase", exc)
+    try:
+        config = JobConfig(
+            requests=args.requests,
+            concurrency=args.concurrency,
+            fault_rate=args.fault_rate,
+            seed=args.seed,
+            protocol=args.protocol,
+            backend=args.backend,
+        )
+    except ValueError as exc:
+        err.print(f"[red]kvfsm demo: {escape(str(exc))}[/]")
+        return EXIT_USAGE
+    try:
+        ledger = _pd_with_progress(config) if args.format == "text" and out.is_terminal else _pd(config)
+    except ImportError as exc:
+        err.print(f"[red]kvfsm demo: {escape(str(exc))}[/]")
+        return EXIT_USAGE
+    if args.format == "json":
+        out.print_json(json.dumps(ledger.as_dict()))
+    else:
+        _render_ledger(ledger)
+    return EXIT_OK if ledger.clean else EXIT_FINDINGS
+
+
+def _pd(config: JobConfig) -> Ledger:
+    from ..drivers.pd import run_job
+
+    return run_job(config)
+
+
+def _pd_with_progress(config: JobConfig) -> Ledger:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from ..drivers.pd import run_job
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=out, transient=True) as bar:
+        task = bar.add_task(f"P/D job ({config.protocol}, {config.backend})", total=config.requests)
+
+        def show(done: int, total: int, outcomes: Counter[str]) -> None:
+            seen = " ".join(f"{k} {v}" for k, v in sorted(outcomes.items()))
+            bar.update(task, completed=done, description=f"P/D job ({config.protocol}, {config.backend}): {seen}")
+
+        return run_job(config, progress=show)
+
+
+def _render_ledger(ledger: Ledger) -> None:
+    c = ledger.config
+    out.print(
+        f"[bold]kvfsm demo[/]: {ledger.requests:,} requests at concurrency {c.concurrency} through prefill and decode "
+        f"processes ({c.protocol} protocol, {c.backend} transport, {c.fault_rate:.0%} faults, seed {c.seed})"
+    )
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, show_header=False)
+    table.add_column("what")
+    table.add_column("figure")
+
+    def must_be_zero(n: int) -> str:
+        return f"[green]{n}[/]" if n == 0 else f"[red]{n}[/]"
+
+    outcomes = ", ".join(f"{k} {v:,}" for k, v in sorted(ledger.outcomes.items()))
+    table.add_row("requests ended", f"{ledger.finished:,} of {ledger.requests:,}  ({outcomes})")
+    table.add_row("pages leaked", must_be_zero(ledger.leaked_blocks))
+    table.add_row("requests hung", must_be_zero(ledger.hung))
+    table.add_row("pages corrupted", must_be_zero(ledger.corrupted))
+    table.add_row("listener deaths", must_be_zero(ledger.listener_deaths))
+    faults = ", ".join(f"{k} {v:,}" for k, v in sorted(ledger.faults_injected.items())) or "none"
+    table.add_row("faults injected", f"{sum(ledger.faults_injected.values()):,}  ({faults})")
+    drops = ", ".join(f"{k} {v:,}" for k, v in sorted(ledger.listener_drops.items())) or "none"
+    table.add_row("listener drops", f"{sum(ledger.listener_drops.values()):,}  ({drops})")
+    lat = ledger.latency_ms
+    if lat:
+        table.add_row(
+            "latency (ms)", f"p50 {lat['p50']:.1f}  p90 {lat['p90']:.1f}  p99 {lat['p99']:.1f}  max {lat['max']:.1f}"
+        )
+    table.add_row(
+        "prefill processes", f"{ledger.prefill_incarnations} (killed and restarted {ledger.prefill_incarnations - 1}×)"
+    )
+    out.print(Padding(table, (0, 0, 0, 2)))
+    for e in ledger.errors:
+        out.print(f"  [red]{escape(e)}[/]")
+    if ledger.clean:
+        out.print(f"[bold green]✓ clean ledger: nothing leaked, hung or corrupted[/] ({ledger.seconds:.1f} s)")
+    elif ledger.corrupted and c.protocol == "merged_fix":
+        out.print(
+            f"[bold red]✗ {ledger.corrupted} pages corrupted[/]: the write-after-free `kvfsm explore "
+            f"specs/pd_abort/merged_fix.yaml` predicts, in real pages ({ledger.seconds:.1f} s)"
+        )
+    else:
+        out.print(f"[bold red]✗ the ledger is not clean[/] ({ledger.seconds:.1f} s)")
+
+
+def run_tour(args: argparse.Namespace) -> int:
+    """The tour: checks, diagrams and seed replays on embedded stand-ins."""
     try:
         from ..showcase.demo import SPECS, Options
         from ..showcase.demo import run as run_demo
