@@ -35,6 +35,13 @@ def demo(*args: str) -> tuple[int, str]:
     return code, buf.getvalue()
 
 
+def console(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """The ``kvfsm`` console script run from ``cwd``, as a new user runs it."""
+    script = Path(sys.executable).with_name("kvfsm")
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "kvfsm.cli"]
+    return subprocess.run([*command, *args], capture_output=True, text=True, cwd=cwd, timeout=120)
+
+
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, dict[str, Any], Path]:
     out = tmp_path_factory.mktemp("demo")
@@ -146,15 +153,7 @@ def test_the_help_names_every_part() -> None:
 
 
 def test_the_console_script_runs_the_quick_demo_from_any_directory(tmp_path: Path) -> None:
-    script = Path(sys.executable).with_name("kvfsm")
-    command = [str(script)] if script.exists() else [sys.executable, "-m", "kvfsm.cli"]
-    result = subprocess.run(
-        [*command, "demo", "--tour", "--quick", "--format", "json", "--out", "tmp"],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        timeout=120,
-    )
+    result = console(tmp_path, "demo", "--tour", "--quick", "--format", "json", "--out", "tmp")
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "Traceback" not in result.stderr
     doc = json.loads(result.stdout)
@@ -166,15 +165,7 @@ def test_the_console_script_runs_the_quick_demo_from_any_directory(tmp_path: Pat
 
 
 def test_the_default_demo_runs_the_pd_job_and_exits_zero_on_a_clean_ledger_with_faults_injected(tmp_path: Path) -> None:
-    script = Path(sys.executable).with_name("kvfsm")
-    command = [str(script)] if script.exists() else [sys.executable, "-m", "kvfsm.cli"]
-    result = subprocess.run(
-        [*command, "demo", "--requests", "300", "--concurrency", "32", "--format", "json"],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        timeout=120,
-    )
+    result = console(tmp_path, "demo", "--requests", "300", "--concurrency", "32", "--format", "json")
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     doc = json.loads(result.stdout)
     assert doc["driver"] == "pd" and doc["protocol"] == "corrected" and doc["backend"] == "embedded"
