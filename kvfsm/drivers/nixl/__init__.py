@@ -1,0 +1,46 @@
+"""NIXL drivers: the KV blocks a prefill rank holds for the decode side's READ, and the decode side's READs.
+
+- :class:`PrefillRank` / :class:`BlockHolder`: ``specs/nixl_prefill.yaml``, blocks
+  held per request until every expected notification or the expiry;
+- :class:`DecodeRank` / :class:`BlockReader`: ``specs/nixl_decode.yaml``, READs
+  that notify with the prefill's request id, byte-checked blocks;
+- :class:`Topology`: who reads whom under heterogeneous TP and MLA;
+- :mod:`.notif`: the ``remote_request_id:world_size`` message, parsed with a guard;
+- :class:`Fabric` / :class:`EmbeddedAgent`: an in-process stand-in for NIXL
+  agents; ``kvfsm.drivers.nixl.agent.NixlAgent`` the real one (imports ``nixl``);
+- :class:`PeerProcess`: prefill ranks with real agents in a subprocess.
+"""
+
+from .blocks import KVBlocks, kv_pattern
+from .decode import REMOTE_ID, BlockMismatch, BlockReader, DecodeRank, Load, PeerInfo, decode_spec
+from .embedded import EmbeddedAgent, Fabric
+from .notif import Notif, encode, parse
+from .prefill import BlockHolder, PrefillRank, prefill_spec
+from .topology import ReadPlan, Slice, Topology
+from .transport import TransferError, Transport, XferState
+
+__all__ = [
+    "REMOTE_ID",
+    "BlockHolder",
+    "BlockMismatch",
+    "BlockReader",
+    "DecodeRank",
+    "EmbeddedAgent",
+    "Fabric",
+    "KVBlocks",
+    "Load",
+    "Notif",
+    "PeerInfo",
+    "PrefillRank",
+    "ReadPlan",
+    "Slice",
+    "Topology",
+    "TransferError",
+    "Transport",
+    "XferState",
+    "decode_spec",
+    "encode",
+    "kv_pattern",
+    "parse",
+    "prefill_spec",
+]

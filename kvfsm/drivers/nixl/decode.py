@@ -1,0 +1,281 @@
+"""The decode side: one TP rank's READs of a request's blocks from the prefill ranks, and the notifications it owes.
+
+:class:`BlockReader` is the driver of ``specs/nixl_decode.yaml``;
+:class:`DecodeRank` owns a rank's blocks, agent and tracker, and polls the
+transfer handles once per step. Every id this side puts on the wire is the
+prefill's request id (``remote_request_id``): the one place that chooses it
+is :meth:`BlockReader.notif_id`. Each block is byte-checked after its READ.
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+from collections import Counter
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+from ...engine import Tracker
+from ...errors import ActionError
+from ...spec import Spec, load
+from ...spec.bundled import SPECS
+from ..report import Finished, Report
+from .blocks import KVBlocks
+from .notif import encode
+from .topology import Topology
+from .transport import Extent, TransferError, Transport
+
+REMOTE_ID = "remote_request_id"
+"""The id space of the prefill side's request ids, as the decode tracker links them."""
+
+
+@cache
+def decode_spec() -> Spec:
+    """The bundled ``nixl_decode`` spec, loaded once."""
+    return load(SPECS / "nixl_decode.yaml")
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    """What a handshake tells the decode side about one prefill rank: its agent and where its blocks are."""
+
+    engine_id: str
+    rank: int
+    agent: str
+    metadata: bytes
+    base: int
+    block_bytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.__dict__, "metadata": base64.b64encode(self.metadata).decode()}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> PeerInfo:
+        return cls(**{**data, "metadata": base64.b64decode(data["metadata"])})
+
+
+class BlockMismatch(RuntimeError):
+    """A READ finished but the blocks do not hold the prefill's bytes for the request."""
+
+
+@dataclass
+class Load:
+    """What a load reads: the prefill's request id and engine, the local blocks and the prefill's block ids."""
+
+    remote_request_id: str
+    engine_id: str
+    blocks: tuple[int, ...]
+    remote_blocks: tuple[int, ...]
+    verified: bool = False
+
+
+class BlockReader:
+    """Actions of ``nixl_decode``: pin the allocated blocks, post the READs, byte-check, release, report.
+
+    ``_loads`` is the ``dst_blocks`` record (taken by :meth:`pin_dst`, dropped
+    by :meth:`unpin_dst`) and ``_handles`` the ``xfer`` one (:meth:`post_read`,
+    :meth:`release_reads`): each lives exactly as long as its resource.
+    """
+
+    def __init__(self, rank: int, topology: Topology, agent: Transport, blocks: KVBlocks) -> None:
+        self.rank = rank
+        self.topology = topology
+        self.agent = agent
+        self.blocks = blocks
+        self.pool = blocks.pool
+        self.report = Report()
+        self.peers: dict[tuple[str, int], PeerInfo] = {}
+        self.stats: Counter[str] = Counter()
+        self._loads: dict[Hashable, Load] = {}
+        self._handles: dict[Hashable, list[object]] = {}
+
+    @staticmethod
+    def holder(key: Hashable) -> tuple[str, Hashable]:
+        return ("nixl_recv", key)
+
+    # -- the ids on the wire ----------------------------------------------------------
+
+    def notif_id(self, key: Hashable, load: Load) -> str:
+        """The id a prefill rank knows the request by: always the prefill's, never ``key``."""
+        return load.remote_request_id
+
+    def notif(self, key: Hashable, load: Load) -> bytes:
+        """The message each READ carries to the rank it reads."""
+        return encode(self.notif_id(key, load), self.topology.decode_tp)
+
+    def skipped_notif(self, key: Hashable, load: Load) -> bytes:
+        """The message for the prefill ranks MLA lets this rank skip: the same id, sent by ``send_notif``."""
+        return self.notif(key, load)
+
+    # -- dst_blocks -----------------------------------------------------------------
+
+    def pin_dst(
+        self,
+        key: Hashable,
+        /,
+        remote_request_id: str,
+        remote_engine_id: str,
+        block_ids: Sequence[int],
+        remote_block_ids: Sequence[int],
+    ) -> None:
+        if len(remote_block_ids) < len(block_ids):
+            raise ValueError(
+                f"request {key!r}: {len(block_ids)} local blocks for {len(remote_block_ids)} remote ones; "
+                "a load reads the last len(block_ids) remote blocks (the rest is a local prefix hit)"
+            )
+        self.pool.pin(self.holder(key), block_ids)
+        self._loads[key] = Load(remote_request_id, remote_engine_id, tuple(block_ids), tuple(remote_block_ids))
+
+    def unpin_dst(self, key: Hashable, /) -> None:
+        """Let go of the blocks and report finished_recving; blocks not byte-checked are reported invalid."""
+        load = self._loads.pop(key)
+        if load.blocks:
+            self.pool.release(self.holder(key))
+        self.report.recv(key, () if load.verified else load.blocks)
+
+    # -- xfer -------------------------------------------------------------------------
+
+    def post_read(self, key: Hashable, /) -> None:
+        """One READ per prefill rank the plan reads (carrying the notification), then notify the ranks it skips."""
+        load = self._loads[key]
+        plan = self.topology.plan(self.rank)
+        message = self.notif(key, load)
+        remote_blocks = load.remote_blocks[len(load.remote_blocks) - len(load.blocks) :]
+        handles: list[object] = []
+        try:
+            for piece in plan.reads:
+                peer = self._peer(load.engine_id, piece.prefill_rank)
+                if not load.blocks:  # a full prefix hit reads nothing but still tells the peer
+                    self.agent.send_notif(peer.agent, message)
+                    continue
+                local: list[Extent] = [(self.blocks.addr(b, piece.dst), piece.length) for b in load.blocks]
+                remote: list[Extent] = [
+                    (peer.base + b * peer.block_bytes + piece.src, piece.length) for b in remote_blocks
+                ]
+                handles.append(self.agent.read(peer.agent, local, remote, message))
+        except BaseException:
+            for handle in handles:
+                self.agent.release(handle)
+            raise
+        self._handles[key] = handles
+        skipped = self.skipped_notif(key, load) if plan.notify_only else b""
+        for rank in plan.notify_only:
+            try:
+                self.agent.send_notif(self._peer(load.engine_id, rank).agent, skipped)
+            except TransferError:
+                self.stats["notify_failed"] += 1  # the read itself went out; that rank's expiry frees its copy
+
+    def release_reads(self, key: Hashable, /) -> None:
+        errors = []
+        for handle in self._handles.pop(key):
+            try:
+                self.agent.release(handle)
+            except TransferError as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    def transfer_state(self, key: Hashable) -> str:
+        """``DONE`` when every READ of ``key`` is, ``ERR`` when one failed, else ``PROC``."""
+        states = {self.agent.state(h) for h in self._handles.get(key, ())}
+        return "ERR" if "ERR" in states else "PROC" if "PROC" in states else "DONE"
+
+    def reading(self) -> list[Hashable]:
+        """Requests holding transfer handles."""
+        return list(self._handles)
+
+    # -- the check --------------------------------------------------------------------
+
+    def verify_blocks(self, key: Hashable, /) -> None:
+        """Byte-check every block against the prefill's KV for the request; a mismatch fails the load."""
+        load = self._loads[key]
+        lo, _ = self.topology.range(self.rank, self.topology.decode_tp)
+        first = len(load.remote_blocks) - len(load.blocks)
+        wrong = self.blocks.wrong(load.blocks, load.remote_request_id, lo, first)
+        if wrong:
+            raise BlockMismatch(f"request {key!r}: blocks {wrong} do not hold {load.remote_request_id!r}'s KV")
+        load.verified = True
+        self.stats["blocks_verified"] += len(load.blocks)
+
+    def observe(self, key: Hashable) -> set[str]:
+        held = set()
+        if key in self._loads:
+            held.add("dst_blocks")
+        if key in self._handles:
+            held.add("xfer")
+        return held
+
+    def _peer(self, engine_id: str, rank: int) -> PeerInfo:
+        peer = self.peers.get((engine_id, rank))
+        if peer is None:
+            raise TransferError("handshake", f"{engine_id}/{rank}", "no handshake with this prefill rank")
+        return peer
+
+
+class DecodeRank:
+    """One decode TP rank: blocks registered with its agent, a tracker of loads, transfer handles polled per step."""
+
+    def __init__(
+        self,
+        rank: int,
+        topology: Topology,
+        agent: Transport,
+        num_blocks: int,
+        *,
+        params: dict[str, Any] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        reader: type[BlockReader] = BlockReader,
+    ) -> None:
+        self.rank = rank
+        self.topology = topology
+        self.agent = agent
+        self.blocks = KVBlocks(num_blocks, topology.block_bytes(topology.decode_tp))
+        agent.register(self.blocks.tensor)
+        self.driver = reader(rank, topology, agent, self.blocks)
+        self.tracker = Tracker(decode_spec(), self.driver, params=params, clock=clock, spaces=[REMOTE_ID])
+        self.outcomes: Counter[str] = Counter()
+        self.errors: list[ActionError] = []
+
+    def handshake(self, peers: Sequence[PeerInfo]) -> None:
+        """Make the prefill ranks known (vLLM's ``add_remote_agent`` after the side-channel handshake)."""
+        for peer in peers:
+            self.agent.add_peer(peer.metadata)
+            self.driver.peers[(peer.engine_id, peer.rank)] = peer
+
+    def start_load(
+        self, request_id: str, remote_request_id: str, remote_engine_id: str, block_ids: Sequence[int],
+        remote_block_ids: Sequence[int],
+    ) -> None:  # fmt: skip
+        """vLLM's start_load_kv for one request: pin the blocks and post the READs (a failure ends it ``failed``)."""
+        self.tracker.begin(
+            request_id, remote_request_id=remote_request_id, remote_engine_id=remote_engine_id,
+            block_ids=list(block_ids), remote_block_ids=list(remote_block_ids),
+        )  # fmt: skip
+        self.tracker.link(request_id, REMOTE_ID, remote_request_id)
+        self._fire(request_id, "read")
+
+    def abort(self, request_id: str) -> None:
+        self._fire(request_id, "abort")
+
+    def step(self, now: float | None = None) -> Finished:
+        """Once per scheduler step: finish the READs that are done or failed, fire due deadlines, drain the report."""
+        for key in self.driver.reading():
+            state = self.driver.transfer_state(key)
+            if state != "PROC":
+                self._fire(key, "complete" if state == "DONE" else "fail")
+        self.tracker.poll(now)
+        for _, final in self.tracker.finished():
+            self.outcomes[final] += 1
+        return self.driver.report.take()
+
+    def leaked(self) -> dict[Hashable, tuple[int, ...]]:
+        """Holders of blocks other than the scheduler's own allocations: empty unless the connector leaked."""
+        return {h: b for h, b in self.blocks.pool.holdings().items() if isinstance(h, tuple)}
+
+    def _fire(self, key: Hashable, event: str) -> None:
+        try:
+            self.tracker.fire(key, event)
+        except ActionError as exc:  # the instance is already in a defined state (failed); keep the story
+            self.errors.append(exc)
