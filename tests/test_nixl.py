@@ -1,0 +1,185 @@
+"""The NIXL drivers on the embedded transport: notification ids, TP counting, expiry, faults, seed 004 at run time."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch")
+
+from kvfsm.drivers.nixl import DecodeRank, Fabric, PeerInfo, PrefillRank, Topology, encode, parse
+from kvfsm.drivers.nixl.decode import BlockReader
+from kvfsm.showcase.bench.nixl import soak
+from kvfsm.showcase.nixl_seed import LocalIdReader
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Cluster:
+    """One prefill engine and the decode ranks of a topology on one fabric, with a shared fake clock."""
+
+    def __init__(self, topology: Topology, reader: type[BlockReader] = BlockReader) -> None:
+        self.fabric = Fabric()
+        self.clock = Clock()
+        self.topology = topology
+        self.prefill = [
+            PrefillRank(r, topology, self.fabric.agent(f"p{r}"), 32, params={"abort_timeout": 480.0}, clock=self.clock)
+            for r in range(topology.prefill_tp)
+        ]
+        self.decode = [
+            DecodeRank(d, topology, self.fabric.agent(f"d{d}"), 32, params={"read_timeout": 5.0}, clock=self.clock,
+                       reader=reader)
+            for d in range(topology.decode_tp)
+        ]  # fmt: skip
+        peers = [PeerInfo("E", p.rank, p.agent.name, p.agent.metadata(), p.blocks.base, p.blocks.block_bytes)
+                 for p in self.prefill]  # fmt: skip
+        for d in self.decode:
+            d.handshake(peers)
+
+    def request(self, rid: str, n: int = 3) -> None:
+        remote = []
+        for p in self.prefill:
+            blocks = p.compute(rid, n)
+            p.request_finished(rid, blocks)
+            remote.append(blocks)
+        for d in self.decode:
+            local = d.blocks.pool.allocate(f"d{d.rank}-{rid}", n)
+            group = self.topology.group(d.rank)
+            d.start_load(f"d{d.rank}-{rid}", rid, "E", local, remote[group[0]])
+
+    def step(self) -> None:
+        for d in self.decode:
+            for key in d.step().recving:
+                d.blocks.pool.release(key)
+        for p in self.prefill:
+            p.step()
+
+    def held(self) -> list[int]:
+        return [p.held_requests() for p in self.prefill]
+
+    def leaked(self) -> int:
+        return sum(len(d.leaked()) for d in self.decode) + sum(len(p.leaked()) for p in self.prefill)
+
+
+def test_notification_names_the_prefill_request_and_the_decode_world_size() -> None:
+    assert encode("p-7:x", 4) == b"p-7:x:4"
+    assert parse(b"p-7:x:4") is not None and parse(b"p-7:x:4").request_id == "p-7:x"  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("raw", [b"no-colon", b"p-1:", b":4", b"p-1:four", b"p-1:0", b"p-1:-2", b"\xff\xfe:1", b""])
+def test_malformed_notification_parses_to_none_instead_of_raising(raw: bytes) -> None:
+    assert parse(raw) is None
+
+
+def test_mla_read_of_one_rank_frees_every_prefill_rank_at_once() -> None:
+    c = Cluster(Topology(prefill_tp=4, decode_tp=1, mla=True, kv_bytes=256))
+    c.request("p-1")
+    c.step()
+    assert c.decode[0].outcomes == {"loaded": 1}
+    assert c.held() == [0, 0, 0, 0]
+    assert [dict(p.outcomes) for p in c.prefill] == [{"read": 1}] * 4
+    assert c.leaked() == 0
+
+
+def test_seed_004_local_id_holds_the_skipped_ranks_until_expiry() -> None:
+    c = Cluster(Topology(prefill_tp=4, decode_tp=1, mla=True, kv_bytes=256), reader=LocalIdReader)
+    c.request("p-1")
+    c.step()
+    assert c.decode[0].outcomes == {"loaded": 1}
+    assert c.held() == [0, 1, 1, 1], "only the rank that was read frees its blocks"
+    for p in c.prefill[1:]:
+        assert p.anomalies == {"unknown:request_id": 1}
+        assert list(p.unknown_ids) == ["d0-p-1"], "the id is decode's key, not a prefill request id"
+    c.clock.now = 480.0
+    c.step()
+    assert c.held() == [0, 0, 0, 0]
+    assert [dict(p.outcomes) for p in c.prefill[1:]] == [{"expired": 1}] * 3
+    assert c.leaked() == 0
+
+
+def test_decode_tp_above_prefill_tp_frees_only_after_every_reader_notified() -> None:
+    c = Cluster(Topology(prefill_tp=1, decode_tp=4, mla=False, kv_bytes=256))
+    c.request("p-1")
+    c.decode[0].step(), c.decode[1].step(), c.decode[2].step()
+    c.prefill[0].step()
+    assert c.held() == [1] and c.prefill[0].counts["partial"] == 3
+    c.step()
+    assert c.held() == [0] and c.prefill[0].outcomes == {"read": 1}
+    assert all(d.outcomes == {"loaded": 1} for d in c.decode), "each decode rank byte-checked its slice of the heads"
+
+
+def test_prefill_tp_above_decode_tp_without_mla_reads_every_rank_of_the_group() -> None:
+    c = Cluster(Topology(prefill_tp=4, decode_tp=2, mla=False, kv_bytes=256))
+    c.request("p-1")
+    c.step()
+    assert [d.outcomes for d in c.decode] == [{"loaded": 1}] * 2
+    assert c.held() == [0, 0, 0, 0] and c.leaked() == 0
+
+
+def test_notifications_for_unknown_or_malformed_ids_are_counted_and_dropped() -> None:
+    c = Cluster(Topology(prefill_tp=1, decode_tp=1, mla=False, kv_bytes=256))
+    c.request("p-1")
+    d0 = c.fabric.agents["d0"]
+    for raw in (b"garbage", b"p-1:zero", b"nobody:1", b"p-1:1", b"p-1:1"):
+        d0.send_notif("p0", raw)
+    c.prefill[0].step()
+    assert c.prefill[0].counts["malformed"] == 2
+    assert c.prefill[0].anomalies["unknown:request_id"] == 1
+    c.step()
+    assert c.held() == [0] and c.leaked() == 0
+
+
+def test_hung_peer_read_is_expired_by_the_decode_deadline_and_releases_everything() -> None:
+    c = Cluster(Topology(prefill_tp=1, decode_tp=1, mla=False, kv_bytes=256))
+    c.fabric.stop("p0")
+    c.request("p-1")
+    c.step()
+    assert c.decode[0].tracker.state("d0-p-1") == "reading"
+    c.clock.now = 5.0
+    c.step()
+    assert c.decode[0].outcomes == {"expired": 1}
+    assert c.fabric.agents["d0"].live_handles() == 0
+    c.clock.now = 480.0
+    c.step()
+    assert c.held() == [0] and c.leaked() == 0
+
+
+def test_dead_peer_fails_the_load_and_reports_its_blocks_invalid() -> None:
+    c = Cluster(Topology(prefill_tp=1, decode_tp=1, mla=False, kv_bytes=256))
+    c.fabric.kill("p0")
+    c.request("p-1")
+    done = c.decode[0].step()
+    assert c.decode[0].outcomes == {"failed": 1}
+    assert done.recving == {"d0-p-1"} and len(done.invalid_blocks) == 3
+
+
+def test_abort_mid_read_releases_the_handle_and_the_prefill_expiry_frees_the_rest() -> None:
+    c = Cluster(Topology(prefill_tp=1, decode_tp=1, mla=False, kv_bytes=256))
+    c.request("p-1")
+    c.decode[0].abort("d0-p-1")
+    c.step()
+    assert c.decode[0].outcomes == {"aborted": 1} and c.fabric.agents["d0"].live_handles() == 0
+    c.clock.now = 480.0
+    c.step()
+    assert c.held() == [0] and c.leaked() == 0
+
+
+def test_corrupted_block_fails_the_byte_check() -> None:
+    c = Cluster(Topology(prefill_tp=1, decode_tp=1, mla=False, kv_bytes=256))
+    c.request("p-1")
+    c.prefill[0].blocks.tensor[c.prefill[0].blocks.pool.held_by(("nixl_send", "p-1"))[1]] ^= 1
+    done = c.decode[0].step()
+    assert c.decode[0].outcomes == {"failed": 1}
+    assert "do not hold 'p-1'" in str(c.decode[0].errors[0].__cause__ or c.decode[0].errors[0])
+    assert len(done.invalid_blocks) == 3
+
+
+def test_embedded_soak_with_faults_leaks_nothing_and_hangs_nothing() -> None:
+    result = soak(requests=300, concurrency=128, fault_rate=0.1, real=False, abort_timeout=0.3, read_timeout=1.0)
+    assert result.ok, result
+    assert sum(result.faults.values()) > 0 and result.blocks_verified > 0
