@@ -29,23 +29,41 @@ if [ ! -x "$VENV/bin/python" ]; then
     echo "==> creating $VENV"
     "$PY" -m venv "$VENV"
 fi
+pip_install() {
+    "$VENV/bin/python" -m pip install -q "$@" >>"$VENV/setup.log" 2>&1 || {
+        echo "pip install $* failed; last lines of $VENV/setup.log:" >&2
+        tail -20 "$VENV/setup.log" >&2
+        exit 1
+    }
+}
 stamp="$VENV/.kvfsm-setup"
 want="$(cat pyproject.toml dev.sh | sha256sum | cut -d' ' -f1)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     echo "==> installing Python packages (torch 2.13.0 CPU wheel, kvfsm[dev]); log in $VENV/setup.log"
-    pip_install() {
-        "$VENV/bin/python" -m pip install -q "$@" >>"$VENV/setup.log" 2>&1 || {
-            echo "pip install $* failed; last lines of $VENV/setup.log:" >&2
-            tail -20 "$VENV/setup.log" >&2
-            exit 1
-        }
-    }
     pip_install --upgrade pip
     # torch first, pinned, so the range in [dev] is met by the CPU wheel on disk.
     pip_install torch==2.13.0
     pip_install -e ".[dev]"
     "$VENV/bin/python" -c "import kvfsm, torch, numpy, yaml, hypothesis, msgspec, zmq, transitions, statemachine"
     echo "$want" > "$stamp"
+fi
+
+# ---- vLLM (the `vllm` tests: kvfsm's connectors inside vLLM's real scheduler; docs/vllm.md) ----
+# vLLM 0.33.0 pins torch 2.14 (CUDA), so pip never resolves vllm itself: the wheel goes in with
+# --no-deps beside kvfsm[vllm] (its import closure), all under the torch 2.13.0 (CPU) constraint.
+# Its own stamp, so it runs once; KVFSM_NO_VLLM=1 skips it (the `vllm` tests then skip).
+VLLM_VERSION=0.33.0
+vllm_stamp="$VENV/.kvfsm-vllm"
+vllm_want="$(printf '%s\n' "$VLLM_VERSION" "$(cat pyproject.toml)" | sha256sum | cut -d' ' -f1)"
+if [ -z "${KVFSM_NO_VLLM:-}" ] && [ "$(cat "$vllm_stamp" 2>/dev/null)" != "$vllm_want" ]; then
+    echo "==> installing vLLM $VLLM_VERSION without its torch pin (wheel 336 MB); log in $VENV/setup.log"
+    t0=$SECONDS
+    echo "torch==2.13.0" > "$VENV/torch-constraint.txt"
+    pip_install -c "$VENV/torch-constraint.txt" -e ".[vllm]"
+    pip_install --no-deps "vllm==$VLLM_VERSION" "xgrammar==0.2.8"   # xgrammar's own deps would pull triton (~1 GB)
+    VLLM_TARGET_DEVICE=cpu "$VENV/bin/python" -c "import vllm.v1.core.sched.scheduler, kvfsm.adapters.vllm_connector"
+    echo "$vllm_want" > "$vllm_stamp"
+    echo "    vLLM set up in $((SECONDS - t0)) s"
 fi
 export PATH="$PWD/$VENV/bin:$PATH"
 

@@ -38,6 +38,11 @@ The two sides talk only through :class:`CpuOffloadMetadata` (scheduler to
 worker) and :class:`CpuOffloadWorkerMeta` (worker to scheduler, inside
 ``KVConnectorOutput.kv_connector_worker_meta``), as they would across vLLM's
 process boundary. Single KV-cache group, one worker (tensor parallel size 1).
+
+For vLLM itself, ``kv_connector_module_path="kvfsm.adapters.vllm"`` names
+this module: ``CpuOffloadConnector`` (the two halves as one
+``KVConnectorBase_V1``) is loaded from :mod:`kvfsm.adapters.vllm_connector`
+when vLLM asks for it, so this module imports without vLLM.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ import itertools
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..drivers.cpu_offload import LOAD_SPEC, STORE_SPEC, CpuOffload
 from ..drivers.kv_cache import BlockCopier, Copier, Copy
@@ -392,11 +397,9 @@ class CpuOffloadScheduler:
         return self.loads.live() + self.stores.live() + self.report.owed()
 
     def anomalies(self) -> dict[str, int]:
-        """Events dropped because they named no live instance (late, duplicate or unknown job ids)."""
-        return {
-            kind: self.loads.counts[kind] + self.stores.counts[kind]
-            for kind in ("unknown", "stale", "ignored", "forced")
-        }
+        """Events dropped because they named no live instance (late, duplicate or unknown job ids), by kind."""
+        kinds = ("unknown", "late", "stale", "ignored", "forced")
+        return {kind: self.loads.counts.get(kind, 0) + self.stores.counts.get(kind, 0) for kind in kinds}
 
     def shutdown(self) -> None:
         """Abort everything and release all blocks (a copy still running is abandoned to its fate)."""
@@ -473,3 +476,19 @@ class CpuOffloadWorker:
         return (
             report if (report.loads_done or report.loads_failed or report.stores_done or report.stores_failed) else None
         )
+
+
+_VLLM_CONNECTORS = {"CpuOffloadConnector": "vllm_connector"}
+"""Connector classes vLLM may name; they import vLLM, so they load on first use."""
+
+
+if not TYPE_CHECKING:  # hidden from mypy, which would otherwise type every missing name in this module as Any
+
+    def __getattr__(name: str) -> Any:
+        """Load a vLLM connector class on demand (PEP 562): vLLM's factory does ``getattr(module, kv_connector)``."""
+        if name in _VLLM_CONNECTORS:
+            import importlib
+
+            module = importlib.import_module(f"{__package__}.{_VLLM_CONNECTORS[name]}")
+            return getattr(module, name)
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -179,7 +179,8 @@ class CpuOffload:
     """One engine's CPU offload: the GPU and CPU KV caches, the CPU pool, and the drivers of both machines.
 
     The GPU side is on CUDA when it is available (the CPU cache then in pinned
-    host memory, so copies are DMA), on the CPU otherwise. ``gpu_pool`` is the
+    host memory, so copies are DMA), on the CPU otherwise; ``device="meta"``
+    allocates no bytes at all, for a scheduler process that only keeps books. ``gpu_pool`` is the
     scheduler's own GPU block pool when there is one (vLLM's
     ``bind_gpu_block_pool``); the drivers hold its blocks next to the
     scheduler's requests.
@@ -200,7 +201,9 @@ class CpuOffload:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.layout = layout
         self.gpu_cache = KVCache(layout, num_gpu_blocks, device)
-        self.cpu_cache = KVCache(layout, num_cpu_blocks, "cpu", pin_memory=self.gpu_cache.device.type == "cuda")
+        # A scheduler-side instance keeps only the bookkeeping: on torch's "meta" device no bytes exist.
+        cpu_device = "meta" if self.gpu_cache.device.type == "meta" else "cpu"
+        self.cpu_cache = KVCache(layout, num_cpu_blocks, cpu_device, pin_memory=self.gpu_cache.device.type == "cuda")
         self.cpu_pool = BlockPool(num_cpu_blocks)
         self.gpu_pool = gpu_pool if gpu_pool is not None else BlockPool(num_gpu_blocks)
         self.load = LoadDriver(self.cpu_pool, self.gpu_pool)

@@ -85,6 +85,11 @@ class Report:
         self._waiting = set()
         return invalid
 
+    def owes(self, request_id: Hashable) -> bool:
+        """Whether ``request_id`` is recorded and not yet drained (as sending or receiving)."""
+        with self._lock:
+            return request_id in self._sending or request_id in self._recving or request_id in self._waiting
+
     def owed(self) -> int:
         """Requests recorded and not yet drained."""
         with self._lock:

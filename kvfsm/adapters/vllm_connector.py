@@ -1,0 +1,235 @@
+"""kvfsm's CPU-offload connector as a real ``KVConnectorBase_V1``: what vLLM loads through ``kv_connector_module_path``.
+
+Configure vLLM with::
+
+    KVTransferConfig(kv_connector="CpuOffloadConnector", kv_connector_module_path="kvfsm.adapters.vllm",
+                     kv_role="kv_both", kv_connector_extra_config={"num_cpu_blocks": 4096})
+
+vLLM builds this class twice: the SCHEDULER role wraps
+:class:`~kvfsm.adapters.vllm.CpuOffloadScheduler` (two Trackers, on vLLM's own
+GPU block pool once vLLM binds it), the WORKER role wraps
+:class:`~kvfsm.adapters.vllm.CpuOffloadWorker`. Every call is forwarded; this
+module only converts between vLLM's types and the halves' plain ones. It
+imports vLLM: :mod:`kvfsm.adapters.vllm` loads it only when vLLM asks for the
+class, so kvfsm itself never needs vLLM.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+    SupportsHMA,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from ..drivers.block_pool import BlockPool
+from ..drivers.cpu_offload import CpuOffload
+from ..drivers.kv_cache import KVCache, KVLayout
+from .vllm import CpuOffloadMetadata, CpuOffloadScheduler, CpuOffloadWorker, CpuOffloadWorkerMeta
+from .vllm_blocks import VllmGpuBlocks
+
+
+@dataclass
+class CpuOffloadWorkerReport(CpuOffloadWorkerMeta, KVConnectorWorkerMetadata):
+    """The worker half's job report as vLLM's worker metadata: reports of several workers add up."""
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if not isinstance(other, CpuOffloadWorkerMeta):
+            raise TypeError(f"cannot aggregate CpuOffloadWorkerReport with {type(other).__name__}")
+        return CpuOffloadWorkerReport(
+            **{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(CpuOffloadWorkerMeta)}
+        )
+
+
+@dataclass(frozen=True)
+class CpuOffloadSettings:
+    """``kv_connector_extra_config`` of the connector; unknown keys are refused so a typo cannot go unnoticed."""
+
+    num_cpu_blocks: int
+    load_timeout: float | None = None
+    store_timeout: float | None = None
+
+    @classmethod
+    def parse(cls, extra: Mapping[str, Any], block_bytes: int) -> CpuOffloadSettings:
+        """Read the settings; ``cpu_bytes_to_use`` (vLLM's SimpleCPUOffloadConnector key) sizes the pool too."""
+        known = {"num_cpu_blocks", "cpu_bytes_to_use", "load_timeout", "store_timeout"}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ValueError(
+                f"kv_connector_extra_config has {unknown}, which CpuOffloadConnector does not read; "
+                f"it reads {sorted(known)}"
+            )
+        if "num_cpu_blocks" in extra:
+            blocks = int(extra["num_cpu_blocks"])
+        elif "cpu_bytes_to_use" in extra:
+            blocks = int(extra["cpu_bytes_to_use"]) // block_bytes
+        else:
+            raise ValueError(
+                "CpuOffloadConnector needs the size of its CPU cache: set kv_connector_extra_config "
+                f"'num_cpu_blocks' (blocks of {block_bytes} bytes) or 'cpu_bytes_to_use'"
+            )
+        if blocks < 1:
+            raise ValueError(f"the CPU cache must hold at least one block, not {blocks} (one block is {block_bytes} B)")
+        load, store = extra.get("load_timeout"), extra.get("store_timeout")
+        return cls(blocks, None if load is None else float(load), None if store is None else float(store))
+
+
+def layout_of(kv_cache_config: Any) -> tuple[KVLayout, int]:
+    """The KV block layout and GPU block count of vLLM's ``KVCacheConfig`` (one full-attention group)."""
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ValueError(
+            f"CpuOffloadConnector serves one KV-cache group, this model has {len(groups)}; "
+            "run vLLM with disable_hybrid_kv_cache_manager=True or a model with one attention type"
+        )
+    spec = groups[0].kv_cache_spec
+    layout = KVLayout(
+        num_layers=2 * len(groups[0].layer_names),  # K and V of each attention layer
+        block_size=spec.block_size,
+        num_kv_heads=spec.num_kv_heads,
+        head_size=spec.head_size,
+        dtype=spec.dtype,
+    )
+    return layout, int(kv_cache_config.num_blocks)
+
+
+class CpuOffloadConnector(KVConnectorBase_V1, SupportsHMA):
+    """A CPU prefix cache for vLLM whose every pin, load and store is a kvfsm Tracker instance."""
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.layout, self.num_gpu_blocks = layout_of(kv_cache_config)
+        self.settings = CpuOffloadSettings.parse(
+            self._kv_transfer_config.kv_connector_extra_config or {}, self.layout.block_bytes
+        )
+        self._scheduler: CpuOffloadScheduler | None = None
+        self._worker: CpuOffloadWorker | None = None
+        self._clock: Callable[[], float] = time.monotonic
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = self._scheduler_half(BlockPool(self.num_gpu_blocks))
+        else:
+            self._worker = CpuOffloadWorker(CpuOffload(self.layout, self.num_gpu_blocks, self.settings.num_cpu_blocks))
+
+    def _scheduler_half(self, gpu_pool: BlockPool) -> CpuOffloadScheduler:
+        """Bookkeeping only: the bytes live in the worker, so the scheduler's caches are on the meta device."""
+        offload = CpuOffload(
+            self.layout, self.num_gpu_blocks, self.settings.num_cpu_blocks, gpu_pool=gpu_pool, device="meta"
+        )
+        return CpuOffloadScheduler(
+            offload,
+            clock=self._clock,
+            load_timeout=self.settings.load_timeout,
+            store_timeout=self.settings.store_timeout,
+        )
+
+    @property
+    def scheduler_half(self) -> CpuOffloadScheduler:
+        """The scheduler-side half (SCHEDULER role only): its Trackers, pools and stats."""
+        if self._scheduler is None:
+            raise RuntimeError("this CpuOffloadConnector was built for the WORKER role; it has no scheduler half")
+        return self._scheduler
+
+    @property
+    def worker_half(self) -> CpuOffloadWorker:
+        """The worker-side half (WORKER role only): its KV caches and copier."""
+        if self._worker is None:
+            raise RuntimeError("this CpuOffloadConnector was built for the SCHEDULER role; it has no worker half")
+        return self._worker
+
+    # -- scheduler side -------------------------------------------------------------
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        """Hold vLLM's own GPU blocks from now on (vLLM binds before the first request arrives)."""
+        self._rebuild("bind_gpu_block_pool", VllmGpuBlocks(gpu_block_pool))
+
+    def set_clock(self, clock: Callable[[], float]) -> None:
+        """Measure the load and store deadlines on ``clock`` (a test's step counter) instead of ``time.monotonic``."""
+        self._clock = clock
+        self._rebuild("set_clock", self.scheduler_half.offload.gpu_pool)
+
+    def _rebuild(self, why: str, gpu_pool: BlockPool) -> None:
+        if self.scheduler_half.live():
+            raise RuntimeError(f"{why} after requests arrived: what is held now would be lost; call it first")
+        self._scheduler = self._scheduler_half(gpu_pool)
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self.scheduler_half.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self.scheduler_half.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> CpuOffloadMetadata:
+        return self.scheduler_half.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self.scheduler_half.update_connector_output(connector_output)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler_half.request_finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """One KV-cache group (the constructor refuses more), so this is :meth:`request_finished`."""
+        return self.request_finished(request, block_ids[0])
+
+    def shutdown(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+
+    # -- worker side ------------------------------------------------------------------
+
+    def register_cross_layers_kv_cache(self, kv_cache: torch.Tensor, attn_backend: Any = None) -> None:
+        """Copy into vLLM's own cache when it is one block-major tensor, as loads and stores then need no staging."""
+        cache = KVCache.wrap(kv_cache)
+        if cache.layout != self.worker_half.cpu_cache.layout:
+            raise ValueError(
+                f"vLLM's KV cache has layout {cache.layout}, the CPU cache {self.worker_half.cpu_cache.layout}"
+            )
+        self.worker_half.gpu_cache = cache
+
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        self.worker_half.bind_connector_metadata(connector_metadata)
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        self.worker_half.clear_connector_metadata()
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self.worker_half.start_load_kv(forward_context, **kwargs)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self.worker_half.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        self.worker_half.save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
+
+    def wait_for_save(self) -> None:
+        self.worker_half.wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self.worker_half.get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker_half.get_block_ids_with_load_errors()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return as_worker_report(self.worker_half.build_connector_worker_meta())
+
+
+def as_worker_report(meta: CpuOffloadWorkerMeta | None) -> CpuOffloadWorkerReport | None:
+    """The worker half's plain report as vLLM's ``KVConnectorWorkerMetadata`` (None stays None)."""
+    if meta is None:
+        return None
+    return CpuOffloadWorkerReport(**{f.name: getattr(meta, f.name) for f in fields(CpuOffloadWorkerMeta)})

@@ -1,0 +1,428 @@
+"""kvfsm's CPU-offload connector inside vLLM's real ``Scheduler``, stepped with fake model outputs and checked after every step.
+
+The scheduler is vLLM's own (CPU, a small GPU pool, prefix caching on); it
+loads :class:`~kvfsm.adapters.vllm_connector.CpuOffloadConnector` through
+``kv_connector_module_path`` and builds the SCHEDULER role itself. The WORKER
+role is driven the way vLLM's ``KVConnectorModelRunnerMixin`` drives it, and
+the model's output is faked the way vLLM's
+``tests/v1/kv_connector/unit/utils.py`` fakes it. Faults are the simulator's:
+a DMA engine that is late, fails or loses reports
+(:class:`~kvfsm.showcase.sim.runner.DelayedCopier`), and a process boundary
+that delivers worker outputs twice or much later
+(:class:`~kvfsm.showcase.sim.runner.OutputDelivery`).
+
+After every step, :meth:`RealEngine.check` holds vLLM and kvfsm to each
+other: every GPU block's ``ref_cnt`` is exactly the requests vLLM gives it
+plus the kvfsm holds on it, vLLM's free queue is exactly the unreferenced
+blocks, a request vLLM parks in ``WAITING_FOR_REMOTE_KVS`` is one a load (or
+the report) owes an answer, and an instance kept for a request vLLM has
+forgotten is one whose deadline will end it.
+
+Needs vLLM (``./dev.sh setup`` installs it; see docs/vllm.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # vLLM must not look for an accelerator here
+
+import torch
+from vllm import SamplingParams
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output import StructuredOutputManager
+
+from ...adapters import vllm_api
+from ...adapters.vllm_connector import CpuOffloadConnector, as_worker_report
+from ...engine import Tracker
+from .opt125m import model_dir
+from .runner import DelayedCopier, OutputDelivery
+
+EOS_TOKEN_ID = 50256
+_none_hash_ready = False
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The scheduler's shape, the connector's settings, and how badly the worker and the process boundary behave."""
+
+    num_gpu_blocks: int = 24
+    num_cpu_blocks: int = 64
+    block_size: int = 16
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 64
+    load_timeout: float = 40.0
+    store_timeout: float = 40.0
+    """Deadlines in steps (the Trackers' clock is the step count)."""
+    copy_delay: tuple[int, int] = (1, 3)
+    copy_failure_rate: float = 0.0
+    copy_loss_rate: float = 0.0
+    duplicate_rate: float = 0.0
+    late_rate: float = 0.0
+    kv_load_failure_policy: str = "recompute"
+
+
+@dataclass(frozen=True)
+class EngineWorkload:
+    """What arrives: requests sharing a few prefixes, and clients that give up."""
+
+    num_requests: int = 200
+    arrival_rate: float = 0.12
+    num_prefixes: int = 4
+    prefix_blocks: tuple[int, int] = (2, 6)
+    unique_len: tuple[int, int] = (1, 40)
+    output_len: tuple[int, int] = (1, 64)
+    abort_rate: float = 0.001
+    """Chance per step that the client of any one live request aborts it."""
+    abort_loading_rate: float = 0.05
+    """Chance per step that a request vLLM parks in WAITING_FOR_REMOTE_KVS is aborted (mid-load)."""
+    reset_prefix_cache_every: int = 25
+    """Steps between ``reset_prefix_cache()`` calls: the GPU forgets, so the CPU tier must serve."""
+    seed: int = 0
+
+
+@dataclass
+class EngineReport:
+    """What happened, and what leaked (nothing, for a correct connector)."""
+
+    steps: int = 0
+    requests: int = 0
+    finished: int = 0
+    preemptions: int = 0
+    aborts: int = 0
+    aborts_mid_load: int = 0
+    aborts_between_phases: int = 0
+    prefix_resets: int = 0
+    checks: int = 0
+    connector: dict[str, Any] = field(default_factory=dict)
+    faults: dict[str, int] = field(default_factory=dict)
+    leaked_gpu_blocks: int = 0
+    leaked_cpu_holds: int = 0
+    live_instances: int = 0
+
+    @property
+    def clean(self) -> bool:
+        return self.leaked_gpu_blocks == 0 and self.leaked_cpu_holds == 0 and self.live_instances == 0
+
+
+def vllm_config(config: EngineConfig) -> VllmConfig:
+    """The VllmConfig of vLLM's connector unit tests, with kvfsm's connector named by module path."""
+    model = ModelConfig(model=str(model_dir()), skip_tokenizer_init=True, dtype="float16", seed=42)
+    return VllmConfig(
+        model_config=model,
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=2048,
+            enable_chunked_prefill=True,
+            is_encoder_decoder=False,
+        ),
+        cache_config=CacheConfig(block_size=config.block_size, enable_prefix_caching=True),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="CpuOffloadConnector",
+            kv_connector_module_path="kvfsm.adapters.vllm",
+            kv_role="kv_both",
+            kv_connector_extra_config={
+                "num_cpu_blocks": config.num_cpu_blocks,
+                "load_timeout": config.load_timeout,
+                "store_timeout": config.store_timeout,
+            },
+            kv_load_failure_policy=config.kv_load_failure_policy,
+        ),
+        device_config=DeviceConfig("cpu"),
+    )
+
+
+def kv_cache_config(config: EngineConfig) -> KVCacheConfig:
+    spec = FullAttentionSpec(block_size=config.block_size, num_kv_heads=1, head_size=4, dtype=torch.float16)
+    return KVCacheConfig(
+        num_blocks=config.num_gpu_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)]
+    )
+
+
+def make_request(request_id: str, prompt: list[int], max_tokens: int, block_size: int) -> Request:
+    """A request as vLLM's tests make one: block hashes by sha256 from the first token on."""
+    global _none_hash_ready
+    if not _none_hash_ready:
+        init_none_hash(sha256)
+        _none_hash_ready = True
+    params = SamplingParams(max_tokens=max_tokens)
+    params.update_from_generation_config({}, EOS_TOKEN_ID)
+    return Request(
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        sampling_params=params,
+        pooling_params=None,
+        mm_features=None,
+        block_hasher=get_request_block_hasher(block_size, sha256),
+    )
+
+
+class RealEngine:
+    """vLLM's Scheduler with kvfsm's connector, a faulty worker and a flaky process boundary, checked every step."""
+
+    def __init__(self, config: EngineConfig = EngineConfig(), seed: int = 0) -> None:
+        self.config = config
+        self.rng = random.Random(seed)
+        self.now = 0
+        vconfig = vllm_config(config)
+        kv_config = kv_cache_config(config)
+        vconfig.cache_config.num_gpu_blocks = config.num_gpu_blocks
+        self.scheduler = Scheduler(
+            vllm_config=vconfig,
+            kv_cache_config=kv_config,
+            log_stats=False,
+            structured_output_manager=StructuredOutputManager(vconfig),
+            block_size=config.block_size,
+        )
+        connector = self.scheduler.connector
+        if not isinstance(connector, CpuOffloadConnector):
+            raise TypeError(f"vLLM built {type(connector).__name__}, not kvfsm's CpuOffloadConnector")
+        self.connector = connector
+        connector.set_clock(lambda: float(self.now))
+        self.worker = CpuOffloadConnector(vconfig, _worker_role(), kv_config)
+        self.copier = DelayedCopier(
+            lambda: self.now,
+            self.rng,
+            delay=config.copy_delay,
+            failure_rate=config.copy_failure_rate,
+            loss_rate=config.copy_loss_rate,
+        )
+        self.worker.worker_half.copier = self.copier
+        self.delivery = OutputDelivery(self.rng, duplicate_rate=config.duplicate_rate, late_rate=config.late_rate)
+        self.block_pool = self.scheduler.kv_cache_manager.block_pool
+        self.report = EngineReport()
+        self._seen: set[str] = set()
+        """Request ids added and possibly still known to a Tracker: where to look for what vLLM forgot."""
+
+    # -- one step ---------------------------------------------------------------------
+
+    def step(self) -> None:
+        """One scheduler step, one worker step, one model output, and every check."""
+        self.now += 1
+        out = self.scheduler.schedule()
+        self.report.preemptions += len(out.preempted_req_ids or ())
+        kv = self.delivery.deliver(self.now, self._worker_step(out.kv_connector_metadata, set(out.finished_req_ids)))
+        worker_meta = as_worker_report(kv.kv_connector_worker_meta)
+        req_ids = list(out.num_scheduled_tokens)
+        sampled = []
+        for rid in req_ids:
+            req = self.scheduler.requests[rid]
+            # The model runner discards the token of a partial prefill; the rest sample one.
+            sampled.append([self.rng.randrange(1000)] if req.num_computed_tokens >= req.num_tokens else [])
+        runner_out = ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            logprobs=None,
+            prompt_logprobs_dict={},
+            pooler_output=None,
+            kv_connector_output=KVConnectorOutput(
+                finished_sending=kv.finished_sending,
+                finished_recving=kv.finished_recving,
+                invalid_block_ids=set(kv.invalid_block_ids),
+                kv_connector_worker_meta=worker_meta,
+            ),
+        )
+        for req in self.scheduler.update_from_output(out, runner_out).values():
+            self.report.finished += sum(1 for o in req.outputs if o.finish_reason is not None)
+        self.report.steps += 1
+        self.check()
+
+    def _worker_step(self, meta: Any, finished_req_ids: set[str]) -> vllm_api.KVConnectorOutput:
+        """The WORKER role's calls in the order of vLLM's ``KVConnectorModelRunnerMixin`` (no forward pass here)."""
+        w = self.worker
+        w.bind_connector_metadata(meta)
+        w.start_load_kv(None)
+        w.wait_for_save()
+        sending, recving = w.get_finished(finished_req_ids)
+        invalid = w.get_block_ids_with_load_errors()
+        worker_meta = w.build_connector_worker_meta()
+        w.clear_connector_metadata()
+        return vllm_api.KVConnectorOutput(
+            sending, recving, invalid_block_ids=invalid, kv_connector_worker_meta=worker_meta
+        )
+
+    def add(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+        self._seen.add(request.request_id)
+        self.report.requests += 1
+
+    def abort(self, request_id: str) -> None:
+        """The client gives up; counted by where the request was in the connector's lifecycle."""
+        req = self.scheduler.requests.get(request_id)
+        if req is None or RequestStatus.is_finished(req.status):
+            return
+        if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            self.report.aborts_mid_load += 1
+        elif self.connector.scheduler_half.loads.accepts(request_id, "retry"):
+            self.report.aborts_between_phases += 1  # phase A pinned a hit, phase B never came
+        self.report.aborts += 1
+        self.scheduler.finish_requests(request_id, RequestStatus.FINISHED_ABORTED)
+
+    # -- the checks ----------------------------------------------------------------------
+
+    def check(self) -> None:
+        """vLLM's block pool is consistent with its requests plus kvfsm's holds; the Trackers agree with vLLM."""
+        self.report.checks += 1
+        half = self.connector.scheduler_half
+        gpu = half.offload.gpu_pool
+        gpu.check()
+        half.offload.cpu_pool.check()
+        expected = dict.fromkeys(range(len(self.block_pool.blocks)), 0)
+        for blocks in self.scheduler.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks.values():
+            for b in blocks:
+                if not b.is_null:
+                    expected[b.block_id] += 1
+        for b, n in gpu.referenced().items():
+            expected[b] += n
+        for b, block in enumerate(self.block_pool.blocks):
+            if block.is_null:
+                continue
+            if block.ref_cnt != expected[b]:
+                raise AssertionError(
+                    f"step {self.now}: GPU block {b} has ref_cnt {block.ref_cnt}, but vLLM's requests and kvfsm's "
+                    f"holds account for {expected[b]}"
+                )
+        free = self.block_pool.free_block_queue.num_free_blocks
+        unreferenced = sum(1 for b in self.block_pool.blocks if not b.is_null and b.ref_cnt == 0)
+        if free != unreferenced:
+            raise AssertionError(
+                f"step {self.now}: vLLM's free queue has {free} blocks, {unreferenced} are unreferenced"
+            )
+        for rid, req in self.scheduler.requests.items():
+            if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS and not (
+                "recv_report" in half.loads.held(rid)
+                or half.report.owes(rid)
+                or rid in self.scheduler.finished_recving_kv_req_ids
+            ):
+                raise AssertionError(f"step {self.now}: vLLM waits for {rid}'s load, but no load or report owes it")
+        for rid in list(self._seen):
+            if rid in self.scheduler.requests:
+                continue
+            known = False
+            for tracker in (half.loads, half.stores):
+                state = tracker.state(rid)
+                if state is None or state not in tracker.spec.live:
+                    continue
+                known = True
+                if tracker.spec.states[state].timeout is None and not self._sent_this_step(tracker, rid):
+                    raise AssertionError(
+                        f"step {self.now}: {tracker.spec.name} holds {sorted(tracker.held(rid))} for {rid}, which "
+                        f"vLLM has forgotten, in '{state}', which no deadline ends"
+                    )
+            if not known:
+                self._seen.discard(rid)
+
+    @staticmethod
+    def _sent_this_step(tracker: Tracker, rid: str) -> bool:
+        """A store planned by request_finished leaves with the next step's metadata (its only way on is dispatch)."""
+        return tracker.accepts(rid, "dispatch")
+
+    # -- a whole run -----------------------------------------------------------------------
+
+    def run(self, workload: EngineWorkload, max_steps: int = 100_000) -> EngineReport:
+        """Arrivals, aborts and prefix-cache resets until every request is over; then drain and count leaks."""
+        rng = random.Random(workload.seed)
+        bs = self.config.block_size
+        prefixes = [
+            [rng.randrange(1, 30_000) for _ in range(bs * rng.randint(*workload.prefix_blocks))]
+            for _ in range(workload.num_prefixes)
+        ]
+        arrivals = iter(self._requests(rng, workload, prefixes))
+        pending = workload.num_requests
+        while pending:
+            if self.now > max_steps:
+                raise AssertionError(f"not drained after {max_steps} steps: {self.scheduler.get_request_counts()}")
+            while pending and rng.random() < workload.arrival_rate:
+                self.add(next(arrivals))
+                pending -= 1
+            for rid in list(self.scheduler.requests):
+                loading = self.scheduler.requests[rid].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+                if rng.random() < (workload.abort_loading_rate if loading else workload.abort_rate):
+                    self.abort(rid)
+            if workload.reset_prefix_cache_every and self.now % workload.reset_prefix_cache_every == 0:
+                self._reset_prefix_cache()
+            self.step()
+        self.drain(max_steps)
+        return self.finish()
+
+    def drain(self, max_steps: int = 10_000) -> None:
+        """Step until vLLM has no request and the connector nothing under way (AssertionError if it never does)."""
+        for _ in range(max_steps):
+            if not (self.scheduler.has_requests() or self._connector_busy()):
+                return
+            self.step()
+        raise AssertionError(f"not idle after {max_steps} steps: {self.scheduler.get_request_counts()} requests")
+
+    def _reset_prefix_cache(self) -> None:
+        """Make the GPU forget its prefix cache, preempting every running request, when vLLM can.
+
+        vLLM raises if blocks stay in use after the preemption: held by a
+        request it cannot preempt, or by kvfsm's pins; then only an idle reset is tried.
+        """
+        owners = self.scheduler.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks
+        stuck = any(
+            r.status != RequestStatus.RUNNING and owners.get(rid) for rid, r in self.scheduler.requests.items()
+        )  # a request vLLM cannot preempt keeps blocks: waiting for a load, or finished with a delayed free
+        held = self.connector.scheduler_half.offload.gpu_pool.holder_count() > 0
+        preempt = not (stuck or held)
+        self.report.prefix_resets += int(bool(self.scheduler.reset_prefix_cache(reset_running_requests=preempt)))
+
+    def _requests(self, rng: random.Random, workload: EngineWorkload, prefixes: list[list[int]]) -> Iterator[Request]:
+        for i in range(workload.num_requests):
+            prompt = list(rng.choice(prefixes)) + [
+                rng.randrange(1, 30_000) for _ in range(rng.randint(*workload.unique_len))
+            ]
+            yield make_request(f"r{i}", prompt, rng.randint(*workload.output_len), self.config.block_size)
+
+    def _connector_busy(self) -> bool:
+        return self.connector.scheduler_half.live() > 0 or self.copier.busy() or self.delivery.busy()
+
+    def finish(self) -> EngineReport:
+        """Count what is still held once vLLM and the connector are idle: all zero for a correct connector."""
+        half = self.connector.scheduler_half
+        r = self.report
+        r.leaked_gpu_blocks = sum(1 for b in self.block_pool.blocks if not b.is_null and b.ref_cnt > 0)
+        r.leaked_cpu_holds = half.offload.cpu_pool.holder_count()
+        r.live_instances = half.live()
+        r.connector = {k: v for k, v in vars(half.stats).items() if k != "outcomes"} | {
+            "outcomes": dict(half.stats.outcomes)
+        }
+        r.faults = {
+            "copies_failed": self.copier.failed,
+            "reports_lost": self.copier.lost,
+            "outputs_duplicated": self.delivery.duplicated,
+            "outputs_late": self.delivery.late,
+        } | {f"tracker_{k}": v for k, v in half.anomalies().items()}
+        return r
+
+
+def _worker_role() -> Any:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    return KVConnectorRole.WORKER
+
+
+if __name__ == "__main__":  # pragma: no cover - a demonstration: python -m kvfsm.showcase.sim.real
+    faulty = EngineConfig(copy_failure_rate=0.05, copy_loss_rate=0.03, duplicate_rate=0.05, late_rate=0.05)
+    report = RealEngine(faulty, seed=1).run(EngineWorkload(num_requests=300, seed=1))
+    print(json.dumps(vars(report), indent=1, default=str))
