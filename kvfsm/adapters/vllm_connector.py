@@ -59,25 +59,43 @@ class CpuOffloadSettings:
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any], block_bytes: int) -> CpuOffloadSettings:
-        """Read the settings; ``cpu_bytes_to_use`` (vLLM's SimpleCPUOffloadConnector key) sizes the pool too."""
-        known = {"num_cpu_blocks", "cpu_bytes_to_use", "load_timeout", "store_timeout"}
+        """Read and check the settings; vLLM's SimpleCPUOffloadConnector keys for the CPU budget work too.
+
+        The CPU cache holds ``num_cpu_blocks`` blocks, or as many as fit in
+        ``cpu_bytes_to_use_per_rank`` (alias ``cpu_bytes_to_use``); given both,
+        the blocks must fit in the bytes.
+        """
+        known = {"num_cpu_blocks", "cpu_bytes_to_use", "cpu_bytes_to_use_per_rank", "kv_offload_backend"}
+        known |= {"load_timeout", "store_timeout"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ValueError(
                 f"kv_connector_extra_config has {unknown}, which CpuOffloadConnector does not read; "
                 f"it reads {sorted(known)}"
             )
-        if "num_cpu_blocks" in extra:
-            blocks = int(extra["num_cpu_blocks"])
-        elif "cpu_bytes_to_use" in extra:
-            blocks = int(extra["cpu_bytes_to_use"]) // block_bytes
+        backend = extra.get("kv_offload_backend", "cpu")
+        if backend != "cpu":
+            raise ValueError(f"kv_offload_backend {backend!r}: CpuOffloadConnector offloads to CPU memory only ('cpu')")
+        budget = extra.get("cpu_bytes_to_use_per_rank", extra.get("cpu_bytes_to_use"))
+        count = extra.get("num_cpu_blocks")
+        if count is not None:
+            if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+                raise ValueError(f"num_cpu_blocks must be a whole number of blocks, at least 1, not {count!r}")
+            if budget is not None and count * block_bytes > int(budget):
+                raise ValueError(
+                    f"num_cpu_blocks={count} blocks of {block_bytes} B do not fit in the {int(budget)} B "
+                    "of cpu_bytes_to_use_per_rank; lower one or raise the other"
+                )
+            blocks = count
+        elif budget is not None:
+            blocks = int(budget) // block_bytes
+            if blocks < 1:
+                raise ValueError(f"cpu_bytes_to_use_per_rank={budget} is less than one block ({block_bytes} B)")
         else:
             raise ValueError(
                 "CpuOffloadConnector needs the size of its CPU cache: set kv_connector_extra_config "
-                f"'num_cpu_blocks' (blocks of {block_bytes} bytes) or 'cpu_bytes_to_use'"
+                f"'num_cpu_blocks' (blocks of {block_bytes} B) or 'cpu_bytes_to_use_per_rank'"
             )
-        if blocks < 1:
-            raise ValueError(f"the CPU cache must hold at least one block, not {blocks} (one block is {block_bytes} B)")
         load, store = extra.get("load_timeout"), extra.get("store_timeout")
         return cls(blocks, None if load is None else float(load), None if store is None else float(store))
 
