@@ -21,7 +21,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
@@ -167,7 +166,7 @@ def _serve(argv: list[str]) -> int:
     for name, value in ENV.items():
         os.environ.setdefault(name, value)
     from .agent import NixlAgent
-    from .prefill import PrefillRank
+    from .prefill import PrefillRank, engine_stats
 
     topology = Topology(opts.prefill_tp, opts.decode_tp, opts.mla, opts.kv_bytes)
     params = {"abort_timeout": opts.abort_timeout}
@@ -206,21 +205,7 @@ def _serve(argv: list[str]) -> int:
                 r.abort(cmd["request_id"])
             return {}
         if op == "stats":
-            outcomes: Counter[str] = Counter()
-            counts: Counter[str] = Counter()
-            anomalies: Counter[str] = Counter()
-            for r in ranks:
-                outcomes.update(r.outcomes)
-                counts.update(r.counts)
-                anomalies.update(r.anomalies)
-            return {
-                "held": [r.held_requests() for r in ranks],
-                "leaked": sum(len(r.leaked()) for r in ranks),
-                "outcomes": dict(outcomes),
-                "counts": dict(counts),
-                "anomalies": dict(anomalies),
-                "anomaly_ids": [str(i) for r in ranks for i in r.unknown_ids],
-            }
+            return engine_stats(ranks)
         raise ValueError(f"unknown command {op!r}")
 
     stdin = sys.stdin.buffer

@@ -146,3 +146,22 @@ class PrefillRank:
     def leaked(self) -> dict[Hashable, tuple[int, ...]]:
         """Holders of blocks once every request ended: empty unless something leaked."""
         return self.blocks.pool.holdings()
+
+
+def engine_stats(ranks: Sequence[PrefillRank]) -> dict[str, Any]:
+    """A prefill engine's ranks summed: held requests per rank, leaked holders, outcomes, counts, anomalies."""
+    outcomes: Counter[str] = Counter()
+    counts: Counter[str] = Counter()
+    anomalies: Counter[str] = Counter()
+    for r in ranks:
+        outcomes.update(r.outcomes)
+        counts.update(r.counts)
+        anomalies.update(r.anomalies)
+    return {
+        "held": [r.held_requests() for r in ranks],
+        "leaked": sum(len(r.leaked()) for r in ranks),
+        "outcomes": dict(outcomes),
+        "counts": dict(counts),
+        "anomalies": dict(anomalies),
+        "anomaly_ids": [str(i) for r in ranks for i in r.unknown_ids],
+    }

@@ -19,7 +19,6 @@ import json
 import statistics
 import sys
 import time
-from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -27,6 +26,7 @@ from typing import Any, Protocol
 from ...drivers.nixl import DecodeRank, Fabric, PeerInfo, PrefillRank, Topology, Transport
 from ...drivers.nixl.decode import BlockReader
 from ...drivers.nixl.faults import FaultyAgent
+from ...drivers.nixl.prefill import engine_stats
 
 STEP_SLACK = 0.5
 """Seconds a finish may trail its deadline: deadlines fire at the next step, and steps share two cores."""
@@ -72,21 +72,7 @@ class EmbeddedPrefill:
 
     def stats(self) -> dict[str, Any]:
         self.step()
-        outcomes: Counter[str] = Counter()
-        counts: Counter[str] = Counter()
-        anomalies: Counter[str] = Counter()
-        for r in self.ranks:
-            outcomes.update(r.outcomes)
-            counts.update(r.counts)
-            anomalies.update(r.anomalies)
-        return {
-            "held": [r.held_requests() for r in self.ranks],
-            "leaked": sum(len(r.leaked()) for r in self.ranks),
-            "outcomes": dict(outcomes),
-            "counts": dict(counts),
-            "anomalies": dict(anomalies),
-            "anomaly_ids": [str(i) for r in self.ranks for i in r.unknown_ids],
-        }
+        return engine_stats(self.ranks)
 
 
 @dataclass

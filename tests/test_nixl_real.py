@@ -1,0 +1,221 @@
+"""The NIXL drivers on real NIXL agents in two processes: prefill ranks in a subprocess, decode ranks here.
+
+Each test starts its own prefill process (:class:`PeerProcess`) and stops it by
+pid, also on failure. Named ``test_nixl_real_*`` so ``-k nixl_real`` selects them.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("UCX_MODULES", "^ib")
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+
+import itertools
+import signal
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("nixl", reason="needs the nixl wheels: pip install 'kvfsm[nixl]'")
+
+from kvfsm.drivers.nixl import DecodeRank, Topology
+from kvfsm.drivers.nixl.agent import NixlAgent
+from kvfsm.drivers.nixl.decode import BlockReader
+from kvfsm.drivers.nixl.faults import FaultyAgent
+from kvfsm.drivers.nixl.peer import PeerProcess
+from kvfsm.showcase.bench.nixl import soak
+from kvfsm.showcase.nixl_seed import LocalIdReader
+
+_names = itertools.count()
+
+
+class Real:
+    """A prefill process and the decode ranks of a topology in this process, all with real NIXL agents."""
+
+    def __init__(
+        self, topology: Topology, *, abort_timeout: float = 30.0, read_timeout: float = 5.0,
+        reader: type[BlockReader] = BlockReader, lost: bool = False,
+    ) -> None:  # fmt: skip
+        self.topology = topology
+        self.peer = PeerProcess(topology, 64, abort_timeout=abort_timeout)
+        self.decode = []
+        for d in range(topology.decode_tp):
+            agent = NixlAgent(f"decode-{os.getpid()}-{next(_names)}")
+            transport = FaultyAgent(agent, 1.0, faults=["lost_notif"]) if lost else agent
+            rank = DecodeRank(d, topology, transport, 64, params={"read_timeout": read_timeout}, reader=reader)
+            self.peer.add_decode(agent.metadata())
+            rank.handshake(self.peer.peers)
+            self.decode.append(rank)
+
+    def request(self, rid: str, n: int = 3) -> None:
+        remote = self.peer.serve({rid: n})[rid]
+        for d in self.decode:
+            key = f"d{d.rank}-{rid}"
+            d.start_load(
+                key, rid, self.peer.engine_id, d.blocks.pool.allocate(key, n), remote[self.topology.group(d.rank)[0]]
+            )
+
+    def settle(self, until: float = 5.0) -> None:
+        """Step the decode ranks until nothing is live or ``until`` seconds passed."""
+        deadline = time.monotonic() + until
+        while True:
+            for d in self.decode:
+                for key in d.step().recving:
+                    d.blocks.pool.release(key)
+            if time.monotonic() > deadline or not any(d.tracker.live() for d in self.decode):
+                return
+            time.sleep(0.002)
+
+    def held(self, until: float = 3.0, want: int = 0) -> list[int]:
+        """The prefill ranks' held requests, once they reach ``want`` in total or ``until`` seconds passed."""
+        deadline = time.monotonic() + until
+        stats = self.peer.stats()
+        while sum(stats["held"]) != want and time.monotonic() < deadline:
+            time.sleep(0.02)
+            stats = self.peer.stats()
+        held: list[int] = stats["held"]
+        return held
+
+    def stats_once(self, ready: Callable[[dict[str, Any]], bool], until: float = 3.0) -> dict[str, Any]:
+        """The peer's stats once ``ready`` holds for them (a notification takes milliseconds to arrive)."""
+        deadline = time.monotonic() + until
+        stats = self.peer.stats()
+        while not ready(stats) and time.monotonic() < deadline:
+            time.sleep(0.02)
+            stats = self.peer.stats()
+        return stats
+
+    def leaked(self) -> int:
+        return sum(len(d.leaked()) for d in self.decode) + int(self.peer.stats()["leaked"])
+
+
+@pytest.fixture
+def real(request: pytest.FixtureRequest) -> Iterator[list[Real]]:
+    made: list[Real] = []
+    yield made
+    for r in made:
+        r.peer.stop()
+
+
+def test_nixl_real_mla_broadcast_frees_every_prefill_rank_at_once(real: list[Real]) -> None:
+    r = Real(Topology(prefill_tp=2, decode_tp=1, mla=True, kv_bytes=4096))
+    real.append(r)
+    r.request("p-1")
+    r.settle()
+    assert r.decode[0].outcomes == {"loaded": 1} and r.decode[0].driver.stats["blocks_verified"] == 3
+    assert r.held() == [0, 0]
+    assert r.stats_once(lambda s: sum(s["outcomes"].values()) == 2)["outcomes"] == {"read": 2}
+    assert r.leaked() == 0
+
+
+def test_nixl_real_seed_004_local_id_holds_the_skipped_rank_until_expiry(real: list[Real]) -> None:
+    r = Real(Topology(prefill_tp=2, decode_tp=1, mla=True, kv_bytes=4096), abort_timeout=1.5, reader=LocalIdReader)
+    real.append(r)
+    r.request("p-1")
+    r.settle()
+    assert r.decode[0].outcomes == {"loaded": 1}
+    assert r.held(until=0.5, want=1) == [0, 1], "the rank that was read frees; the skipped one cannot match the id"
+    stats = r.stats_once(lambda s: bool(s["anomalies"]))
+    assert stats["anomalies"] == {"unknown:request_id": 1} and stats["anomaly_ids"] == ["d0-p-1"]
+    assert r.held(until=5.0) == [0, 0]
+    assert r.stats_once(lambda s: sum(s["outcomes"].values()) == 2)["outcomes"] == {"read": 1, "expired": 1}
+    assert r.leaked() == 0
+
+
+def test_nixl_real_decode_tp_above_prefill_tp_counts_notifications_to_the_ratio(real: list[Real]) -> None:
+    r = Real(Topology(prefill_tp=1, decode_tp=2, mla=False, kv_bytes=4096))
+    real.append(r)
+    r.request("p-1")
+    r.settle()
+    assert [d.outcomes for d in r.decode] == [{"loaded": 1}] * 2
+    assert r.held() == [0]
+    stats = r.stats_once(lambda s: bool(s["outcomes"]))
+    assert stats["counts"] == {"partial": 1, "read": 1} and stats["outcomes"] == {"read": 1}
+    assert r.leaked() == 0
+
+
+def test_nixl_real_lost_notification_is_freed_by_the_expiry(real: list[Real]) -> None:
+    r = Real(Topology(prefill_tp=1, decode_tp=1, mla=False, kv_bytes=4096), abort_timeout=1.0, lost=True)
+    real.append(r)
+    r.request("p-1")
+    r.settle()
+    assert r.decode[0].outcomes == {"loaded": 1}
+    assert r.held(until=0.3, want=1) == [1]
+    assert r.held(until=5.0) == [0]
+    assert r.stats_once(lambda s: bool(s["outcomes"]))["outcomes"] == {"expired": 1}
+    assert r.leaked() == 0
+
+
+def test_nixl_real_abort_mid_read_releases_the_handles(real: list[Real]) -> None:
+    r = Real(Topology(prefill_tp=2, decode_tp=1, mla=False, kv_bytes=4096), abort_timeout=1.0)
+    real.append(r)
+    r.request("p-1", n=16)
+    r.decode[0].abort("d0-p-1")
+    r.settle()
+    assert r.decode[0].outcomes == {"aborted": 1} and r.decode[0].driver.reading() == []
+    assert r.held(until=5.0) == [0, 0]
+    assert r.leaked() == 0
+
+
+def test_nixl_real_dead_peer_fails_the_load_at_once(real: list[Real]) -> None:
+    r = Real(Topology(prefill_tp=1, decode_tp=1, mla=False, kv_bytes=4096))
+    real.append(r)
+    r.request("p-1")
+    r.settle()  # the connection is up
+    r.peer.signal(signal.SIGKILL)
+    r.peer.proc.wait(timeout=10)
+    d = r.decode[0]
+    d.start_load("d0-p-2", "p-2", r.peer.engine_id, d.blocks.pool.allocate("d0-p-2", 3), [0, 1, 2])
+    r.settle()
+    assert d.outcomes == {"loaded": 1, "failed": 1}
+    assert "nixlRemoteDisconnectError" in str(d.errors[-1].__cause__ or d.errors[-1]) or d.errors
+    assert sum(len(x) for x in [d.leaked()]) == 0
+
+
+def test_nixl_real_hung_peer_read_is_expired_by_the_decode_deadline(real: list[Real]) -> None:
+    r = Real(Topology(prefill_tp=1, decode_tp=1, mla=False, kv_bytes=4096), read_timeout=1.0, abort_timeout=1.0)
+    real.append(r)
+    r.request("p-1")
+    r.settle()
+    remote = r.peer.serve({"p-2": 64 - 3})["p-2"][0]
+    r.peer.signal(signal.SIGSTOP)
+    d = r.decode[0]
+    d.start_load("d0-p-2", "p-2", r.peer.engine_id, d.blocks.pool.allocate("d0-p-2", 61), remote)
+    time.sleep(0.2)
+    d.step()
+    assert d.tracker.state("d0-p-2") == "reading", "NIXL keeps a READ on a stopped peer in PROC"
+    r.settle(until=5.0)
+    assert d.outcomes == {"loaded": 1, "expired": 1} and d.driver.reading() == []
+    r.peer.signal(signal.SIGCONT)
+    assert r.held(until=5.0) == [0]
+    assert r.leaked() == 0
+
+
+def test_nixl_real_malformed_notifications_are_counted_and_dropped(real: list[Real]) -> None:
+    r = Real(Topology(prefill_tp=1, decode_tp=1, mla=False, kv_bytes=4096))
+    real.append(r)
+    agent = r.decode[0].agent
+    peer = r.peer.peers[0].agent
+    for raw in (b"no-colon", b"p-1:", b"p-1:four", b"\xff\xfe:1", b"nobody:1"):
+        agent.send_notif(peer, raw)
+    r.request("p-1")
+    r.settle()
+    assert r.held() == [0]
+    stats = r.stats_once(lambda s: s["counts"].get("malformed", 0) >= 4 and bool(s["anomalies"]))
+    assert stats["counts"]["malformed"] == 4 and stats["anomalies"] == {"unknown:request_id": 1}
+    assert r.leaked() == 0
+
+
+def test_nixl_real_soak_with_ten_percent_faults_leaks_and_hangs_nothing() -> None:
+    result = soak(requests=600, concurrency=128, fault_rate=0.1, real=True, abort_timeout=1.0, read_timeout=5.0)
+    assert result.ok, result
+    assert set(result.faults) == {"failed_transfer", "lost_notif", "duplicate_notif", "malformed_notif"}
+
+
+@pytest.mark.slow
+def test_nixl_real_soak_at_concurrency_512() -> None:
+    result = soak(requests=4096, concurrency=512, fault_rate=0.1, real=True)
+    assert result.ok, result
