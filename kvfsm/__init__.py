@@ -5,6 +5,8 @@ properties of it (:func:`check`), runs it (:class:`Tracker`) with releases
 derived from the spec, and draws and tests it.
 """
 
+import logging as _logging
+
 from .engine import Tracker, batch
 from .errors import (
     ActionError,
@@ -21,6 +23,8 @@ from .errors import (
 from .spec import Finding, Spec, SpecError, check, load, parse
 
 __version__ = "0.1.0"
+
+_logging.getLogger("kvfsm").addHandler(_logging.NullHandler())  # a library logs; the application decides where to
 
 __all__ = [
     "ActionError",

@@ -47,9 +47,10 @@ class IllegalTransition(KvfsmError):
         )
 
 
-Phase = Literal["do", "acquire", "release", "observer", "queued", "refused"]
+Phase = Literal["do", "acquire", "release", "observer", "queued", "refused", "link"]
 """Where a failure happened: a driver action of that kind, the observer, a call an action queued, or
-(in ``fire_many``) an event a key's state neither handles nor ignores."""
+(in ``fire_many``) an event a key's state neither handles nor ignores, or an id the spec says to link that
+names another live instance already."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,16 +105,19 @@ class PayloadError(KvfsmError, TypeError):
     """``fire``/``begin`` given payload keys the spec does not declare for that event; nothing changed."""
 
 
-AnomalyKind = Literal["unknown", "stale", "forced"]
+AnomalyKind = Literal["unknown", "late", "stale", "forced"]
 
 
 @dataclass(frozen=True, slots=True)
 class Anomaly:
     """An event that could not be applied and was counted instead of raised.
 
-    ``unknown``: no instance has that id; ``stale``: the id belongs to an earlier
-    generation of a reused key; ``forced``: ``close()`` had to release an
-    instance that abort could not finish.
+    ``unknown``: no instance ever had that id (in memory of the tracker: a
+    wrong id, or one from the wrong space); ``late``: the id named an instance
+    that has finished and been drained (a late or duplicate message, a fact of
+    life); ``stale``: the id belongs to an earlier generation of a reused key;
+    ``forced``: ``close()`` had to release an instance that abort could not
+    finish.
     """
 
     kind: AnomalyKind

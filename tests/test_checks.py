@@ -1,4 +1,4 @@
-"""The static checks KVF101–KVF113, and the loader's KVF001 on whole files.
+"""The static checks KVF101–KVF115, and the loader's KVF001 on whole files.
 
 Each spec under ``tests/specs/broken/`` marks every line a finding must point
 at with a YAML comment ``# expect: KVFnnn``; the test reads those markers, so
@@ -21,7 +21,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 BROKEN = sorted((HERE / "specs" / "broken").glob("*.yaml"))
 CLEAN = [*sorted((HERE / "specs" / "clean").glob("*.yaml")), ROOT / "specs" / "kv_request.yaml"]
-CODES = {"KVF001", *(f"KVF1{n:02d}" for n in range(1, 14))}
+CODES = {"KVF001", *(f"KVF1{n:02d}" for n in range(1, 16))}
 WARNINGS = {"KVF102"}
 
 MARKER = re.compile(r"#\s*expect:\s*(KVF\d{3}(?:\s*,\s*KVF\d{3})*)")

@@ -718,7 +718,7 @@ def test_linked_id_of_a_drained_and_reused_key_is_reported_not_applied() -> None
     assert rig.tracker.fire_by("transfer_id", "t-1", "enqueue") is None
     assert rig.tracker.state("r1") == "pinned"
     [anomaly] = rig.tracker.anomalies()
-    assert (anomaly.kind in {"stale", "unknown"}, anomaly.space, anomaly.id) == (True, "transfer_id", "t-1")
+    assert (anomaly.kind, anomaly.space, anomaly.id) == ("late", "transfer_id", "t-1")
 
 
 def test_fire_by_routes_a_linked_id_to_its_instance() -> None:
@@ -975,12 +975,13 @@ def test_finished_but_undrained_instance_keeps_its_final_state(rig: Rig) -> None
     assert rig.tracker.held("r1") == ()
 
 
-def test_drained_key_is_unknown(rig: Rig) -> None:
+def test_a_drained_key_is_late_and_a_key_never_seen_is_unknown(rig: Rig) -> None:
     walk_to(rig, "r1", "done")
     rig.tracker.finished()
     assert rig.tracker.state("r1") is None
     assert rig.tracker.fire("r1", "abort") is None
-    assert rig.tracker.counts["unknown"] == 1
+    assert rig.tracker.fire("never", "abort") is None
+    assert (rig.tracker.counts["late"], rig.tracker.counts["unknown"]) == (1, 1)
 
 
 def test_census_counts_instances_per_state(rig: Rig) -> None:

@@ -11,9 +11,9 @@ from typing import BinaryIO
 
 from rich.markup import escape
 
-from ..replay import DEFAULT_TOLERANCE, LogReport, check_log
+from ..replay import DEFAULT_TOLERANCE, Limit, LogReport, check_log
 from ..replay.codes import NAMES
-from ..spec import SpecError, load
+from ..spec import Spec, SpecError, load
 from .common import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, Subparsers, err, findings_json, out, print_finding
 
 
@@ -45,6 +45,13 @@ def register(sub: Subparsers) -> None:
         action="store_true",
         help="accept instances still holding resources at the end (a log cut from a running process)",
     )
+    p.add_argument(
+        "--max",
+        action="append",
+        default=[],
+        metavar="NAME=LIMIT",
+        help="fail when a final state or anomaly kind is more frequent: --max expired=1%% --max unknown=0; repeatable",
+    )
     p.add_argument("--all", action="store_true", help="list every finding, not just the first")
     p.add_argument("--format", choices=("text", "json"), default="text")
     p.set_defaults(run=run)
@@ -65,6 +72,24 @@ def _params(pairs: list[str]) -> dict[str, float] | str:
     return params
 
 
+ANOMALY_KINDS = ("unknown", "late", "stale", "forced")
+
+
+def _limits(pairs: list[str], spec: Spec) -> dict[str, Limit] | str:
+    """``NAME=LIMIT`` pairs (a final state or anomaly kind; a count or a share), or what is wrong with one."""
+    limits: dict[str, Limit] = {}
+    for pair in pairs:
+        name, eq, value = pair.partition("=")
+        if not eq or name not in (*spec.finals, *ANOMALY_KINDS):
+            known = ", ".join((*spec.finals, *ANOMALY_KINDS))
+            return f"--max {pair!r}: write NAME=LIMIT with NAME one of {known}, e.g. --max expired=1%"
+        try:
+            limits[name] = Limit.parse(value)
+        except ValueError as exc:
+            return f"--max {pair!r}: {exc}"
+    return limits
+
+
 def run(args: argparse.Namespace) -> int:
     params = _params(args.param)
     if isinstance(params, str):
@@ -80,6 +105,10 @@ def run(args: argparse.Namespace) -> int:
             err.print(f"[red]{escape(str(f))}[/]")
         err.print(f"[red]kvfsm replay: {escape(str(args.spec))} cannot be used; `kvfsm check` it first[/]")
         return EXIT_USAGE
+    limits = _limits(args.max, spec)
+    if isinstance(limits, str):
+        err.print(f"[red]kvfsm replay: {escape(limits)}[/]")
+        return EXIT_USAGE
     source: Path | BinaryIO = sys.stdin.buffer if args.log == "-" else Path(args.log)
     if isinstance(source, Path) and not source.is_file():
         why = "is a directory" if source.is_dir() else "does not exist"
@@ -92,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
         params=params,
         tolerance=args.tolerance,
         allow_live=args.allow_live,
+        limits=limits,
     )
     if args.format == "json":
         out.print_json(json.dumps(_json(report, args.spec)))
@@ -117,6 +147,9 @@ def _render(report: LogReport, *, every: bool) -> None:
         f"{report.path}: {report.records} transition(s) of {report.instances} instance(s) of "
         f"{report.machine!r} in {report.lines} line(s)"
     )
+    mix = ", ".join(f"{n} {state}" for state, n in report.outcomes.items())
+    dropped = ", ".join(f"{n} {kind}" for kind, n in sorted(report.anomalies.items()))
+    out.print(f"[dim]outcomes: {escape(mix or 'none')}; anomalies: {escape(dropped or 'none')}[/]")
     if report.conforms:
         out.print(f"[green]✓ {escape(summary)}: conforms[/]")
         return

@@ -51,7 +51,7 @@ class CEdge:
 
     __slots__ = (
         "acquire_fns", "acquires", "bare", "batch_acquires", "batch_do", "batch_releases", "do", "do_name", "event",
-        "prepare", "release_fns", "releases", "source", "target",
+        "links", "prepare", "release_fns", "releases", "source", "target",
     )  # fmt: skip
 
     def __init__(
@@ -65,6 +65,8 @@ class CEdge:
         releases: tuple[tuple[str, Action], ...],
     ) -> None:
         self.event = event
+        self.links: tuple[str, ...] = ()
+        """Id spaces whose id this edge's payload carries (``spaces: {name: {linked_at: event}}``), linked on it."""
         self.source = source
         self.target = target
         self.do = per_key(do) if do is not None else None
@@ -306,7 +308,8 @@ def compile_program(spec: Spec, driver: object, params: Mapping[str, float] | No
         )
 
     for (source, event), e in spec.table.items():
-        by_name[source].row[event] = edge(event, source, e.target, e.do)
+        by_name[source].row[event] = compiled = edge(event, source, e.target, e.do)
+        compiled.links = compiled.bare.links = spec.linked_at(event)
     for state_name, event, _rule in spec.ignored():  # in declaration order, so messages list events stably
         by_name[state_name].row.setdefault(event, IGNORED)
     for s in spec.states.values():
@@ -319,4 +322,5 @@ def compile_program(spec: Spec, driver: object, params: Mapping[str, float] | No
             cs.error_edge = handler if isinstance(handler, CEdge) else None
     initial = spec.initial.name
     begin = edge("begin", None, initial, None)
+    begin.links = spec.linked_at("begin")
     return Program(spec, states, by_name, begin, spec.payloads, frozenset(spec.begin_payload))

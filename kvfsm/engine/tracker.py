@@ -15,6 +15,7 @@ instance in the middle of a transition.
 from __future__ import annotations
 
 import difflib
+import logging
 import math
 import threading
 import time
@@ -48,8 +49,13 @@ from .program import IGNORED, Action, CEdge, CState, compile_program
 Observer = Callable[[Hashable, int, str, str, str, float], None]
 """Called after each transition with (key, generation, event, from, to, time); ``begin`` has from ``""``."""
 
+LOGGER = logging.getLogger("kvfsm.anomalies")
+
 ANOMALY_LIMIT = 10_000
 """Anomaly records kept between drains; older ones are dropped (the counts keep counting)."""
+
+RETIRED_LIMIT = 100_000
+"""Drained ids remembered per space, so that a late message is told from one naming an id never seen."""
 
 ID_LIMIT = 256
 """Characters of an id kept in an anomaly record: a flood of huge ids cannot grow memory without bound."""
@@ -108,7 +114,7 @@ class Tracker:
     __slots__ = (
         "spec", "driver", "counts", "_program", "_begin_edge", "_payloads", "_clock", "_observer", "_lock", "_guard",
         "_live", "_gens", "_links", "_linked", "_deadlines", "_finished", "_queue", "_busy", "_closed", "_failures",
-        "_anomalies", "_serial", "_begin_taps", "params",
+        "_anomalies", "_serial", "_begin_taps", "params", "_retired", "_on_anomaly",
     )  # fmt: skip
 
     def __init__(
@@ -120,6 +126,7 @@ class Tracker:
         params: Mapping[str, float] | None = None,
         spaces: Iterable[str] = (),
         observer: Observer | None = None,
+        on_anomaly: Callable[[Anomaly], None] | None = None,
         threadsafe: bool = True,
     ) -> None:
         """Bind ``driver`` to ``spec`` (a model or a path to load and check).
@@ -154,6 +161,7 @@ class Tracker:
                 "ignored",
                 "illegal",
                 "unknown",
+                "late",
                 "stale",
                 "forced",
                 "timeouts",
@@ -173,7 +181,10 @@ class Tracker:
         """What the non-hot methods hold; ``begin`` and ``fire`` test ``_lock`` directly."""
         self._live: dict[Hashable, CState] = {}
         self._gens: dict[Hashable, int] = {}
-        self._links: dict[str, dict[Hashable, tuple[Hashable, int]]] = {space: {} for space in spaces}
+        self._links: dict[str, dict[Hashable, tuple[Hashable, int]]] = {space: {} for space in (*spec.spaces, *spaces)}
+        self._retired: dict[str, dict[Hashable, None]] = {space: {} for space in (spec.key, *self._links)}
+        """Ids of drained instances, per space (the newest ``RETIRED_LIMIT``): a message naming one is late."""
+        self._on_anomaly = on_anomaly
         self._linked: dict[Hashable, list[tuple[str, Hashable]]] = {}
         self._deadlines = Deadlines(len(self._program.states))
         self._finished: list[tuple[Hashable, CState]] = []
@@ -339,6 +350,9 @@ class Tracker:
             entries = [(due, key) for key in fresh]
             self._deadlines.armed.update(zip(fresh, entries, strict=True))
             self._deadlines.queues[target.index].extend(entries)
+        if edge.links:
+            for key in fresh:
+                self._link_carried(key, edge, payload)
         for tap in self._begin_taps:
             for key in fresh:
                 tap(key)
@@ -437,6 +451,17 @@ class Tracker:
         with self._guard:
             key = self._resolve(space, ident, event)
             return None if key is None else self.fire(key, event, **payload)
+
+    def deliver(self, event: str, ident: Hashable, /, **payload: Any) -> str | None:
+        """Apply ``event`` to the instance ``ident`` names in the id space the spec routes ``event`` by.
+
+        What a listener calls with a peer's message: the spec, not the caller,
+        says which space the message's id belongs to (``events: {name: {by:
+        <space>}}``; the key's space when undeclared), so a local id can never
+        be taken for a remote one. A retired id is reported as ``late``, an id
+        never seen as ``unknown``.
+        """
+        return self.fire_by(self.spec.routed_by(event), ident, event, **payload)
 
     def link(self, key: Hashable, space: str, ident: Hashable) -> None:
         """Let ``ident`` in id space ``space`` name ``key``'s current instance (linking it again changes nothing)."""
@@ -704,6 +729,8 @@ class Tracker:
             self._deadlines.queues[target.index].append(entry)
         if target.final:
             self._finished.append((key, target))
+        if edge.links:
+            self._link_carried(key, edge, payload)
         for release in edge.release_fns:
             try:
                 release(key)
@@ -741,6 +768,9 @@ class Tracker:
             self._deadlines.queues[target.index].extend(entries)
         if target.final:
             self._finished.extend(zip(keys, repeat(target)))
+        if edge.links:
+            for key in keys:
+                self._link_carried(key, edge, payload)
         for index, release in enumerate(edge.batch_releases):
             try:
                 failed = release(keys)
@@ -818,6 +848,8 @@ class Tracker:
             self._gens[key] = self._serial = self._serial + 1
         if target.after is not None:
             self._deadlines.arm(key, target.index, self._clock() + target.after)
+        if edge.links:
+            self._link_carried(key, edge, payload)
         for tap in self._begin_taps:
             tap(key)
         if self._observer is not None:
@@ -928,10 +960,12 @@ class Tracker:
     def _retire(self, done: list[tuple[Hashable, CState]]) -> None:
         """Forget drained instances: their keys (unless begun again since) and their linked ids."""
         live, gens, linked = self._live, self._gens, self._linked
+        retired = self._retired[self.spec.key]
         for key, state in done:
             current = live.get(key)
             if current is state:
                 del live[key]
+                retired[key] = None
                 if gens:
                     gens.pop(key, None)
                 if linked and key in linked:
@@ -939,6 +973,9 @@ class Tracker:
                 continue
             if linked and key in linked:  # key begun again since: its new instance stays
                 self._unlink(key, keep_from=gens.get(key))
+        for space, ids in self._retired.items():
+            if len(ids) > 2 * RETIRED_LIMIT:  # amortised: keep the newest
+                self._retired[space] = dict.fromkeys(list(ids)[-RETIRED_LIMIT:])
 
     def _force_release(self, key: Hashable, state: CState) -> None:
         """Release everything ``key`` holds without a transition (close() of an unfinishable instance)."""
@@ -976,6 +1013,16 @@ class Tracker:
     def _current(self, key: Hashable, gen: int) -> bool:
         return key in self._live and self._gens.get(key) == gen
 
+    def _link_carried(self, key: Hashable, edge: CEdge, payload: Mapping[str, Any]) -> None:
+        """Link the ids the spec says this edge's payload carries; one naming another live instance is a failure."""
+        for space in edge.links:
+            if space not in payload:
+                continue
+            try:
+                self.link(key, space, payload[space])
+            except (KvfsmError, TypeError) as exc:
+                self._record(key, edge.event, f"<link {space}>", "link", exc, edge.target.name)
+
     def _resolve(self, space: str, ident: Hashable, event: str) -> Hashable | None:
         entry = self._space(space).get(ident)
         if entry is None:
@@ -1001,6 +1048,7 @@ class Tracker:
                 kept.append((space, ident))
             else:
                 del table[ident]
+                self._retired[space][ident] = None
         if kept:
             self._linked[key] = kept
         else:
@@ -1032,8 +1080,26 @@ class Tracker:
         return now
 
     def _anomaly(self, kind: AnomalyKind, space: str, ident: Hashable, event: str) -> None:
-        self.counts[kind] += 1
-        self._anomalies.append(Anomaly(kind, space, _bounded(ident), _bounded(event)))
+        """Count and keep a dropped event; an id this tracker retired is ``late``, not ``unknown``."""
+        if kind == "unknown":
+            try:
+                if ident in self._retired.get(space, ()):
+                    kind = "late"
+            except TypeError:  # an unhashable id can never have been retired
+                pass
+        count = self.counts[kind] = self.counts[kind] + 1
+        anomaly = Anomaly(kind, space, _bounded(ident), _bounded(event))
+        self._anomalies.append(anomaly)
+        if count <= 10 or count % 1000 == 0:  # rate-limited: the first few, then every thousandth
+            LOGGER.warning(
+                "%s: %s %s for %s=%r dropped (%d so far)", self.spec.name, kind, event, space, anomaly.id, count
+            )
+        if self._on_anomaly is not None:
+            try:
+                self._on_anomaly(anomaly)
+            except Exception:  # a reporting hook that fails must not fail the event it reports on
+                self.counts["observer_errors"] += 1
+                LOGGER.exception("%s: on_anomaly raised", self.spec.name)
 
     def _payload_error(self, event: str, payload: Mapping[str, Any]) -> PayloadError:
         allowed = self._program.begin_payload if event == "begin" else self._payloads.get(event, _EMPTY)

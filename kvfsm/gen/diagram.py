@@ -49,7 +49,13 @@ def _effects(spec: Spec, source: str | None, target: str, many: bool) -> list[st
 
 
 def _title(spec: Spec, t: Transition) -> str:
-    text = t.event if t.do is None else f"{t.event} / {t.do}()"
+    """``event ⟨id space⟩ / do()``: the id a message of the event names, when it is not the key, and who sends it."""
+    event = t.event
+    if spec.routed_by(event) != spec.key:
+        event = f"{event} ⟨{spec.routed_by(event)}⟩"
+    if spec.is_remote(t.event):
+        event = f"{event} (remote)"
+    text = event if t.do is None else f"{event} / {t.do}()"
     return f"{text}  (on_error)" if t.event == spec.on_error else text
 
 

@@ -7,14 +7,16 @@ where the deployment left the declared lifecycle, as KVF3xx findings
 """
 
 from . import codes
-from .check import DEFAULT_TOLERANCE, LogChecker, LogReport, check_log
+from .check import DEFAULT_TOLERANCE, Limit, LogChecker, LogReport, check_log
 from .journal import JsonlJournal
-from .record import Header, Record
+from .record import AnomalyLine, Header, Record
 
 __all__ = [
     "DEFAULT_TOLERANCE",
+    "AnomalyLine",
     "Header",
     "JsonlJournal",
+    "Limit",
     "LogChecker",
     "LogReport",
     "Record",

@@ -50,7 +50,7 @@ from ..spec import Finding, Spec, load
 from ..spec.model import Edge
 from . import codes
 from .read import STOPS, log_lines, why_stopped
-from .record import BEGIN, Header, Record
+from .record import BEGIN, AnomalyLine, Header, Record
 
 DEFAULT_TOLERANCE = 1.0
 """Seconds a deadline may be overrun before it counts: time is stamped after a transition's actions
@@ -98,6 +98,10 @@ class LogReport:
     total: int
     """Every finding, kept or not."""
     by_code: Mapping[str, int] = field(default_factory=dict)
+    outcomes: Mapping[str, int] = field(default_factory=dict)
+    """Instances that reached each final state: the outcome mix (expired apart from failed)."""
+    anomalies: Mapping[str, int] = field(default_factory=dict)
+    """Anomaly lines by kind (unknown, late, stale, forced)."""
     """How many findings of each KVF3xx code, kept or not."""
 
     @property
@@ -243,6 +247,9 @@ class LogChecker:
         # What the log has said so far.
         self._records = msgspec.json.Decoder(Record)
         self._headers = msgspec.json.Decoder(Header)
+        self._anomaly_lines = msgspec.json.Decoder(AnomalyLine)
+        self._outcomes: Counter[str] = Counter({name: 0 for name in spec.finals})
+        self._anomalies: Counter[str] = Counter()
         self._findings: list[Finding] = []
         self._by_code: Counter[str] = Counter()
         self._reported = 0
@@ -279,6 +286,9 @@ class LogChecker:
             return
         if isinstance(line, Header):
             self._session(line)
+            return
+        if isinstance(line, AnomalyLine):
+            self._anomalies[line.anomaly] += 1
             return
         self._nrecords += 1
         if not self._open:
@@ -332,18 +342,40 @@ class LogChecker:
             findings=tuple(self._findings),
             total=sum(self._by_code.values()),
             by_code=dict(self._by_code),
+            outcomes=dict(self._outcomes),
+            anomalies=dict(self._anomalies),
         )
+
+    def limit(self, limits: Mapping[str, Limit]) -> None:
+        """Report every outcome (final state) or anomaly kind more frequent than its limit allows."""
+        finished = sum(self._outcomes.values())
+        for name, cap in limits.items():
+            count = self._outcomes.get(name, self._anomalies.get(name, 0))
+            share = count / finished if finished else 0.0
+            over = share > cap.value if cap.share else count > cap.value
+            if over:
+                seen = f"{count} of {finished} finished ({share:.1%})" if name in self._outcomes else f"{count}"
+                self._report(
+                    codes.OVER_LIMIT,
+                    self._line,
+                    f"{name}: {seen}, above the limit --max {name}={cap}",
+                    "An expiry or anomaly storm: look at what the peers did (a lost notification, a wrong id space), "
+                    "or raise the limit if this mix is expected.",
+                )
 
     # -- one line --------------------------------------------------------------------
 
-    def _decode(self, raw: bytes) -> Record | Header:
+    def _decode(self, raw: bytes) -> Record | Header | AnomalyLine:
         try:
             return self._records.decode(raw)
         except msgspec.ValidationError as exc:
-            try:
-                return self._headers.decode(raw)
-            except msgspec.ValidationError:
-                raise exc from None
+            for other in (self._headers, self._anomaly_lines):
+                try:
+                    line: Header | AnomalyLine = other.decode(raw)
+                except msgspec.ValidationError:
+                    continue
+                return line
+            raise exc from None
 
     def _malformed(self, raw: bytes, exc: BaseException) -> None:
         why, col = _not_a_line(raw, exc)
@@ -482,6 +514,7 @@ class LogChecker:
         inst.due = now + timeout[0] if timeout is not None else None
         self._live[key] = inst
         if inst.state in self._finals:
+            self._outcomes[inst.state] += 1
             done = self._done
             done.append((key, inst))
             if len(done) > RECENT_FINALS:
@@ -563,6 +596,29 @@ class LogChecker:
             self._findings.append(Finding(code, "error", self.path, line, message, fix, col))
 
 
+@dataclass(frozen=True)
+class Limit:
+    """``--max NAME=VALUE``: at most ``value`` occurrences, or with ``share`` at most that fraction of finished."""
+
+    value: float
+    share: bool = False
+
+    def __str__(self) -> str:
+        return f"{self.value * 100:g}%" if self.share else f"{self.value:g}"
+
+    @classmethod
+    def parse(cls, text: str) -> Limit:
+        """``"1%"`` or ``"0"``; raises ValueError saying what was expected."""
+        share = text.endswith("%")
+        try:
+            value = float(text[:-1] if share else text)
+        except ValueError:
+            raise ValueError(f"limit {text!r} is not a count (0, 12) or a share (1%, 0.5%)") from None
+        if value < 0 or value != value:
+            raise ValueError(f"limit {text!r} must be zero or more")
+        return cls(value / 100 if share else value, share)
+
+
 def check_log(
     spec: Spec | str | os.PathLike[str],
     log: str | os.PathLike[str] | Iterable[bytes],
@@ -572,6 +628,7 @@ def check_log(
     tolerance: float = DEFAULT_TOLERANCE,
     allow_live: bool = False,
     keep: int = KEEP,
+    limits: Mapping[str, Limit] | None = None,
 ) -> LogReport:
     """Check a journal (a path or binary stream, plain or gzip, or an iterable of byte lines) against ``spec``.
 
@@ -595,4 +652,6 @@ def check_log(
                 checker.cut(checker.lines + 1, stop.why)
             elif not stop.cut:
                 checker.unreadable(checker.lines + 1, stop.why)
+    if limits:
+        checker.limit(limits)
     return checker.finish()

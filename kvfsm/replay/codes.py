@@ -35,6 +35,8 @@ TIME_BACKWARDS = "KVF311"
 """Time decreases, although a tracker's clock is monotonic."""
 UNRELEASED = "KVF312"
 """An instance ends the log (or its session) in a state that holds resources."""
+OVER_LIMIT = "KVF313"
+"""An outcome or anomaly is more frequent than a ``--max`` limit allows (an expiry storm, say)."""
 
 NAMES: Mapping[str, str] = {
     UNREADABLE: "unreadable",
@@ -50,5 +52,6 @@ NAMES: Mapping[str, str] = {
     OVERRUN: "overrun",
     TIME_BACKWARDS: "time-backwards",
     UNRELEASED: "unreleased",
+    OVER_LIMIT: "over-limit",
 }
 """Each code's short name, for summaries (``2 KVF310 overrun``)."""

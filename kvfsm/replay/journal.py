@@ -31,7 +31,8 @@ from typing import Any, BinaryIO, Protocol
 
 import msgspec
 
-from .record import VERSION, Header, Record, encode_key
+from ..errors import Anomaly
+from .record import VERSION, AnomalyLine, Header, Record, encode_key
 
 BUFFER_BYTES = 64 * 1024
 """Default size the buffer reaches before it is written to the file (about 600 lines)."""
@@ -137,6 +138,23 @@ class JsonlJournal:
                 self._last_write = time
         finally:
             lock.release()
+
+    def anomaly(self, anomaly: Anomaly) -> None:
+        """The ``on_anomaly`` hook: append one line for an event the tracker dropped (never raises)."""
+        with self._lock:
+            self.lines += 1
+            if self._closed:
+                self._drop(1, None)
+                return
+            buffer = self._buffer
+            size = len(buffer)
+            try:
+                self._encode_into(AnomalyLine(anomaly.kind, anomaly.space, anomaly.id, anomaly.event), buffer, -1)
+            except Exception as exc:
+                del buffer[size:]
+                self._drop(1, exc)
+                return
+            buffer.append(0x0A)
 
     def flush(self) -> None:
         """Write buffered lines to the file and flush it to the OS (not fsync)."""

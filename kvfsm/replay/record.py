@@ -8,6 +8,10 @@ order the tracker made them::
     {"journal":1,"machine":"kv_request","pid":4711,"opened":1718000000.25}
     {"key":"req-1","generation":1,"event":"begin","from":"","to":"pinned","time":12.5}
     {"key":"req-1","generation":1,"event":"enqueue","from":"pinned","to":"queued","time":12.5}
+    {"anomaly":"unknown","space":"remote_request_id","id":"req-1","event":"read_done"}
+
+An :class:`AnomalyLine` records an event the tracker dropped instead of
+applying (when the journal is also its ``on_anomaly`` hook).
 
 ``from`` is ``""`` exactly on ``begin`` lines (no state is named ``""``).
 ``time`` is the tracker's clock (monotonic seconds by default), stamped once
@@ -37,6 +41,15 @@ class Record(msgspec.Struct, gc=False):
     from_: str = msgspec.field(name="from")
     to: str
     time: float
+
+
+class AnomalyLine(msgspec.Struct, gc=False):
+    """An event the tracker dropped (``Tracker(on_anomaly=journal.anomaly)``): unknown, late or stale id, forced."""
+
+    anomaly: str
+    space: str
+    id: Any
+    event: str
 
 
 class Header(msgspec.Struct, gc=False):

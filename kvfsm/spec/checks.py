@@ -1,4 +1,4 @@
-"""Static checks KVF101–KVF113: properties proved over a spec's transition graph.
+"""Static checks KVF101–KVF115: properties proved over a spec's transition graph.
 
 Every check works on the expanded edge set of the model (``Spec.edges``), so a
 wildcard source, a timeout or an ``on_error`` path is seen exactly as the
@@ -12,7 +12,7 @@ from collections import defaultdict, deque
 from collections.abc import Callable, Iterable
 
 from .findings import Finding, Severity
-from .model import ABORT, Edge, Loc, Spec, Transition
+from .model import ABORT, BEGIN, Edge, Loc, Spec, Transition
 
 Check = Callable[[Spec], Iterable[Finding]]
 
@@ -243,7 +243,8 @@ def check_waiting(spec: Spec) -> Iterable[Finding]:
                 "KVF107",
                 state.loc,
                 f"state {state.name!r} has no timeout and is not 'waits: local' — a remote peer that never answers would pin it there forever{_keeping(state.holds, ', holding ')}",
-                "Add 'timeout: {after: <param>, fire: expire}' or mark it 'waits: local'.",
+                "Add 'timeout: {after: <param>, fire: expire}', or mark it 'waits: local' only if local code alone "
+                "moves it on (a state a remote notification leaves needs the timeout: 'waits: local' would hide the hang).",
             )
 
 
@@ -352,6 +353,82 @@ def check_relations(spec: Spec) -> Iterable[Finding]:
             )
 
 
+def check_id_spaces(spec: Spec) -> Iterable[Finding]:
+    """KVF106 for id spaces and event declarations: every name they use is declared, every space is linked."""
+    events = set(spec.events)
+    for space in spec.spaces.values():
+        if space.name == spec.key:
+            yield _finding(
+                "KVF106", space.loc, f"id space {space.name!r} is the key's own", "List only the other spaces."
+            )
+            continue
+        carried = set(spec.begin_payload) if space.linked_at == BEGIN else spec.payloads.get(space.linked_at)
+        if carried is None:
+            yield _finding(
+                "KVF106",
+                space.loc,
+                f"id space {space.name!r} is linked at {space.linked_at!r}, which is neither 'begin' nor an event "
+                "with a transition: nothing would ever link it, so every message naming it would be unknown",
+                f"Write 'linked_at: begin' or an event that has a transition (one of: {', '.join(spec.events)}).",
+            )
+        elif space.name not in carried:
+            where = "begin: {payload: [...]}" if space.linked_at == BEGIN else f"the {space.linked_at!r} transitions"
+            yield _finding(
+                "KVF106",
+                space.loc,
+                f"id space {space.name!r} is linked at {space.linked_at!r}, whose payload does not carry {space.name!r}",
+                f"Add {space.name!r} to the payload of {where}.",
+            )
+    ignorable = {e for rule in spec.ignore for e in rule.events}
+    for decl in spec.event_decls.values():
+        if decl.name not in events and decl.name not in ignorable:
+            yield _finding(
+                "KVF106",
+                decl.loc,
+                f"events declares {decl.name!r}, which no transition or ignore rule names",
+                "Declare only events the machine knows; remove it or fix the spelling.",
+            )
+        if decl.by != spec.key and decl.by not in spec.spaces:
+            known = ", ".join([spec.key, *spec.spaces])
+            yield _finding(
+                "KVF106",
+                decl.loc,
+                f"event {decl.name!r} is routed by undeclared id space {decl.by!r}",
+                f"Declare it under 'spaces:' with where it is linked, or use one of: {known}.",
+            )
+
+
+def check_remote_events(spec: Spec) -> Iterable[Finding]:
+    """KVF114 and KVF115: a remote event is expected everywhere; a state only remote events leave is not local."""
+    table = _accepts(spec)
+    ignored = {(state, event) for state, event, _rule in spec.ignored()}
+    for decl in spec.event_decls.values():
+        if not decl.remote:
+            continue
+        missing = [n for n in spec.states if not table[n].get(decl.name) and (n, decl.name) not in ignored]
+        if missing:
+            yield _finding(
+                "KVF114",
+                decl.loc,
+                f"remote event {decl.name!r} is neither handled nor ignored in {', '.join(map(repr, missing))}: a peer's "
+                "late or duplicate message there would be an IllegalTransition",
+                f"Add an ignore rule '{{event: {decl.name}, in: [{', '.join(missing)}]}}' or handle it there.",
+            )
+    local_exits = {ABORT, spec.on_error}
+    for state in spec.states.values():
+        if state.is_final or not state.waits_local:
+            continue
+        exits = {e for e in table[state.name] if e not in local_exits}
+        if exits and all(spec.is_remote(e) for e in exits):
+            yield _finding(
+                "KVF115",
+                state.loc,
+                f"state {state.name!r} is 'waits: local', but only remote events ({', '.join(sorted(exits))}) move it "
+                "on: a peer that never answers would pin it forever, and 'waits: local' hides exactly that hang",
+                "Replace 'waits: local' with 'timeout: {after: <param>, fire: expire}'.",
+            )
+
+
 CHECKS: tuple[Check, ...] = (
     check_initial,
     check_references,
@@ -365,6 +442,8 @@ CHECKS: tuple[Check, ...] = (
     check_ignore_overlap,
     check_release_actions,
     check_relations,
+    check_id_spaces,
+    check_remote_events,
 )
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from yaml.nodes import Node, ScalarNode, SequenceNode
 
 from .findings import READ_ERROR, Finding, SpecError
-from .model import IgnoreRule, Relation, Resource, Send, Spec, State, Timeout, Transition
+from .model import EventDecl, IgnoreRule, Relation, Resource, Send, Space, Spec, State, Timeout, Transition
 from .schema import NULL, STR, Schema
 
 TOP_KEYS = {
@@ -30,8 +30,12 @@ TOP_KEYS = {
     "on_error": "event fired when an action raises",
     "begin": "what begin() carries: {payload: [names]}",
     "relations": "relations the params must keep, e.g. 'lease_ttl > transfer_timeout'",
+    "spaces": "id spaces besides the key's: {name: {linked_at: <event or begin>}}",
+    "events": "what events are: {name: {by: <id space>, remote: true}}",
 }
 BEGIN_KEYS = ("payload", "doc")
+SPACE_KEYS = ("linked_at", "doc")
+EVENT_KEYS = ("by", "remote", "doc")
 RESOURCE_KEYS = ("release", "acquire", "doc")
 STATE_KEYS = ("initial", "final", "holds", "waits", "timeout", "warn_after", "doc")
 TIMEOUT_KEYS = ("after", "fire")
@@ -236,6 +240,29 @@ def _relation(s: Schema, node: Node) -> Relation | None:
     return Relation(sides[0], match["op"], sides[1], text.strip(), s.loc(node))
 
 
+def _space(s: Schema, name: str, knode: Node, node: Node) -> Space | None:
+    what = f"id space {name!r}"
+    items = s.mapping(node, what, SPACE_KEYS)
+    if items is None:
+        return None
+    fix = f"Say which event's payload carries the id: '{name}: {{linked_at: begin}}' (or an event name)."
+    at_node = s.require(items, "linked_at", knode, what, fix)
+    linked_at = s.name(at_node, f"{what}: linked_at") if at_node is not None else None
+    doc = s.text(items["doc"][1], f"{what}: doc") if "doc" in items else ""
+    return Space(name, linked_at, doc, s.loc(knode)) if linked_at is not None else None
+
+
+def _event_decl(s: Schema, name: str, knode: Node, node: Node, key: str) -> EventDecl | None:
+    what = f"event {name!r}"
+    items = s.mapping(node, what, EVENT_KEYS)
+    if items is None:
+        return None
+    by = s.name(items["by"][1], f"{what}: by") if "by" in items else key
+    remote = s.boolean(items["remote"][1], f"{what}: remote") if "remote" in items else False
+    doc = s.text(items["doc"][1], f"{what}: doc") if "doc" in items else ""
+    return EventDecl(name, by or key, remote, doc, s.loc(knode)) if by is not None else None
+
+
 def read_text(text: str, path: str = "<string>") -> Spec:
     """Read spec text (schema only: see :func:`kvfsm.parse` for the checks); raises :class:`SpecError` listing every KVF001."""
     s = Schema(path)
@@ -289,6 +316,18 @@ def read_text(text: str, path: str = "<string>") -> Spec:
     on_error = s.name(top["on_error"][1], "on_error") if "on_error" in top else None
     begin_payload = _begin(s, top["begin"][1]) if "begin" in top else ()
     relations = s.sequence(top["relations"][1], "relations", lambda n: _relation(s, n)) if "relations" in top else ()
+    spaces: dict[str, Space] = {}
+    if "spaces" in top:
+        for sname, sknode, snode in s.named_mapping(top["spaces"][1], "spaces", "id space"):
+            space = _space(s, sname, sknode, snode)
+            if space is not None:
+                spaces[sname] = space
+    event_decls: dict[str, EventDecl] = {}
+    if "events" in top:
+        for ename, eknode, enode in s.named_mapping(top["events"][1], "events", "event"):
+            decl = _event_decl(s, ename, eknode, enode, key or "")
+            if decl is not None:
+                event_decls[ename] = decl
 
     if s.errors or name is None or key is None:
         raise SpecError(sorted(s.errors, key=lambda f: (f.line, f.col)))
@@ -307,6 +346,8 @@ def read_text(text: str, path: str = "<string>") -> Spec:
         locs=locs,
         begin_payload=begin_payload,
         relations=relations,
+        spaces=spaces,
+        event_decls=event_decls,
     )
 
 

@@ -120,6 +120,32 @@ class IgnoreRule:
     loc: Loc = NOWHERE
 
 
+BEGIN = "begin"
+"""Where a space may be linked besides an event: the ids ``begin`` carries."""
+
+
+@dataclass(frozen=True, slots=True)
+class Space:
+    """An id space besides the key's: a peer's request id, a transfer id. ``linked_at`` is the event (or
+    ``begin``) whose payload carries the id, under the space's own name; the tracker links it there."""
+
+    name: str
+    linked_at: str
+    doc: str = ""
+    loc: Loc = NOWHERE
+
+
+@dataclass(frozen=True, slots=True)
+class EventDecl:
+    """What an event is: the id space a message of it names (``by``), and whether a remote party sends it."""
+
+    name: str
+    by: str
+    remote: bool = False
+    doc: str = ""
+    loc: Loc = NOWHERE
+
+
 Term = tuple[float, str | None]
 """``coefficient × param`` (a bare number when the name is None)."""
 
@@ -185,6 +211,24 @@ class Spec:
     """The keyword arguments ``begin`` carries to the initial state's acquire actions."""
     relations: tuple[Relation, ...] = ()
     """Relations every binding of the params must keep (``lease_ttl > transfer_timeout``)."""
+    spaces: Mapping[str, Space] = field(default_factory=dict)
+    """Id spaces besides ``key``'s, each linked by the payload of one event (or begin)."""
+    event_decls: Mapping[str, EventDecl] = field(default_factory=dict)
+    """Events declared under ``events:`` (routing space, remote or not); undeclared ones are local, by key."""
+
+    def routed_by(self, event: str) -> str:
+        """The id space a message of ``event`` names: its declared ``by``, else the key's."""
+        decl = self.event_decls.get(event)
+        return decl.by if decl is not None else self.key
+
+    def is_remote(self, event: str) -> bool:
+        """Whether a remote party sends ``event`` (so it may arrive late, anywhere, even after the end)."""
+        decl = self.event_decls.get(event)
+        return decl is not None and decl.remote
+
+    def linked_at(self, event: str) -> tuple[str, ...]:
+        """The spaces whose id ``event`` (or ``"begin"``) carries in its payload, to link on the way."""
+        return tuple(name for name, space in self.spaces.items() if space.linked_at == event)
 
     # -- derived structure -------------------------------------------------
 

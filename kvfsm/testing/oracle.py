@@ -193,9 +193,12 @@ class SpecModel:
         self.now = 0.0
         self.closed = False
         self.counts = dict.fromkeys(
-            ("ignored", "illegal", "unknown", "stale", "forced", "timeouts", "action_errors", "release_errors"), 0
+            ("ignored", "illegal", "unknown", "late", "stale", "forced", "timeouts", "action_errors", "release_errors"),
+            0,
         )
         self.anomalies: list[tuple[str, str, Hashable, str]] = []
+        self.retired: set[Hashable] = set()
+        """Keys whose instance was drained: an event for one is ``late``, not ``unknown``."""
         """(kind, id space, id, event) per anomaly, in order; the caller drains it."""
         self._seq = 0
 
@@ -318,7 +321,7 @@ class SpecModel:
             out.refused, out.state = "closed", inst.state if inst is not None else None
             return out
         if inst is None:
-            self._anomaly("unknown", key, event)
+            self._anomaly("late" if key in self.retired else "unknown", key, event)
             out.refused = "unknown"
             return out
         out.state = inst.state
@@ -354,6 +357,7 @@ class SpecModel:
         for inst in done:
             if self.live.get(inst.key) is inst:
                 del self.live[inst.key]
+                self.retired.add(inst.key)
             out.drained.append((inst.key, inst.state))
             out.unordered += inst.by_close  # after a close nothing else finishes, so these come last
         return out
@@ -439,7 +443,7 @@ class SpecModel:
             self._seq += 1
             inst.due, inst.seq = self.now + timed[0], self._seq
 
-    def _anomaly(self, kind: Literal["unknown", "forced"], key: Hashable, event: str) -> None:
+    def _anomaly(self, kind: Literal["unknown", "late", "forced"], key: Hashable, event: str) -> None:
         self.counts[kind] += 1
         self.anomalies.append((kind, self.spec.key, key, event))
 
