@@ -272,3 +272,31 @@ def test_each_lifecycle_is_a_span_with_a_child_per_state_and_crosses_processes_b
     children = [s.name for s in spans if s.parent is not None and s.parent.span_id == prefill_root.context.span_id]
     assert children == ["pinned", "queued", "transferring", "kv_request lifecycle"]  # decode's continues prefill's
     assert prefill_spans.lifecycles == {} and decode_spans.lifecycles == {}
+
+
+def test_the_pd_jobs_processes_serve_metrics_for_every_state_of_their_role_specs() -> None:
+    pytest.importorskip("torch", reason="the P/D job needs kvfsm[torch]")
+    pytest.importorskip("zmq", reason="the P/D job needs kvfsm[zmq]")
+    from kvfsm.drivers.pd import JobConfig, run_job
+    from kvfsm.drivers.pd.role import system
+
+    roles = system("corrected").roles
+    seen: dict[str, set[str]] = {}
+
+    def scrape(role: str, url: str) -> None:
+        text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+        seen[role] = {
+            s.labels["state"]
+            for family in text_string_to_metric_families(text)
+            if family.name == "kvfsm_instances"
+            for s in family.samples
+            if s.value >= 0
+        }
+
+    ledger = run_job(
+        JobConfig(requests=60, concurrency=8, fault_rate=0.0, metrics=True), on_endpoint=scrape, kill_prefill=False
+    )
+    assert ledger.clean, ledger.as_dict()
+    assert set(seen) == {"prefill", "decode"}
+    for role, states in seen.items():
+        assert states == set(roles[role].spec.states), role

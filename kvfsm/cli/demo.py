@@ -77,6 +77,11 @@ def register(sub: Subparsers) -> None:
     p.add_argument(
         "--seed", type=int, default=0, metavar="N", help="seed of the fault injection (and the tour's soaks)"
     )
+    p.add_argument(
+        "--metrics",
+        action="store_true",
+        help="each process serves its trackers' state and Prometheus metrics on 127.0.0.1 (watch with kvfsm top URL)",
+    )
     p.add_argument("--format", choices=("text", "json"), default="text")
     tour = p.add_argument_group("tour options (with --tour)")
     tour.add_argument("--out", type=Path, default=Path("out"), metavar="DIR", help="diagrams go to DIR/diagrams/")
@@ -110,6 +115,7 @@ def run_pd(args: argparse.Namespace) -> int:
             seed=args.seed,
             protocol=args.protocol,
             backend=args.backend,
+            metrics=args.metrics,
         )
     except ValueError as exc:
         err.print(f"[red]kvfsm demo: {escape(str(exc))}[/]")
@@ -126,10 +132,14 @@ def run_pd(args: argparse.Namespace) -> int:
     return EXIT_OK if ledger.clean else EXIT_FINDINGS
 
 
+def _endpoint(role: str, url: str) -> None:
+    err.print(f"[dim]{role}: state and metrics at {url}/state and {url}/metrics (kvfsm top {url})[/]")
+
+
 def _pd(config: JobConfig) -> Ledger:
     from ..drivers.pd import run_job
 
-    return run_job(config)
+    return run_job(config, on_endpoint=_endpoint)
 
 
 def _pd_with_progress(config: JobConfig) -> Ledger:
@@ -145,7 +155,7 @@ def _pd_with_progress(config: JobConfig) -> Ledger:
             seen = " ".join(f"{k} {v}" for k, v in sorted(outcomes.items()))
             bar.update(task, completed=done, description=f"P/D job ({config.protocol}, {config.backend}): {seen}")
 
-        return run_job(config, progress=show)
+        return run_job(config, progress=show, on_endpoint=_endpoint)
 
 
 def _render_ledger(ledger: Ledger) -> None:

@@ -6,7 +6,7 @@ nothing is written per connector. Metrics need the ``kvfsm[metrics]`` extra
 """
 
 from .dump import state_dump
-from .endpoint import DebugServer
+from .endpoint import DebugServer, serve
 from .stuck import StuckWatch
 
-__all__ = ["DebugServer", "StuckWatch", "state_dump"]
+__all__ = ["DebugServer", "StuckWatch", "serve", "state_dump"]

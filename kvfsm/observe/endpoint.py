@@ -107,3 +107,17 @@ class DebugServer:
 
     def __exit__(self, *_exc: object) -> None:
         self.close()
+
+
+def serve(trackers: Sequence[Tracker], *, host: str = "127.0.0.1", port: int = 0) -> DebugServer:
+    """A :class:`DebugServer` for ``trackers`` with their metrics on ``/metrics`` (when prometheus_client is
+    installed), ages in the dump from the metrics' entry times: what a process adds to expose its lifecycles."""
+    try:
+        from prometheus_client import CollectorRegistry
+
+        from .metrics import TrackerMetrics
+    except ImportError:
+        return DebugServer(trackers, host=host, port=port)
+    registry = CollectorRegistry()
+    entered = {t.spec.name: TrackerMetrics(t, registry=registry).entered for t in trackers}
+    return DebugServer(trackers, host=host, port=port, registry=registry, entered=entered)

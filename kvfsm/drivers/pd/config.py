@@ -39,6 +39,8 @@ class JobConfig:
     abort_within: float = 0.025
     deadline: float = 50.0
     """Decode gives up on the job after this long; whatever is still live then is counted as hung."""
+    metrics: bool = False
+    """Each process serves its trackers' state and metrics on 127.0.0.1 (kvfsm.observe); URLs in the ledger."""
 
     def __post_init__(self) -> None:
         if self.protocol not in PROTOCOLS:

@@ -21,7 +21,7 @@ from ..block_pool import BlockPool
 from .config import JobConfig
 from .faults import Faults
 from .pages import Pages
-from .role import Role, tag
+from .role import Role, expose, tag
 from .transport import MooncakeExposure
 
 DECODE, PREFILL = "decode", "prefill"
@@ -214,9 +214,12 @@ def serve(config: JobConfig, report: Queue[Any]) -> None:
     except Exception as exc:
         report.put(("error", DECODE, f"{type(exc).__name__}: {exc}"))
         return
+    server = expose(decode.tracker, config, report, DECODE)
     try:
         report.put(("decode", decode.run()))
     except Exception as exc:
         report.put(("error", DECODE, f"{type(exc).__name__}: {exc}"))
     finally:
+        if server is not None:
+            server.close()
         decode.close()

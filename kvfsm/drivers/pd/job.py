@@ -44,6 +44,8 @@ class Ledger:
     listener_deaths: int = 0
     latency_ms: dict[str, float] = field(default_factory=dict)
     prefill_incarnations: int = 1
+    endpoints: dict[str, str] = field(default_factory=dict)
+    """With ``metrics``: each process's kvfsm.observe endpoint (``/state``, ``/metrics``), by role."""
     seconds: float = 0.0
     errors: list[str] = field(default_factory=list)
 
@@ -113,12 +115,19 @@ class _Processes:
             self.kill(process)
 
 
-def run_job(config: JobConfig, progress: Progress | None = None, *, kill_prefill: bool | None = None) -> Ledger:
+def run_job(
+    config: JobConfig,
+    progress: Progress | None = None,
+    *,
+    kill_prefill: bool | None = None,
+    on_endpoint: Callable[[str, str], None] | None = None,
+) -> Ledger:
     """Run ``config.requests`` requests through a prefill and a decode process; the ledger of what happened.
 
     ``kill_prefill`` (default: whenever faults are injected) kills the prefill
     process with SIGKILL once a third of the requests have ended, and starts
-    a new one on the same port.
+    a new one on the same port. With ``config.metrics``, ``on_endpoint(role,
+    url)`` is called as each process starts serving its state and metrics.
     """
     from . import decode, prefill
 
@@ -171,6 +180,10 @@ def run_job(config: JobConfig, progress: Progress | None = None, *, kill_prefill
                         break
                 elif kind == "prefill":
                     prefill_reports.append(item[1])
+                elif kind == "metrics":
+                    ledger.endpoints[item[1]] = item[2]
+                    if on_endpoint is not None:
+                        on_endpoint(item[1], item[2])
                 else:
                     reports[kind] = item[1]
             stop.set()

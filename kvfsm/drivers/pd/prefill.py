@@ -23,7 +23,7 @@ from ..block_pool import BlockPool, NoFreeBlocks
 from .config import JobConfig
 from .faults import Faults
 from .pages import Pages
-from .role import Role, tag
+from .role import Role, expose, tag
 from .transport import EmbeddedTransport, MooncakeTransport, Transport
 
 DECODE, PREFILL = "decode", "prefill"
@@ -199,9 +199,12 @@ def serve(config: JobConfig, incarnation: int, report: Queue[Any], stop: Event) 
     except Exception as exc:
         report.put(("error", PREFILL, f"{type(exc).__name__}: {exc}"))
         return
+    server = expose(prefill.tracker, config, report, PREFILL)
     try:
         report.put(("prefill", prefill.run(stop)))
     except Exception as exc:
         report.put(("error", PREFILL, f"{type(exc).__name__}: {exc}"))
     finally:
+        if server is not None:
+            server.close()
         prefill.close()

@@ -66,7 +66,9 @@ class Role:
         self.spec = self.system.roles[self.name].spec
         self.sends = Sends(self.spec)
         params = {k: v for k, v in params.items() if k in self.spec.params}  # the protocols differ in their params
-        self.tracker = Tracker(self.spec, driver, params=params, observer=self.sends, threadsafe=False)
+        # One thread moves the tracker; a debug endpoint reading it from its own thread needs the lock.
+        locked = config.metrics
+        self.tracker = Tracker(self.spec, driver, params=params, observer=self.sends, threadsafe=locked)
         self.faults = Faults(config.fault_rate, seed)
         self.listener = Listener(port=port, check=self.check)
         from ...wire.sender import Sender
@@ -128,3 +130,14 @@ class Role:
     def close(self) -> None:
         self.listener.close()
         self.outbox.sender.close()
+
+
+def expose(tracker: Tracker, config: JobConfig, report: Any, role: str) -> Any:
+    """With ``config.metrics``: serve the tracker's state and metrics (kvfsm.observe) and tell the parent where."""
+    if not config.metrics:
+        return None
+    from ...observe import serve
+
+    server = serve([tracker])
+    report.put(("metrics", role, server.url))
+    return server
