@@ -478,7 +478,7 @@ class CpuOffloadWorker:
         )
 
 
-_VLLM_CONNECTORS = {"CpuOffloadConnector": "vllm_connector"}
+_VLLM_CONNECTORS = {"CpuOffloadConnector": "vllm_connector", "MooncakeStoreConnector": "vllm_mooncake"}
 """Connector classes vLLM may name; they import vLLM, so they load on first use."""
 
 

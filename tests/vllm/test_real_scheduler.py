@@ -1,4 +1,4 @@
-"""kvfsm's CPU-offload connector loaded by vLLM's real Scheduler and stepped through random workloads, checked every step."""
+"""kvfsm's connectors loaded by vLLM's real Scheduler and stepped through random workloads, checked every step."""
 
 from __future__ import annotations
 
@@ -6,10 +6,14 @@ import pytest
 
 pytest.importorskip("vllm.v1.core.sched.scheduler", reason="vLLM is not installed: ./dev.sh setup installs it")
 
+from collections.abc import Iterator
+
 from vllm.v1.request import RequestStatus
 
 from kvfsm.adapters.vllm_connector import CpuOffloadConnector, CpuOffloadWorkerReport
-from kvfsm.showcase.sim.real import EngineConfig, EngineWorkload, RealEngine, make_request
+from kvfsm.adapters.vllm_mooncake import MooncakeStoreConnector
+from kvfsm.drivers.mooncake import returning
+from kvfsm.showcase.sim.real import EngineConfig, EngineWorkload, MooncakeEngine, RealEngine, make_request
 
 FAULTY = EngineConfig(copy_failure_rate=0.05, copy_loss_rate=0.03, duplicate_rate=0.05, late_rate=0.05)
 
@@ -86,4 +90,87 @@ def test_random_workload_with_a_faulty_worker_leaves_nothing_held(seed: int) -> 
 @pytest.mark.slow
 def test_long_random_workload_with_a_faulty_worker_leaves_nothing_held() -> None:
     report = RealEngine(FAULTY, seed=7).run(EngineWorkload(num_requests=20_000, seed=7), max_steps=1_000_000)
+    assert report.clean, report
+
+
+# -- the Mooncake store connector ---------------------------------------------------------
+
+
+@pytest.fixture
+def mooncake() -> Iterator[MooncakeEngine]:
+    engine = MooncakeEngine()
+    yield engine
+    engine.close()
+
+
+def test_vllm_loads_the_mooncake_connector_and_keeps_a_stored_request_until_finished_sending(
+    mooncake: MooncakeEngine,
+) -> None:
+    assert isinstance(mooncake.scheduler.connector, MooncakeStoreConnector)
+    prompt = list(range(1, 3 * 16 + 2))
+    mooncake.add(make_request("a", prompt, max_tokens=1, block_size=16))
+    while "a" not in mooncake.scheduler.finished_req_ids and mooncake.scheduler.requests:
+        mooncake.step()
+    assert "a" in mooncake.scheduler.requests, "delay_free: vLLM keeps the blocks until the store reports"
+    mooncake.drain()
+    assert mooncake.scheduler.reset_prefix_cache()
+    mooncake.add(make_request("b", prompt, max_tokens=1, block_size=16))
+    mooncake.step()
+    assert mooncake.scheduler.requests["b"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    mooncake.drain()
+    w = mooncake.worker.worker
+    assert w.outcomes == {"send:stored": 2, "load:loaded": 1}  # b is stored too: its blocks are deduped
+    assert (w.sender.stats["blocks_put"], w.loader.stats["blocks_loaded"]) == (3, 3)
+    assert mooncake.finish().clean
+
+
+def test_seed000_a_store_whose_existence_check_raises_still_frees_the_requests_blocks(
+    mooncake: MooncakeEngine,
+) -> None:
+    mooncake.faulty.fail_next("batch_is_exist")
+    mooncake.add(make_request("a", list(range(1, 3 * 16 + 2)), max_tokens=1, block_size=16))
+    mooncake.drain()
+    assert mooncake.worker.worker.outcomes == {"send:failed": 1}
+    assert not mooncake.scheduler.requests
+    assert mooncake.finish().clean
+
+
+def test_a_hit_gone_when_the_worker_looks_is_recomputed_not_read(mooncake: MooncakeEngine) -> None:
+    """vLLM's phase A finds the prefix in the store; by the worker's lookup it is gone (evicted)."""
+    prompt = list(range(1, 3 * 16 + 2))
+    mooncake.add(make_request("a", prompt, max_tokens=1, block_size=16))
+    mooncake.drain()
+    assert mooncake.scheduler.reset_prefix_cache()
+    mooncake.faulty.fail_next("batch_is_exist", returning(0))  # the worker's next lookup: every key missing
+    mooncake.add(make_request("b", prompt, max_tokens=2, block_size=16))
+    mooncake.step()
+    assert mooncake.scheduler.requests["b"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    mooncake.drain()
+    w = mooncake.worker.worker
+    # The missed load filled nothing; vLLM was told its blocks are invalid, asked again, and loaded them then.
+    assert (w.outcomes["load:missed"], w.outcomes["load:loaded"], w.loader.stats["blocks_loaded"]) == (1, 1, 3)
+    assert mooncake.report.finished == 2
+    assert mooncake.finish().clean
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_mooncake_random_workload_with_failing_store_calls_leaves_nothing_held(seed: int) -> None:
+    engine = MooncakeEngine(seed=seed, fault_rate=0.05)
+    try:
+        report = engine.run(EngineWorkload(num_requests=200, seed=seed))
+    finally:
+        engine.close()
+    assert report.clean, report
+    assert report.preemptions > 0 and report.aborts_mid_load > 0
+    assert report.faults["store_batch_is_exist"] > 0 and report.faults["bugs"] == 0
+    assert report.connector["outcomes"].get("send:failed", 0) > 0
+
+
+@pytest.mark.slow
+def test_mooncake_long_random_workload_with_failing_store_calls_leaves_nothing_held() -> None:
+    engine = MooncakeEngine(seed=7, fault_rate=0.05)
+    try:
+        report = engine.run(EngineWorkload(num_requests=10_000, seed=7), max_steps=1_000_000)
+    finally:
+        engine.close()
     assert report.clean, report

@@ -1,22 +1,22 @@
-"""kvfsm's CPU-offload connector inside vLLM's real ``Scheduler``, stepped with fake model outputs and checked after every step.
+"""kvfsm's connectors inside vLLM's real ``Scheduler``, stepped with fake model outputs and checked after every step.
 
 The scheduler is vLLM's own (CPU, a small GPU pool, prefix caching on); it
-loads :class:`~kvfsm.adapters.vllm_connector.CpuOffloadConnector` through
-``kv_connector_module_path`` and builds the SCHEDULER role itself. The WORKER
-role is driven the way vLLM's ``KVConnectorModelRunnerMixin`` drives it, and
-the model's output is faked the way vLLM's
-``tests/v1/kv_connector/unit/utils.py`` fakes it. Faults are the simulator's:
-a DMA engine that is late, fails or loses reports
-(:class:`~kvfsm.showcase.sim.runner.DelayedCopier`), and a process boundary
-that delivers worker outputs twice or much later
-(:class:`~kvfsm.showcase.sim.runner.OutputDelivery`).
+loads the connector (:class:`RealEngine`: CPU offload, :class:`MooncakeEngine`:
+Mooncake store) through ``kv_connector_module_path`` and builds the SCHEDULER
+role itself. The WORKER role is driven the way vLLM's
+``KVConnectorModelRunnerMixin`` drives it, and the model's output is faked
+the way vLLM's ``tests/v1/kv_connector/unit/utils.py`` fakes it. Faults: a DMA
+engine that is late, fails or loses reports
+(:class:`~kvfsm.showcase.sim.runner.DelayedCopier`), a process boundary that
+delivers worker outputs twice or much later
+(:class:`~kvfsm.showcase.sim.runner.OutputDelivery`), store calls that raise
+or fail (:class:`~kvfsm.drivers.mooncake.FaultyStore`).
 
-After every step, :meth:`RealEngine.check` holds vLLM and kvfsm to each
-other: every GPU block's ``ref_cnt`` is exactly the requests vLLM gives it
-plus the kvfsm holds on it, vLLM's free queue is exactly the unreferenced
-blocks, a request vLLM parks in ``WAITING_FOR_REMOTE_KVS`` is one a load (or
-the report) owes an answer, and an instance kept for a request vLLM has
-forgotten is one whose deadline will end it.
+After every step, :meth:`Engine.check` holds vLLM and kvfsm to each other:
+every GPU block's ``ref_cnt`` is exactly the requests vLLM gives it plus the
+connector's references on it, vLLM's free queue is exactly the unreferenced
+blocks, and each engine adds what its connector owes vLLM (see their
+docstrings).
 
 Needs vLLM (``./dev.sh setup`` installs it; see docs/vllm.md).
 """
@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +43,7 @@ from vllm.config import (
     SchedulerConfig,
     VllmConfig,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -52,6 +54,8 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from ...adapters import vllm_api
 from ...adapters.vllm_connector import CpuOffloadConnector, as_worker_report
+from ...adapters.vllm_mooncake import VLLM, MooncakeStoreConnector
+from ...drivers.mooncake import EmbeddedMaster, FaultyStore
 from ...engine import Tracker
 from .opt125m import model_dir
 from .runner import DelayedCopier, OutputDelivery
@@ -123,8 +127,8 @@ class EngineReport:
         return self.leaked_gpu_blocks == 0 and self.leaked_cpu_holds == 0 and self.live_instances == 0
 
 
-def vllm_config(config: EngineConfig) -> VllmConfig:
-    """The VllmConfig of vLLM's connector unit tests, with kvfsm's connector named by module path."""
+def vllm_config(config: EngineConfig, connector: str, extra: dict[str, Any]) -> VllmConfig:
+    """The VllmConfig of vLLM's connector unit tests, with a kvfsm connector named by module path."""
     model = ModelConfig(model=str(model_dir()), skip_tokenizer_init=True, dtype="float16", seed=42)
     return VllmConfig(
         model_config=model,
@@ -137,14 +141,10 @@ def vllm_config(config: EngineConfig) -> VllmConfig:
         ),
         cache_config=CacheConfig(block_size=config.block_size, enable_prefix_caching=True),
         kv_transfer_config=KVTransferConfig(
-            kv_connector="CpuOffloadConnector",
+            kv_connector=connector,
             kv_connector_module_path="kvfsm.adapters.vllm",
             kv_role="kv_both",
-            kv_connector_extra_config={
-                "num_cpu_blocks": config.num_cpu_blocks,
-                "load_timeout": config.load_timeout,
-                "store_timeout": config.store_timeout,
-            },
+            kv_connector_extra_config=extra,
             kv_load_failure_policy=config.kv_load_failure_policy,
         ),
         device_config=DeviceConfig("cpu"),
@@ -176,42 +176,67 @@ def make_request(request_id: str, prompt: list[int], max_tokens: int, block_size
     )
 
 
-class RealEngine:
-    """vLLM's Scheduler with kvfsm's connector, a faulty worker and a flaky process boundary, checked every step."""
+class Engine:
+    """vLLM's Scheduler with a kvfsm connector, stepped with fake model outputs and checked after every step.
+
+    Subclasses name the connector and add what is to be checked of it; this
+    class checks vLLM's side: every GPU block's ``ref_cnt`` is what vLLM's
+    requests and the connector's own references account for, and vLLM's free
+    queue is exactly the unreferenced blocks.
+    """
+
+    connector_name = ""
 
     def __init__(self, config: EngineConfig = EngineConfig(), seed: int = 0) -> None:
         self.config = config
         self.rng = random.Random(seed)
         self.now = 0
-        vconfig = vllm_config(config)
-        kv_config = kv_cache_config(config)
-        vconfig.cache_config.num_gpu_blocks = config.num_gpu_blocks
+        self.vllm_config = vllm_config(config, self.connector_name, self.extra_config())
+        self.kv_cache_config = kv_cache_config(config)
+        self.vllm_config.cache_config.num_gpu_blocks = config.num_gpu_blocks
         self.scheduler = Scheduler(
-            vllm_config=vconfig,
-            kv_cache_config=kv_config,
+            vllm_config=self.vllm_config,
+            kv_cache_config=self.kv_cache_config,
             log_stats=False,
-            structured_output_manager=StructuredOutputManager(vconfig),
+            structured_output_manager=StructuredOutputManager(self.vllm_config),
             block_size=config.block_size,
         )
-        connector = self.scheduler.connector
-        if not isinstance(connector, CpuOffloadConnector):
-            raise TypeError(f"vLLM built {type(connector).__name__}, not kvfsm's CpuOffloadConnector")
-        self.connector = connector
-        connector.set_clock(lambda: float(self.now))
-        self.worker = CpuOffloadConnector(vconfig, _worker_role(), kv_config)
-        self.copier = DelayedCopier(
-            lambda: self.now,
-            self.rng,
-            delay=config.copy_delay,
-            failure_rate=config.copy_failure_rate,
-            loss_rate=config.copy_loss_rate,
-        )
-        self.worker.worker_half.copier = self.copier
-        self.delivery = OutputDelivery(self.rng, duplicate_rate=config.duplicate_rate, late_rate=config.late_rate)
+        if type(self.scheduler.connector).__name__ != self.connector_name:
+            raise TypeError(f"vLLM built {type(self.scheduler.connector).__name__}, not kvfsm's {self.connector_name}")
         self.block_pool = self.scheduler.kv_cache_manager.block_pool
+        self.delivery = OutputDelivery(self.rng, duplicate_rate=config.duplicate_rate, late_rate=config.late_rate)
         self.report = EngineReport()
         self._seen: set[str] = set()
-        """Request ids added and possibly still known to a Tracker: where to look for what vLLM forgot."""
+        """Request ids added and possibly still known to the connector: where to look for what vLLM forgot."""
+
+    # -- what a connector adds ---------------------------------------------------------
+
+    def extra_config(self) -> dict[str, Any]:
+        """The connector's ``kv_connector_extra_config``."""
+        return {}
+
+    @property
+    def worker(self) -> Any:
+        """The connector's WORKER role, built by the subclass."""
+        raise NotImplementedError
+
+    def connector_refs(self) -> dict[int, int]:
+        """References the connector holds on vLLM's GPU blocks, by block id."""
+        return {}
+
+    def check_connector(self) -> None:
+        """The connector's own state against what vLLM believes (AssertionError if they disagree)."""
+
+    def connector_busy(self) -> bool:
+        """Whether the connector still has work under way (the run drains until it has none)."""
+        return self.delivery.busy()
+
+    def between_phases(self, request_id: str) -> bool:
+        """Whether phase A answered for the request and phase B has not come (for counting aborts)."""
+        return False
+
+    def finish_connector(self, report: EngineReport) -> None:
+        """Fill the connector's figures and leak counts into ``report``."""
 
     # -- one step ---------------------------------------------------------------------
 
@@ -221,7 +246,6 @@ class RealEngine:
         out = self.scheduler.schedule()
         self.report.preemptions += len(out.preempted_req_ids or ())
         kv = self.delivery.deliver(self.now, self._worker_step(out.kv_connector_metadata, set(out.finished_req_ids)))
-        worker_meta = as_worker_report(kv.kv_connector_worker_meta)
         req_ids = list(out.num_scheduled_tokens)
         sampled = []
         for rid in req_ids:
@@ -239,7 +263,7 @@ class RealEngine:
                 finished_sending=kv.finished_sending,
                 finished_recving=kv.finished_recving,
                 invalid_block_ids=set(kv.invalid_block_ids),
-                kv_connector_worker_meta=worker_meta,
+                kv_connector_worker_meta=self.worker_meta(kv.kv_connector_worker_meta),
             ),
         )
         for req in self.scheduler.update_from_output(out, runner_out).values():
@@ -247,12 +271,20 @@ class RealEngine:
         self.report.steps += 1
         self.check()
 
+    def worker_meta(self, meta: Any) -> Any:
+        """The worker metadata as vLLM receives it (after the flaky boundary merged outputs)."""
+        return meta
+
+    def settle(self) -> None:
+        """Let the worker's own threads finish this step's work before it reports (a forward pass's worth of time)."""
+
     def _worker_step(self, meta: Any, finished_req_ids: set[str]) -> vllm_api.KVConnectorOutput:
         """The WORKER role's calls in the order of vLLM's ``KVConnectorModelRunnerMixin`` (no forward pass here)."""
         w = self.worker
         w.bind_connector_metadata(meta)
         w.start_load_kv(None)
         w.wait_for_save()
+        self.settle()
         sending, recving = w.get_finished(finished_req_ids)
         invalid = w.get_block_ids_with_load_errors()
         worker_meta = w.build_connector_worker_meta()
@@ -273,34 +305,32 @@ class RealEngine:
             return
         if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
             self.report.aborts_mid_load += 1
-        elif self.connector.scheduler_half.loads.accepts(request_id, "retry"):
-            self.report.aborts_between_phases += 1  # phase A pinned a hit, phase B never came
+        elif self.between_phases(request_id):
+            self.report.aborts_between_phases += 1
         self.report.aborts += 1
         self.scheduler.finish_requests(request_id, RequestStatus.FINISHED_ABORTED)
 
     # -- the checks ----------------------------------------------------------------------
 
+    def owners(self) -> dict[str, list[Any]]:
+        """vLLM's requests and the GPU blocks it gives each (``KVCacheBlock``s)."""
+        return self.scheduler.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks  # type: ignore[no-any-return]
+
     def check(self) -> None:
-        """vLLM's block pool is consistent with its requests plus kvfsm's holds; the Trackers agree with vLLM."""
+        """vLLM's block pool is consistent with its requests plus the connector's references; then the connector."""
         self.report.checks += 1
-        half = self.connector.scheduler_half
-        gpu = half.offload.gpu_pool
-        gpu.check()
-        half.offload.cpu_pool.check()
         expected = dict.fromkeys(range(len(self.block_pool.blocks)), 0)
-        for blocks in self.scheduler.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks.values():
+        for blocks in self.owners().values():
             for b in blocks:
                 if not b.is_null:
                     expected[b.block_id] += 1
-        for b, n in gpu.referenced().items():
+        for b, n in self.connector_refs().items():
             expected[b] += n
         for b, block in enumerate(self.block_pool.blocks):
-            if block.is_null:
-                continue
-            if block.ref_cnt != expected[b]:
+            if not block.is_null and block.ref_cnt != expected[b]:
                 raise AssertionError(
-                    f"step {self.now}: GPU block {b} has ref_cnt {block.ref_cnt}, but vLLM's requests and kvfsm's "
-                    f"holds account for {expected[b]}"
+                    f"step {self.now}: GPU block {b} has ref_cnt {block.ref_cnt}, but vLLM's requests and the "
+                    f"connector's references account for {expected[b]}"
                 )
         free = self.block_pool.free_block_queue.num_free_blocks
         unreferenced = sum(1 for b in self.block_pool.blocks if not b.is_null and b.ref_cnt == 0)
@@ -308,34 +338,7 @@ class RealEngine:
             raise AssertionError(
                 f"step {self.now}: vLLM's free queue has {free} blocks, {unreferenced} are unreferenced"
             )
-        for rid, req in self.scheduler.requests.items():
-            if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS and not (
-                "recv_report" in half.loads.held(rid)
-                or half.report.owes(rid)
-                or rid in self.scheduler.finished_recving_kv_req_ids
-            ):
-                raise AssertionError(f"step {self.now}: vLLM waits for {rid}'s load, but no load or report owes it")
-        for rid in list(self._seen):
-            if rid in self.scheduler.requests:
-                continue
-            known = False
-            for tracker in (half.loads, half.stores):
-                state = tracker.state(rid)
-                if state is None or state not in tracker.spec.live:
-                    continue
-                known = True
-                if tracker.spec.states[state].timeout is None and not self._sent_this_step(tracker, rid):
-                    raise AssertionError(
-                        f"step {self.now}: {tracker.spec.name} holds {sorted(tracker.held(rid))} for {rid}, which "
-                        f"vLLM has forgotten, in '{state}', which no deadline ends"
-                    )
-            if not known:
-                self._seen.discard(rid)
-
-    @staticmethod
-    def _sent_this_step(tracker: Tracker, rid: str) -> bool:
-        """A store planned by request_finished leaves with the next step's metadata (its only way on is dispatch)."""
-        return tracker.accepts(rid, "dispatch")
+        self.check_connector()
 
     # -- a whole run -----------------------------------------------------------------------
 
@@ -368,7 +371,7 @@ class RealEngine:
     def drain(self, max_steps: int = 10_000) -> None:
         """Step until vLLM has no request and the connector nothing under way (AssertionError if it never does)."""
         for _ in range(max_steps):
-            if not (self.scheduler.has_requests() or self._connector_busy()):
+            if not (self.scheduler.has_requests() or self.connector_busy()):
                 return
             self.step()
         raise AssertionError(f"not idle after {max_steps} steps: {self.scheduler.get_request_counts()} requests")
@@ -377,14 +380,13 @@ class RealEngine:
         """Make the GPU forget its prefix cache, preempting every running request, when vLLM can.
 
         vLLM raises if blocks stay in use after the preemption: held by a
-        request it cannot preempt, or by kvfsm's pins; then only an idle reset is tried.
+        request it cannot preempt, or by the connector; then only an idle reset is tried.
         """
-        owners = self.scheduler.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks
+        owners = self.owners()
         stuck = any(
             r.status != RequestStatus.RUNNING and owners.get(rid) for rid, r in self.scheduler.requests.items()
         )  # a request vLLM cannot preempt keeps blocks: waiting for a load, or finished with a delayed free
-        held = self.connector.scheduler_half.offload.gpu_pool.holder_count() > 0
-        preempt = not (stuck or held)
+        preempt = not (stuck or self.connector_refs())
         self.report.prefix_resets += int(bool(self.scheduler.reset_prefix_cache(reset_running_requests=preempt)))
 
     def _requests(self, rng: random.Random, workload: EngineWorkload, prefixes: list[list[int]]) -> Iterator[Request]:
@@ -394,32 +396,191 @@ class RealEngine:
             ]
             yield make_request(f"r{i}", prompt, rng.randint(*workload.output_len), self.config.block_size)
 
-    def _connector_busy(self) -> bool:
-        return self.connector.scheduler_half.live() > 0 or self.copier.busy() or self.delivery.busy()
-
     def finish(self) -> EngineReport:
         """Count what is still held once vLLM and the connector are idle: all zero for a correct connector."""
-        half = self.connector.scheduler_half
         r = self.report
         r.leaked_gpu_blocks = sum(1 for b in self.block_pool.blocks if not b.is_null and b.ref_cnt > 0)
+        r.faults = {"outputs_duplicated": self.delivery.duplicated, "outputs_late": self.delivery.late}
+        self.finish_connector(r)
+        return r
+
+
+class RealEngine(Engine):
+    """vLLM's Scheduler with kvfsm's CPU-offload connector, a faulty DMA engine and a flaky process boundary.
+
+    On top of :class:`Engine`'s checks: a request vLLM parks in
+    ``WAITING_FOR_REMOTE_KVS`` is owed its answer by a load that holds
+    ``recv_report``, or by the report, or vLLM has heard; an instance kept for
+    a request vLLM has forgotten is in a state whose deadline ends it.
+    """
+
+    connector_name = "CpuOffloadConnector"
+
+    def __init__(self, config: EngineConfig = EngineConfig(), seed: int = 0) -> None:
+        super().__init__(config, seed)
+        connector = self.scheduler.connector
+        assert isinstance(connector, CpuOffloadConnector)
+        self.connector = connector
+        connector.set_clock(lambda: float(self.now))
+        self._worker = CpuOffloadConnector(self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config)
+        self.copier = DelayedCopier(
+            lambda: self.now,
+            self.rng,
+            delay=config.copy_delay,
+            failure_rate=config.copy_failure_rate,
+            loss_rate=config.copy_loss_rate,
+        )
+        self._worker.worker_half.copier = self.copier
+
+    def extra_config(self) -> dict[str, Any]:
+        c = self.config
+        return {"num_cpu_blocks": c.num_cpu_blocks, "load_timeout": c.load_timeout, "store_timeout": c.store_timeout}
+
+    @property
+    def worker(self) -> CpuOffloadConnector:
+        return self._worker
+
+    def worker_meta(self, meta: Any) -> Any:
+        return as_worker_report(meta)
+
+    def connector_refs(self) -> dict[int, int]:
+        return self.connector.scheduler_half.offload.gpu_pool.referenced()
+
+    def between_phases(self, request_id: str) -> bool:
+        return self.connector.scheduler_half.loads.accepts(request_id, "retry")  # phase A pinned, no phase B yet
+
+    def connector_busy(self) -> bool:
+        return self.connector.scheduler_half.live() > 0 or self.copier.busy() or super().connector_busy()
+
+    def check_connector(self) -> None:
+        half = self.connector.scheduler_half
+        half.offload.gpu_pool.check()
+        half.offload.cpu_pool.check()
+        for rid, req in self.scheduler.requests.items():
+            if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS and not (
+                "recv_report" in half.loads.held(rid)
+                or half.report.owes(rid)
+                or rid in self.scheduler.finished_recving_kv_req_ids
+            ):
+                raise AssertionError(f"step {self.now}: vLLM waits for {rid}'s load, but no load or report owes it")
+        for rid in list(self._seen):
+            if rid in self.scheduler.requests:
+                continue
+            known = False
+            for tracker in (half.loads, half.stores):
+                state = tracker.state(rid)
+                if state is None or state not in tracker.spec.live:
+                    continue
+                known = True
+                if tracker.spec.states[state].timeout is None and not self._sent_this_step(tracker, rid):
+                    raise AssertionError(
+                        f"step {self.now}: {tracker.spec.name} holds {sorted(tracker.held(rid))} for {rid}, which "
+                        f"vLLM has forgotten, in '{state}', which no deadline ends"
+                    )
+            if not known:
+                self._seen.discard(rid)
+
+    @staticmethod
+    def _sent_this_step(tracker: Tracker, rid: str) -> bool:
+        """A store planned by request_finished leaves with the next step's metadata (its only way on is dispatch)."""
+        return tracker.accepts(rid, "dispatch")
+
+    def finish_connector(self, r: EngineReport) -> None:
+        half = self.connector.scheduler_half
         r.leaked_cpu_holds = half.offload.cpu_pool.holder_count()
         r.live_instances = half.live()
         r.connector = {k: v for k, v in vars(half.stats).items() if k != "outcomes"} | {
             "outcomes": dict(half.stats.outcomes)
         }
-        r.faults = {
-            "copies_failed": self.copier.failed,
-            "reports_lost": self.copier.lost,
-            "outputs_duplicated": self.delivery.duplicated,
-            "outputs_late": self.delivery.late,
-        } | {f"tracker_{k}": v for k, v in half.anomalies().items()}
-        return r
+        r.faults |= {"copies_failed": self.copier.failed, "reports_lost": self.copier.lost}
+        r.faults |= {f"tracker_{k}": v for k, v in half.anomalies().items()}
 
 
-def _worker_role() -> Any:
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+class MooncakeEngine(Engine):
+    """vLLM's Scheduler with kvfsm's Mooncake store connector on the in-process store, whose calls fail at ``fault_rate``.
 
-    return KVConnectorRole.WORKER
+    On top of :class:`Engine`'s checks: every block a store job or a load
+    pins in the worker is one vLLM still gives that job's request (a store
+    never reads a block vLLM has freed: delay_free until finished_sending),
+    and a request vLLM parks in ``WAITING_FOR_REMOTE_KVS`` is owed its
+    answer by a load that holds ``recv_report``, or by the report.
+    """
+
+    connector_name = "MooncakeStoreConnector"
+
+    def __init__(self, config: EngineConfig = EngineConfig(), seed: int = 0, fault_rate: float = 0.0) -> None:
+        self.master = EmbeddedMaster()
+        super().__init__(config, seed)
+        connector = self.scheduler.connector
+        assert isinstance(connector, MooncakeStoreConnector)
+        self.connector = connector
+        self._worker = MooncakeStoreConnector(self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config)
+        self.faulty = FaultyStore(self._worker.store, rate=fault_rate, seed=seed)
+        self._worker.rebuild_worker(clock=lambda: float(self.now), store=self.faulty)
+
+    def extra_config(self) -> dict[str, Any]:
+        c = self.config
+        return {"master_address": self.master.address, "store_timeout": c.store_timeout, "load_timeout": c.load_timeout}
+
+    @property
+    def worker(self) -> MooncakeStoreConnector:
+        return self._worker
+
+    def connector_busy(self) -> bool:
+        return self._worker.worker.live() > 0 or self._worker.worker.report.owed() > 0 or super().connector_busy()
+
+    def settle(self) -> None:
+        """Wait (up to a second) until the worker's threads have taken every queued store and load.
+
+        The step count is the deadlines' clock, and a step takes far less than
+        Python's thread switch interval: without this, every load would
+        expire before a load thread ran, which says nothing about the connector.
+        """
+        w = self._worker.worker
+        until = time.monotonic() + 1.0
+        while w.unfinished_tasks() and time.monotonic() < until:
+            time.sleep(0.0001)
+
+    def check_connector(self) -> None:
+        w = self._worker.worker
+        owners = self.owners()
+        for holder, blocks in w.pool.holdings().items():
+            if holder == VLLM:
+                continue
+            # ("store", (request_id, n)) or ("load", (request_id, "load", n)): see MooncakeStoreWorker
+            if not (isinstance(holder, tuple) and len(holder) == 2 and isinstance(holder[1], tuple)):
+                raise AssertionError(f"step {self.now}: the worker's pool has a holder {holder!r} no job or load names")
+            rid = holder[1][0]
+            given = {b.block_id for b in owners.get(rid, ())}
+            if not set(blocks) <= given:
+                raise AssertionError(
+                    f"step {self.now}: the worker's {holder} pins blocks {sorted(set(blocks) - given)} that vLLM "
+                    f"no longer gives {rid}: a store would read, or a load write, a reused block"
+                )
+        w.load.live()  # takes the Tracker's lock: a transition a thread is making completes first
+        for rid, req in self.scheduler.requests.items():
+            if req.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+                continue
+            load = w.load.route("request_id", rid)
+            if not (
+                (load is not None and "recv_report" in w.load.held(load))
+                or w.report.owes(rid)
+                or rid in self.scheduler.finished_recving_kv_req_ids
+            ):
+                raise AssertionError(f"step {self.now}: vLLM waits for {rid}'s load, but no load or report owes it")
+
+    def finish_connector(self, r: EngineReport) -> None:
+        w = self._worker.worker
+        r.live_instances = w.live() + w.report.owed()
+        r.leaked_cpu_holds = sum(1 for h in w.pool.holdings() if h != VLLM)
+        r.connector = {"outcomes": dict(w.outcomes), **w.sender.stats, **w.loader.stats}
+        r.faults |= {f"store_{k}": v for k, v in self.faulty.injected.items()}
+        r.faults["bugs"] = len(w.bugs)
+
+    def close(self) -> None:
+        """Stop the worker's threads and the embedded master."""
+        self._worker.shutdown()
+        self.master.stop()
 
 
 if __name__ == "__main__":  # pragma: no cover - a demonstration: python -m kvfsm.showcase.sim.real

@@ -120,8 +120,10 @@ def _merge(outputs: list[KVConnectorOutput]) -> KVConnectorOutput:
     """Several worker outputs delivered in one step, as one."""
     merged = KVConnectorOutput(invalid_block_ids=set())
     meta = CpuOffloadWorkerMeta()
+    sending: set[str] = set()
     recving: set[str] = set()
     for out in outputs:
+        sending |= out.finished_sending or set()
         recving |= out.finished_recving or set()
         merged.invalid_block_ids |= out.invalid_block_ids
         m = out.kv_connector_worker_meta
@@ -130,6 +132,7 @@ def _merge(outputs: list[KVConnectorOutput]) -> KVConnectorOutput:
             meta.loads_failed += m.loads_failed
             meta.stores_done += m.stores_done
             meta.stores_failed += m.stores_failed
+    merged.finished_sending = sending or None
     merged.finished_recving = recving or None
     merged.kv_connector_worker_meta = meta
     return merged

@@ -1,0 +1,266 @@
+"""kvfsm's Mooncake store connector as a real ``KVConnectorBase_V1``, on :class:`~kvfsm.drivers.mooncake.MooncakeStoreWorker`.
+
+Configure vLLM with::
+
+    KVTransferConfig(kv_connector="MooncakeStoreConnector", kv_connector_module_path="kvfsm.adapters.vllm",
+                     kv_role="kv_both", kv_connector_extra_config={"master_address": "127.0.0.1:50051"})
+
+The shape is vLLM's own Mooncake store connector (seed 000): the scheduler
+looks prefixes up in the store (``batch_is_exist``) and sends the loads and
+the stores to the worker in the metadata; a finished request's blocks are
+kept by vLLM (``delay_free``) until the worker reports it in
+``finished_sending``. Everything the worker holds is a Tracker instance of
+``mooncake_store_send.yaml`` or ``mooncake_store_load.yaml``, and what vLLM
+is owed is recorded by their releases, so a store call that raises can no
+longer keep a request's blocks forever.
+
+Unlike the CPU-offload connector, phase A pins nothing: the store may evict a
+hit before the worker reads it (vLLM's connector has the same window). The
+worker then reports every block of that load invalid and vLLM recomputes
+them, so nothing stale is ever read.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from ..drivers.mooncake import BlockBuffer, EmbeddedMaster, KVStore, MooncakeStoreWorker, block_key, connect
+from ..drivers.mooncake.embedded import connect_embedded
+from .vllm_api import RequestStatus
+from .vllm_connector import layout_of
+
+VLLM = "vllm"
+"""The worker pool's holder of every block: vLLM's allocator owns them; kvfsm's jobs add pins on top."""
+
+
+@dataclass(frozen=True)
+class LoadOrder:
+    """Fill ``block_ids`` from the store keys of ``block_hashes`` (one each)."""
+
+    request_id: str
+    block_ids: list[int]
+    block_hashes: list[Any]
+
+
+@dataclass(frozen=True)
+class SaveOrder:
+    """Store a finished request's ``block_ids`` under ``block_hashes``; vLLM keeps them until finished_sending."""
+
+    request_id: str
+    block_ids: list[int]
+    block_hashes: list[Any]
+
+
+@dataclass
+class MooncakeStoreMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    """Scheduler to worker, once per step."""
+
+    loads: list[LoadOrder] = field(default_factory=list)
+    saves: list[SaveOrder] = field(default_factory=list)
+    finished: set[str] = field(default_factory=set)
+    """Requests vLLM finished since the last step: a load still running for one is aborted."""
+
+
+@dataclass(frozen=True)
+class MooncakeSettings:
+    """``kv_connector_extra_config``: where the store is, the key prefix, the worker's deadlines."""
+
+    master_address: str
+    prefix: str = "kv"
+    load_threads: int = 2
+    params: Mapping[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, extra: Mapping[str, Any]) -> MooncakeSettings:
+        known = {"master_address", "prefix", "load_threads", "store_timeout", "load_timeout"}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ValueError(
+                f"kv_connector_extra_config has {unknown}, which MooncakeStoreConnector does not read; it reads {sorted(known)}"
+            )
+        if "master_address" not in extra:
+            raise ValueError(
+                "MooncakeStoreConnector needs kv_connector_extra_config 'master_address': a mooncake_master's "
+                "'host:port', or 'embedded:N' for kvfsm's in-process stand-in"
+            )
+        params = {k: float(extra[k]) for k in ("store_timeout", "load_timeout") if k in extra}
+        return cls(
+            str(extra["master_address"]), str(extra.get("prefix", "kv")), int(extra.get("load_threads", 2)), params
+        )
+
+    def connect(self) -> KVStore:
+        """A store client: the embedded master registered under the address, or a real one over TCP."""
+        if self.master_address.startswith("embedded:"):
+            master = EmbeddedMaster.lookup(self.master_address)
+            if master is None:
+                raise ValueError(f"no embedded master is registered as {self.master_address!r}; start one first")
+            return connect_embedded(master)
+        return connect(self.master_address)
+
+
+class MooncakeStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
+    """Store-backed prefix cache: the scheduler looks up and plans, the worker's Trackers hold and report."""
+
+    _cache_hit_source = CacheHitSource.EXTERNAL_UNSPECIFIED
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.layout, self.num_gpu_blocks = layout_of(kv_cache_config)
+        self.settings = MooncakeSettings.parse(self._kv_transfer_config.kv_connector_extra_config or {})
+        self.store = self.settings.connect()
+        self.block_size = self.layout.block_size
+        # scheduler side: this step's plan
+        self._hits: dict[str, tuple[int, list[Any]]] = {}
+        """Phase A's answer per request: (first block, hashes of the hit); side-effect free, re-asked each step."""
+        self._meta = MooncakeStoreMetadata()
+        # worker side
+        self._worker: MooncakeStoreWorker | None = None
+        self._invalid: set[int] = set()
+        if role == KVConnectorRole.WORKER:
+            self._worker = self._make_worker(time.monotonic)
+
+    def _make_worker(self, clock: Callable[[], float]) -> MooncakeStoreWorker:
+        buffer = BlockBuffer(self.num_gpu_blocks, self.layout.block_bytes)
+        buffer.pool.allocate(VLLM, self.num_gpu_blocks)  # vLLM owns every block; jobs pin on top
+        return MooncakeStoreWorker(
+            self.store,
+            buffer,
+            prefix=self.settings.prefix,
+            load_threads=self.settings.load_threads,
+            params=self.settings.params,
+            clock=clock,
+        )
+
+    @property
+    def worker(self) -> MooncakeStoreWorker:
+        """The worker's Trackers, threads and block buffer (WORKER role only)."""
+        if self._worker is None:
+            raise RuntimeError("this MooncakeStoreConnector was built for the SCHEDULER role; it has no worker")
+        return self._worker
+
+    def rebuild_worker(self, *, clock: Callable[[], float] | None = None, store: KVStore | None = None) -> None:
+        """Before any request: a worker on ``clock`` (a test's step counter) and/or ``store`` (say, a FaultyStore)."""
+        if self.worker.live():
+            raise RuntimeError("rebuild_worker after requests arrived: what the worker holds now would be lost")
+        self.worker.close()
+        if store is not None:
+            self.store = store
+        self._worker = self._make_worker(clock or time.monotonic)
+
+    # -- scheduler side -------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Tokens the store holds beyond ``num_computed_tokens`` (never the last token), loaded asynchronously."""
+        first = num_computed_tokens // self.block_size
+        last = (request.num_tokens - 1) // self.block_size
+        hashes = list(request.block_hashes[first:last])
+        hits = 0
+        if hashes:
+            answer = self.store.batch_is_exist([block_key(self.settings.prefix, h) for h in hashes])
+            for code in answer:
+                if code != 1:
+                    break
+                hits += 1
+        if not hits:
+            self._hits.pop(request.request_id, None)
+            return 0, False
+        self._hits[request.request_id] = (first, hashes[:hits])
+        return (first + hits) * self.block_size - num_computed_tokens, True
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """Order the load of the hit into the request's new blocks (none if vLLM wants no external tokens)."""
+        hit = self._hits.pop(request.request_id, None)
+        if num_external_tokens == 0 or hit is None:
+            return
+        first, hashes = hit
+        n = -(-num_external_tokens // self.block_size)
+        block_ids = list(blocks.get_block_ids()[0][first : first + n])
+        self._meta.loads.append(LoadOrder(request.request_id, block_ids, hashes[:n]))
+
+    def build_connector_meta(self, scheduler_output: Any) -> MooncakeStoreMetadata:
+        meta, self._meta = self._meta, MooncakeStoreMetadata()
+        meta.finished = set(scheduler_output.finished_req_ids)
+        for rid in meta.finished:
+            self._hits.pop(rid, None)
+        return meta
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Store the request's computed full blocks; vLLM keeps them (delay_free) until finished_sending."""
+        self._hits.pop(request.request_id, None)
+        if request.status == RequestStatus.FINISHED_ABORTED:
+            return False, None
+        full = min(request.num_computed_tokens // self.block_size, len(block_ids), len(request.block_hashes))
+        if full == 0:
+            return False, None
+        self._meta.saves.append(
+            SaveOrder(request.request_id, list(block_ids[:full]), list(request.block_hashes[:full]))
+        )
+        return True, None
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished(request, block_ids[0])
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+
+    # -- worker side ------------------------------------------------------------------
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Give the worker this step's aborts, loads and stores; its threads do the store calls."""
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, MooncakeStoreMetadata):
+            raise TypeError(f"expected MooncakeStoreMetadata, got {type(meta).__name__}")
+        w = self.worker
+        for rid in meta.finished:
+            if w.load.route("request_id", rid) is not None:
+                w.abort(rid)  # vLLM aborted it mid-load: the load reports it, the store calls stop
+        for order in meta.loads:
+            hits = w.lookup(order.request_id, order.block_hashes)
+            if hits == 0:
+                # Evicted since the scheduler looked: no load exists to owe the report, so this one
+                # is made by hand, with every block to recompute.
+                w.report.recv(order.request_id, order.block_ids)
+            else:
+                # A hit shorter than the order fails the pin, and the spec reports every block invalid.
+                w.start_load(order.request_id, order.block_ids)
+        for save in meta.saves:
+            w.save(save.request_id, save.block_ids, save.block_hashes)
+            w.request_finished(save.request_id)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Nothing per layer: a request runs only after its whole load is reported."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        """Nothing per layer: a finished request's blocks are stored whole."""
+
+    def wait_for_save(self) -> None:
+        """Nothing to wait for: vLLM keeps a stored request's blocks until finished_sending."""
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Drain the report: finished_sending and finished_recving; the blocks to recompute come next."""
+        done = self.worker.get_finished()
+        self._invalid |= done.invalid_blocks
+        return _ids(done.sending), _ids(done.recving)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        invalid, self._invalid = self._invalid, set()
+        return invalid
+
+
+def _ids(ids: set[Hashable]) -> set[str] | None:
+    return {str(i) for i in ids} or None
