@@ -3,7 +3,7 @@
 """vLLM's KV-connector model-runner mixin around kvfsm's CpuOffloadConnector (WORKER role).
 
 Adapted from vLLM 0.33.0, ``tests/v1/kv_connector/unit/test_kv_connector_lifecycle.py``,
-with ``create_vllm_config`` copied unchanged from that folder's ``utils.py``.
+with ``create_vllm_config`` from that folder's ``utils.py`` (``vllm_utils.py`` here).
 What changed: the connector is ``CpuOffloadConnector`` loaded by module path
 (vLLM's was ``TestExampleConnector``), with its settings, its metadata type and
 a KV-cache config of one group (it refuses none). The three ``call_record``
@@ -13,7 +13,6 @@ the one on the base class's ``_connector_metadata`` stays.
 
 from __future__ import annotations
 
-from typing import Any, Literal
 from unittest.mock import MagicMock, patch
 
 import pytest
@@ -21,16 +20,6 @@ import pytest
 pytest.importorskip("vllm.v1.core.sched.scheduler", reason="vLLM is not installed: ./dev.sh setup installs it")
 
 import torch
-from vllm.config import (
-    AttentionConfig,
-    CacheConfig,
-    DeviceConfig,
-    KVTransferConfig,
-    ModelConfig,
-    SchedulerConfig,
-    SpeculativeConfig,
-    VllmConfig,
-)
 from vllm.distributed.kv_transfer.kv_transfer_state import (
     ensure_kv_transfer_initialized,
     ensure_kv_transfer_shutdown,
@@ -39,79 +28,10 @@ from vllm.distributed.kv_transfer.kv_transfer_state import (
 from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
+from vllm_utils import create_vllm_config
 
 from kvfsm.adapters.vllm import CpuOffloadMetadata
 from kvfsm.adapters.vllm_connector import CpuOffloadConnector
-
-
-def create_vllm_config(
-    model: str = "facebook/opt-125m",
-    max_num_seqs: int = 16,
-    max_num_batched_tokens: int = 64,
-    block_size: int = 16,
-    max_model_len: int = 10000,
-    enable_chunked_prefill: bool = True,
-    enable_permute_local_kv: bool = False,
-    kv_connector_extra_config: dict[str, Any] | None = None,
-    dtype: str = "float16",
-    cache_dtype: str = "auto",
-    hf_overrides: dict[str, Any] | None = None,
-    attention_backend: str | None = None,
-    kv_load_failure_policy: Literal["recompute", "fail"] = "fail",
-    kv_connector: str = "NixlConnector",
-    kv_connector_module_path: str | None = None,
-    kv_role: str = "kv_consumer",
-    disable_hybrid_kv_cache_manager: bool | None = None,
-    num_speculative_tokens: int | None = None,
-) -> VllmConfig:
-    """Initialize VllmConfig For Testing."""
-    model_config = ModelConfig(
-        model=model,
-        trust_remote_code=True,
-        dtype=dtype,
-        seed=42,
-        hf_overrides=hf_overrides or {},
-    )
-    scheduler_config = SchedulerConfig(
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        max_model_len=max_model_len,
-        enable_chunked_prefill=enable_chunked_prefill,
-        is_encoder_decoder=model_config.is_encoder_decoder,
-        disable_hybrid_kv_cache_manager=disable_hybrid_kv_cache_manager,
-    )
-    # Cache config, optionally force APC
-    cache_config = CacheConfig(
-        block_size=block_size,
-        gpu_memory_utilization=0.9,
-        cache_dtype=cache_dtype,
-        enable_prefix_caching=True,
-    )
-    # Connectors are constructed after layout resolution; mirror that here.
-    cache_config.kv_cache_layout = "LBNHC"
-    kv_transfer_config = KVTransferConfig(
-        kv_connector=kv_connector,
-        kv_connector_module_path=kv_connector_module_path,
-        kv_role=kv_role,
-        enable_permute_local_kv=enable_permute_local_kv,
-        kv_connector_extra_config=kv_connector_extra_config or {},
-        kv_load_failure_policy=kv_load_failure_policy,
-    )
-    attention_config = AttentionConfig(backend=attention_backend)
-    speculative_config = (
-        SpeculativeConfig(model="ngram", num_speculative_tokens=num_speculative_tokens)
-        if num_speculative_tokens is not None
-        else None
-    )
-    return VllmConfig(
-        scheduler_config=scheduler_config,
-        model_config=model_config,
-        cache_config=cache_config,
-        kv_transfer_config=kv_transfer_config,
-        device_config=DeviceConfig("cpu"),
-        attention_config=attention_config,
-        speculative_config=speculative_config,
-    )
 
 
 def _make_empty_scheduler_output():
