@@ -155,7 +155,7 @@ def test_a_hit_gone_when_the_worker_looks_is_recomputed_not_read(mooncake: Moonc
 
 @pytest.mark.parametrize("seed", [1, 2])
 def test_mooncake_random_workload_with_failing_store_calls_leaves_nothing_held(seed: int) -> None:
-    engine = MooncakeEngine(seed=seed, fault_rate=0.05)
+    engine = MooncakeEngine(seed=seed, fault_rate=0.05, lag_rate=0.3)
     try:
         report = engine.run(EngineWorkload(num_requests=200, seed=seed))
     finally:
@@ -168,7 +168,7 @@ def test_mooncake_random_workload_with_failing_store_calls_leaves_nothing_held(s
 
 @pytest.mark.slow
 def test_mooncake_long_random_workload_with_failing_store_calls_leaves_nothing_held() -> None:
-    engine = MooncakeEngine(seed=7, fault_rate=0.05)
+    engine = MooncakeEngine(seed=7, fault_rate=0.05, lag_rate=0.3)
     try:
         report = engine.run(EngineWorkload(num_requests=10_000, seed=7), max_steps=1_000_000)
     finally:

@@ -508,8 +508,12 @@ class MooncakeEngine(Engine):
 
     connector_name = "MooncakeStoreConnector"
 
-    def __init__(self, config: EngineConfig = EngineConfig(), seed: int = 0, fault_rate: float = 0.0) -> None:
+    def __init__(
+        self, config: EngineConfig = EngineConfig(), seed: int = 0, fault_rate: float = 0.0, lag_rate: float = 0.0
+    ) -> None:
         self.master = EmbeddedMaster()
+        self.lag_rate = lag_rate
+        """Chance per step that the worker's threads are still at work when it reports (loads span steps)."""
         super().__init__(config, seed)
         connector = self.scheduler.connector
         assert isinstance(connector, MooncakeStoreConnector)
@@ -535,7 +539,11 @@ class MooncakeEngine(Engine):
         The step count is the deadlines' clock, and a step takes far less than
         Python's thread switch interval: without this, every load would
         expire before a load thread ran, which says nothing about the connector.
+        At ``lag_rate`` the step does not wait, so loads and stores span steps
+        (aborts land mid-load, some deadlines fire).
         """
+        if self.rng.random() < self.lag_rate:
+            return
         w = self._worker.worker
         until = time.monotonic() + 1.0
         while w.unfinished_tasks() and time.monotonic() < until:
