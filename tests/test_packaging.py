@@ -38,6 +38,8 @@ HEAVY = (
     "mooncake-transfer-engine-non-cuda",
     "nixl",
     "graphviz",
+    "prometheus-client",
+    "opentelemetry-api",
 )
 """Distributions that only extras may bring: none may be in the light install."""
 

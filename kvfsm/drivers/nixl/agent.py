@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 try:
-    from nixl._api import nixl_agent, nixl_agent_config  # type: ignore[import-untyped]
+    from nixl._api import nixl_agent, nixl_agent_config
 except ImportError as exc:  # pragma: no cover - depends on the install
     raise ImportError("kvfsm.drivers.nixl.agent needs NIXL: pip install 'kvfsm[nixl]'", name="nixl") from exc
 
