@@ -593,5 +593,10 @@ class MooncakeEngine(Engine):
 
 if __name__ == "__main__":  # pragma: no cover - a demonstration: python -m kvfsm.showcase.sim.real
     faulty = EngineConfig(copy_failure_rate=0.05, copy_loss_rate=0.03, duplicate_rate=0.05, late_rate=0.05)
-    report = RealEngine(faulty, seed=1).run(EngineWorkload(num_requests=300, seed=1))
-    print(json.dumps(vars(report), indent=1, default=str))
+    cpu = RealEngine(faulty, seed=1).run(EngineWorkload(num_requests=300, seed=1))
+    mooncake = MooncakeEngine(seed=1, fault_rate=0.05, lag_rate=0.3)
+    try:
+        store = mooncake.run(EngineWorkload(num_requests=300, seed=1))
+    finally:
+        mooncake.close()
+    print(json.dumps({"CpuOffloadConnector": vars(cpu), "MooncakeStoreConnector": vars(store)}, indent=1, default=str))
