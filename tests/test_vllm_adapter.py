@@ -313,3 +313,13 @@ def test_the_adapter_imports_without_vllm() -> None:
     code = "import sys; sys.modules['vllm'] = None; import kvfsm.adapters.vllm; print('ok')"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+def test_a_vllm_connector_asked_for_without_vllm_says_how_to_install_it() -> None:
+    script = (
+        "import sys; sys.modules['vllm'] = None\n"
+        "import kvfsm.adapters.vllm as m\n"
+        "try:\n    m.CpuOffloadConnector\nexcept ImportError as e:\n    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert "CpuOffloadConnector is a vLLM connector" in out and "docs/vllm.md" in out

@@ -489,6 +489,14 @@ if not TYPE_CHECKING:  # hidden from mypy, which would otherwise type every miss
         if name in _VLLM_CONNECTORS:
             import importlib
 
-            module = importlib.import_module(f"{__package__}.{_VLLM_CONNECTORS[name]}")
+            try:
+                module = importlib.import_module(f"{__package__}.{_VLLM_CONNECTORS[name]}")
+            except ImportError as exc:
+                if not (exc.name or "").startswith("vllm"):
+                    raise
+                raise ImportError(
+                    f"{name} is a vLLM connector and needs vLLM ({exc}); install it without its CUDA torch "
+                    "as docs/vllm.md says (./dev.sh setup does)"
+                ) from exc
             return getattr(module, name)
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
