@@ -54,7 +54,7 @@ fi
 # Its own stamp, so it runs once; KVFSM_NO_VLLM=1 skips it (the `vllm` tests then skip).
 VLLM_VERSION=0.33.0
 vllm_stamp="$VENV/.kvfsm-vllm"
-vllm_want="$(printf '%s\n' "$VLLM_VERSION" "$(cat pyproject.toml)" | sha256sum | cut -d' ' -f1)"
+vllm_want="$(printf '%s\n' "$VLLM_VERSION" "$(sed -n '/^vllm = \[/,/^\]/p' pyproject.toml)" | sha256sum | cut -d' ' -f1)"
 if [ -z "${KVFSM_NO_VLLM:-}" ] && [ "$(cat "$vllm_stamp" 2>/dev/null)" != "$vllm_want" ]; then
     echo "==> installing vLLM $VLLM_VERSION without its torch pin (wheel 336 MB); log in $VENV/setup.log"
     t0=$SECONDS
