@@ -299,22 +299,27 @@ class Tracker:
                 raise TrackerClosed(f"tracker for {self.spec.name!r} is closed; begin_many refused")
             if payload and not payload.keys() <= self._program.begin_payload:
                 raise self._payload_error("begin", payload)
-            self._busy = True
-            try:
-                keys = keys if isinstance(keys, list) else list(keys)
-                for batch in [keys] if len(set(keys)) == len(keys) else _rounds(keys):
-                    self._begin_batch(batch, payload)
-                    if self._queue:
-                        self._drain()
-            finally:
-                self._busy = False
-                if self._queue:
-                    self._queue.clear()
-            if self._failures:
-                self._raise_failures(None)
+            self._in_rounds(keys, lambda batch: self._begin_batch(batch, payload))
         finally:
             if lock is not None:
                 lock.release()
+
+    def _in_rounds(self, keys: Iterable[Hashable], run: Callable[[list[Hashable]], None]) -> None:
+        """Run a batch call's rounds of distinct keys (a key named twice goes again in the next round) with the
+        tracker busy, draining what actions queued after each, then raise what failed."""
+        keys = keys if isinstance(keys, list) else list(keys)
+        self._busy = True
+        try:
+            for batch in [keys] if len(set(keys)) == len(keys) else _rounds(keys):
+                run(batch)
+                if self._queue:
+                    self._drain()
+        finally:
+            self._busy = False
+            if self._queue:
+                self._queue.clear()
+        if self._failures:
+            self._raise_failures(None)
 
     def _begin_batch(self, keys: list[Hashable], payload: dict[str, Any]) -> None:
         live, edge = self._live, self._begin_edge
@@ -389,18 +394,7 @@ class Tracker:
                 return
             if payload and not payload.keys() <= self._payloads.get(event, _EMPTY):
                 raise self._payload_error(event, payload)
-            keys = keys if isinstance(keys, list) else list(keys)
-            rounds = [keys] if len(set(keys)) == len(keys) else _rounds(keys)
-            self._busy = True
-            try:
-                for batch in rounds:
-                    self._fire_batch(event, batch, payload)
-            finally:
-                self._busy = False
-                if self._queue:
-                    self._queue.clear()
-            if self._failures:
-                self._raise_failures(None)
+            self._in_rounds(keys, lambda batch: self._fire_batch(event, batch, payload))
         finally:
             if lock is not None:
                 lock.release()
