@@ -410,8 +410,10 @@ class RealEngine(Engine):
 
     On top of :class:`Engine`'s checks: a request vLLM parks in
     ``WAITING_FOR_REMOTE_KVS`` is owed its answer by a load that holds
-    ``recv_report``, or by the report, or vLLM has heard; an instance kept for
-    a request vLLM has forgotten is in a state whose deadline ends it.
+    ``recv_report``, or by the report, or vLLM has heard; conversely a load
+    that holds ``recv_report`` is for a request vLLM waits for (or finished
+    and keeps until it hears); an instance kept for a request vLLM has
+    forgotten is in a state whose deadline ends it.
     """
 
     connector_name = "CpuOffloadConnector"
@@ -464,7 +466,16 @@ class RealEngine(Engine):
             ):
                 raise AssertionError(f"step {self.now}: vLLM waits for {rid}'s load, but no load or report owes it")
         for rid in list(self._seen):
-            if rid in self.scheduler.requests:
+            req = self.scheduler.requests.get(rid)
+            if "recv_report" in half.loads.held(rid) and not (
+                req is not None
+                and (req.status == RequestStatus.WAITING_FOR_REMOTE_KVS or RequestStatus.is_finished(req.status))
+            ):
+                raise AssertionError(
+                    f"step {self.now}: a load owes {rid} a finished_recving, but vLLM "
+                    + ("has forgotten it" if req is None else f"has it {req.status.name}, waiting for none")
+                )
+            if req is not None:
                 continue
             known = False
             for tracker in (half.loads, half.stores):
