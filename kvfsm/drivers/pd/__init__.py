@@ -3,8 +3,8 @@
 :func:`run_job` starts a prefill and a decode process on loopback, joined by
 pyzmq control messages (:mod:`kvfsm.wire`) and a KV transport (embedded
 shared memory, or the Mooncake TransferEngine), injects faults, and returns
-the :class:`Ledger`. docs/pd.md describes the processes; docs/demo.md the
-ledger.
+the :class:`Ledger`. docs/demo.md describes the processes and how to read the
+ledger; docs/wire.md the messages between them.
 """
 
 from .config import BACKENDS, PROTOCOLS, JobConfig
