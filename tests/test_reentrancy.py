@@ -37,6 +37,7 @@ from hypothesis import strategies as st
 
 import kvfsm
 from kvfsm import ActionError, KvfsmError, ReentrantCall, Tracker, TrackerClosed
+from kvfsm.engine.tracker import DRAIN_SLACK
 from kvfsm.replay import JsonlJournal, check_log
 from kvfsm.spec import Spec, read_text
 from kvfsm.testing.clock import VirtualClock
@@ -477,7 +478,7 @@ def test_a_poll_whose_actions_raise_still_says_what_fired() -> None:
 
 def test_cancelled_deadlines_are_reclaimed_by_draining_without_any_poll() -> None:
     t, _d = slots()
-    for i in range(30_000):
+    for i in range(100_000):
         t.begin(i)
         t.fire(i, "start")
         t.fire(i, "finish")
@@ -485,7 +486,7 @@ def test_cancelled_deadlines_are_reclaimed_by_draining_without_any_poll() -> Non
             t.finished()
     t.finished()
     queued = sum(len(q) for q in t._deadlines.queues)
-    assert queued <= 4096 + 2 * len(t._deadlines.armed), f"{queued} dead deadline entries kept"
+    assert queued <= DRAIN_SLACK + 2 * len(t._deadlines.armed), f"{queued} dead deadline entries kept"
 
 
 def test_anomaly_records_keep_a_bounded_copy_of_huge_ids() -> None:

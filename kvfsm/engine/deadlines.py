@@ -9,8 +9,9 @@ Invariant: an entry ``(due, key)`` is live iff ``armed[key] is entry``. To arm,
 the tracker's per-event step stores ``armed[key] = entry`` and appends the
 entry to ``queues[state]`` itself (two stores, no call); to disarm it pops
 ``armed[key]``. Dead entries are dropped when they reach the front of their
-queue, and :meth:`sweep` (run by ``poll``) drops them all once they outnumber
-the live ones, so ``pop_due`` costs O(due + dead), never a scan of all armed.
+queue, and :meth:`sweep` (run by ``poll`` and ``finished``) drops them all once
+they outnumber the live ones, so ``pop_due`` costs O(due + dead), never a scan
+of all armed.
 """
 
 from __future__ import annotations
@@ -37,10 +38,15 @@ class Deadlines:
         self.armed[key] = entry
         self.queues[state].append(entry)
 
-    def sweep(self) -> None:
-        """Drop dead entries, in place, if they outnumber the live ones (amortised O(1) per disarm)."""
+    def sweep(self, slack: int = 4096) -> None:
+        """Drop dead entries, in place, once there are more than ``slack`` beyond twice the live ones.
+
+        Amortised O(1) per disarm. ``poll`` sweeps with the default slack; a
+        tracker that is drained but never polled still sweeps (from
+        ``finished()``), with a larger slack, so memory stays bounded either way.
+        """
         armed = self.armed
-        if sum(map(len, self.queues)) <= 2 * len(armed) + 4096:
+        if sum(map(len, self.queues)) <= 2 * len(armed) + slack:
             return
         for queue in self.queues:
             live = [e for e in queue if armed.get(e[1]) is e]

@@ -54,6 +54,9 @@ LOGGER = logging.getLogger("kvfsm.anomalies")
 ANOMALY_LIMIT = 10_000
 """Anomaly records kept between drains; older ones are dropped (the counts keep counting)."""
 
+DRAIN_SLACK = 65_536
+"""Dead deadline entries ``finished()`` leaves for ``poll`` to sweep before sweeping them itself."""
+
 RETIRED_LIMIT = 100_000
 """Drained ids remembered per space, so that a late message is told from one naming an id never seen."""
 
@@ -114,7 +117,7 @@ class Tracker:
     __slots__ = (
         "spec", "driver", "counts", "_program", "_begin_edge", "_payloads", "_clock", "_observer", "_lock", "_guard",
         "_live", "_gens", "_links", "_linked", "_deadlines", "_finished", "_queue", "_busy", "_closed", "_failures",
-        "_anomalies", "_serial", "_begin_taps", "params", "_retired", "_on_anomaly",
+        "_anomalies", "_serial", "_begin_taps", "params", "_retired", "_on_anomaly", "_plain_begin",
     )  # fmt: skip
 
     def __init__(
@@ -185,6 +188,7 @@ class Tracker:
         self._retired: dict[str, dict[Hashable, None]] = {space: {} for space in (spec.key, *self._links)}
         """Ids of drained instances, per space (the newest ``RETIRED_LIMIT``): a message naming one is late."""
         self._on_anomaly = on_anomaly
+        self._plain_begin = False
         self._linked: dict[Hashable, list[tuple[str, Hashable]]] = {}
         self._deadlines = Deadlines(len(self._program.states))
         self._finished: list[tuple[Hashable, CState]] = []
@@ -194,6 +198,7 @@ class Tracker:
         self._serial = 0
         self._failures: list[Failure] = []
         self._anomalies: deque[Anomaly] = deque(maxlen=ANOMALY_LIMIT)
+        self._settle_begin()
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -214,20 +219,38 @@ class Tracker:
             if self._busy:
                 self._enqueue(key, _BEGIN, payload)
                 return
-            self._busy = True
-            try:
-                self._begin(key, payload)
-                if self._queue:
-                    self._drain()
-            finally:
-                self._busy = False
-                if self._queue:  # only after an internal error: never let it run inside a later call
-                    self._queue.clear()
-            if self._failures:
-                self._raise_failures(None)
+            if not self._plain_begin:
+                self._busy = True
+                try:
+                    self._begin(key, payload)
+                    if self._queue:
+                        self._drain()
+                except BaseException:
+                    self._queue.clear()  # never let what an action queued run inside a later call
+                    raise
+                finally:
+                    self._busy = False
+                if self._failures:
+                    self._raise_failures(None)
+                return
+            # Nothing runs that could call back (no acquire, tap, link or observer): the plain path.
+            old = self._live.get(key)
+            if (old is not None and not old.final) or self._closed or payload:
+                self._begin(key, payload)  # it raises what is wrong (or takes the payload the spec allows)
+                return
+            target = self._live[key] = self._begin_edge.target
+            if old is not None and key in self._gens:
+                self._gens[key] = self._serial = self._serial + 1
+            if target.after is not None:
+                self._deadlines.arm(key, target.index, self._clock() + target.after)
         finally:
             if lock is not None:
                 lock.release()
+
+    def _settle_begin(self) -> None:
+        """Decide, once per change of what begin runs, whether it can take the plain path (nothing that calls back)."""
+        edge = self._begin_edge
+        self._plain_begin = not (edge.acquire_fns or edge.links or self._begin_taps or self._observer is not None)
 
     def fire(self, key: Hashable, event: str, /, **payload: Any) -> str | None:
         """Apply ``event`` to ``key``'s instance; returns its state afterwards.
@@ -267,10 +290,11 @@ class Tracker:
                 if self._queue:
                     self._drain()
                     state = self._live.get(key, state)  # retired meanwhile: it ended where the step left it
+            except BaseException:
+                self._queue.clear()  # never let what an action queued run inside a later call
+                raise
             finally:
                 self._busy = False
-                if self._queue:
-                    self._queue.clear()
             if self._failures:
                 self._raise_failures(state.name)
             return state.name
@@ -597,7 +621,7 @@ class Tracker:
                 self._queue.append((None, _RETIRE, {"done": done}))
             else:
                 self._retire(done)
-                self._deadlines.sweep()
+                self._deadlines.sweep(DRAIN_SLACK)
             return [(key, state.name) for key, state in done]
 
     def census(self) -> dict[str, int]:
@@ -688,6 +712,7 @@ class Tracker:
                     cedge.add_tap(made)
             if on_begin is not None:
                 self._begin_taps += (on_begin,)
+            self._settle_begin()
 
     # -- the transition itself ----------------------------------------------
 
