@@ -311,26 +311,30 @@ class Tracker:
         failed for are not begun and hold nothing. All are raised together as
         one :class:`ActionError` once every other key has begun.
         """
-        lock = self._lock
-        if lock is not None:
-            lock.acquire()
-        try:
-            if self._busy:
-                for key in keys:
-                    self._enqueue(key, _BEGIN, payload)
-                return
-            if self._closed:
+        with self._guard:
+            if self._closed and not self._busy:
                 raise TrackerClosed(f"tracker for {self.spec.name!r} is closed; begin_many refused")
-            if payload and not payload.keys() <= self._program.begin_payload:
-                raise self._payload_error("begin", payload)
-            self._in_rounds(keys, lambda batch: self._begin_batch(batch, payload))
-        finally:
-            if lock is not None:
-                lock.release()
+            self._batched(_BEGIN, keys, payload, lambda batch: self._begin_batch(batch, payload))
 
-    def _in_rounds(self, keys: Iterable[Hashable], run: Callable[[list[Hashable]], None]) -> None:
-        """Run a batch call's rounds of distinct keys (a key named twice goes again in the next round) with the
-        tracker busy, draining what actions queued after each, then raise what failed."""
+    def _batched(
+        self, event: Any, keys: Iterable[Hashable], payload: dict[str, Any], run: Callable[[list[Hashable]], None]
+    ) -> None:
+        """What ``begin_many`` (``event`` is ``_BEGIN``) and ``fire_many`` share.
+
+        From inside an action, each key is queued as the one-key call would be.
+        Otherwise the payload is checked once, then ``run`` takes rounds of
+        distinct keys (a key named twice goes again in the next round) with the
+        tracker busy, what actions queued is drained after each, and what
+        failed is raised at the end.
+        """
+        if self._busy:
+            for key in keys:
+                self._enqueue(key, event, payload)
+            return
+        name = "begin" if event is _BEGIN else event
+        allowed = self._program.begin_payload if event is _BEGIN else self._payloads.get(event, _EMPTY)
+        if payload and not payload.keys() <= allowed:
+            raise self._payload_error(name, payload)
         keys = keys if isinstance(keys, list) else list(keys)
         self._busy = True
         try:
@@ -338,10 +342,11 @@ class Tracker:
                 run(batch)
                 if self._queue:
                     self._drain()
+        except BaseException:
+            self._queue.clear()  # never let what an action queued run inside a later call
+            raise
         finally:
             self._busy = False
-            if self._queue:
-                self._queue.clear()
         if self._failures:
             self._raise_failures(None)
 
@@ -408,20 +413,8 @@ class Tracker:
         Undeclared payload raises :class:`PayloadError` before anything runs.
         From inside an action, each key's event is queued as :meth:`fire` would.
         """
-        lock = self._lock
-        if lock is not None:
-            lock.acquire()
-        try:
-            if self._busy:
-                for key in keys:
-                    self._enqueue(key, event, payload)
-                return
-            if payload and not payload.keys() <= self._payloads.get(event, _EMPTY):
-                raise self._payload_error(event, payload)
-            self._in_rounds(keys, lambda batch: self._fire_batch(event, batch, payload))
-        finally:
-            if lock is not None:
-                lock.release()
+        with self._guard:
+            self._batched(event, keys, payload, lambda batch: self._fire_batch(event, batch, payload))
 
     def _fire_batch(self, event: str, keys: list[Hashable], payload: dict[str, Any]) -> None:
         """One round of ``fire_many``: distinct keys, grouped by state, each group stepped at once."""
