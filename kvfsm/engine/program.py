@@ -261,12 +261,7 @@ def compile_program(spec: Spec, driver: object, params: Mapping[str, float] | No
     if broken:
         values = {**spec.params, **params}
         raise BindingError(
-            "; ".join(
-                f"params break relation {r.text!r} declared at {r.loc} ("
-                + ", ".join(f"{p} = {values[p]:g}" for p in dict.fromkeys(r.params))
-                + ")"
-                for r in broken
-            )
+            "; ".join(f"params break relation {r.text!r} declared at {r.loc} ({r.given(values)})" for r in broken)
         )
     missing: list[str] = []
     release = {r.name: _bind(driver, r.release, missing) for r in spec.resources.values()}

@@ -344,11 +344,10 @@ def check_relations(spec: Spec) -> Iterable[Finding]:
                 f"Declare them under 'params:' or use one of: {declared}.",
             )
         elif not relation.holds(spec.params):
-            values = ", ".join(f"{p} = {spec.params[p]:g}" for p in dict.fromkeys(relation.params))
             yield _finding(
                 "KVF113",
                 relation.loc,
-                f"the spec's own params break relation {relation.text!r} ({values})",
+                f"the spec's own params break relation {relation.text!r} ({relation.given(spec.params)})",
                 "Change the params' values so the relation holds, or fix the relation.",
             )
 

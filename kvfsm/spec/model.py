@@ -179,6 +179,10 @@ class Relation:
 
         return COMPARE[self.op](total(self.left), total(self.right))
 
+    def given(self, values: Mapping[str, float]) -> str:
+        """``lease_ttl = 10, transfer_timeout = 30``: the values the relation was judged on, for messages."""
+        return ", ".join(f"{p} = {values[p]:g}" for p in dict.fromkeys(self.params) if p in values)
+
 
 @dataclass(frozen=True, slots=True)
 class Edge:
