@@ -643,10 +643,6 @@ class Tracker:
         with self._guard:
             return self._deadlines.next_due()
 
-    def now(self) -> float:
-        """The tracker's clock, as deadlines read it."""
-        return self._clock()
-
     @property
     def clock(self) -> Callable[[], float]:
         """The clock deadlines read (a clock that ran backwards is held, see ``__init__``)."""
@@ -656,11 +652,15 @@ class Tracker:
         """Seconds ``state``'s deadline is armed for, params resolved (None: it has no timeout)."""
         return self._program.by_name[state].after
 
-    def due(self, key: Hashable) -> float | None:
-        """When ``key``'s armed deadline is due (tracker clock), or None if its state has none."""
+    def entered(self, key: Hashable) -> float | None:
+        """When ``key`` entered its state (tracker clock), known from its armed deadline; None for a state
+        without a timeout (``kvfsm.observe.metrics`` times those)."""
         with self._guard:
             entry = self._deadlines.armed.get(key)
-            return entry[0] if entry is not None else None
+            state = self._live.get(key)
+            if entry is None or state is None or state.after is None:
+                return None
+            return entry[0] - state.after
 
     def ids(self, key: Hashable) -> dict[str, Hashable]:
         """The ids linked to ``key``'s current instance, by id space."""

@@ -32,10 +32,10 @@ def state_dump(
         raise ValueError(f"limit must be >= 0, not {limit}")
     spec = tracker.spec
     rows = tracker.snapshot()
-    now = now if now is not None else tracker.now()
+    now = now if now is not None else tracker.clock()
     by_state: dict[str, list[tuple[Hashable, float | None]]] = {name: [] for name in spec.states}
     for key, state in rows:
-        by_state[state].append((key, _age(tracker, key, state, entered, now)))
+        by_state[state].append((key, _age(tracker, key, entered, now)))
     states: dict[str, Any] = {}
     truncated = False
     for name, members in by_state.items():
@@ -65,16 +65,10 @@ def state_dump(
     }
 
 
-def _age(
-    tracker: Tracker, key: Hashable, state: str, entered: Mapping[Hashable, float] | None, now: float
-) -> float | None:
-    if entered is not None and key in entered:
-        return max(0.0, now - entered[key])
-    after = tracker.timeout(state)
-    due = tracker.due(key) if after is not None else None
-    if due is None or after is None:
-        return None
-    return max(0.0, now - (due - after))
+def _age(tracker: Tracker, key: Hashable, entered: Mapping[Hashable, float] | None, now: float) -> float | None:
+    since = entered.get(key) if entered is not None else None
+    since = since if since is not None else tracker.entered(key)
+    return None if since is None else max(0.0, now - since)
 
 
 def _text(value: Any) -> Any:

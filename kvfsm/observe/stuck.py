@@ -56,21 +56,19 @@ class StuckWatch:
         after = self.tracker.timeout(state)
         return None if after is None else self.fraction * after
 
-    def _since(self, key: Hashable, state: str) -> float | None:
-        if self.entered is not None and key in self.entered:
-            return self.entered[key]
-        after, due = self.tracker.timeout(state), self.tracker.due(key)
-        return None if after is None or due is None else due - after
+    def _since(self, key: Hashable) -> float | None:
+        since = self.entered.get(key) if self.entered is not None else None
+        return since if since is not None else self.tracker.entered(key)
 
     def check(self, now: float | None = None) -> list[tuple[Hashable, str, float]]:
         """Warn about every instance newly found stuck; returns ``(key, state, seconds there)`` for each."""
         t = self.tracker
-        now = t.now() if now is None else now
+        now = t.clock() if now is None else now
         found: list[tuple[Hashable, str, float]] = []
         seen: set[tuple[Hashable, int | None]] = set()
         for key, state in t.snapshot():
             threshold = self.thresholds.get(state)
-            since = self._since(key, state) if threshold is not None else None
+            since = self._since(key) if threshold is not None else None
             if threshold is None or since is None or now - since < threshold:
                 continue
             ident = (key, t.generation(key))
