@@ -528,10 +528,11 @@ class Tracker:
                     if self._queue:
                         self._drain()
                     fired.append((key, event, self._live.get(key, end).name))
+            except BaseException:
+                self._queue.clear()  # never let what an action queued run inside a later call
+                raise
             finally:
                 self._busy = False
-                if self._queue:
-                    self._queue.clear()
             if self._failures:
                 self._raise_failures(fired)
             return fired
@@ -569,10 +570,13 @@ class Tracker:
                     state = self._live.get(key)
                     if state is not None and not state.final:
                         self._force_release(key, state)
+                        if self._queue:  # what a forced release asked for (a begin is refused: closed)
+                            self._drain()
+            except BaseException:
+                self._queue.clear()  # never let what an action queued run inside a later call
+                raise
             finally:
                 self._busy = False
-                if self._queue:
-                    self._queue.clear()
             if self._failures:
                 self._raise_failures(None)
 
