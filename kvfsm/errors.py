@@ -105,7 +105,7 @@ class PayloadError(KvfsmError, TypeError):
     """``fire``/``begin`` given payload keys the spec does not declare for that event; nothing changed."""
 
 
-AnomalyKind = Literal["unknown", "late", "stale", "forced"]
+AnomalyKind = Literal["unknown", "late", "stale", "forced", "misaddressed"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,7 +117,10 @@ class Anomaly:
     that has finished and been drained (a late or duplicate message, a fact of
     life); ``stale``: the id belongs to an earlier generation of a reused key;
     ``forced``: ``close()`` had to release an instance that abort could not
-    finish.
+    finish; ``misaddressed``: a message this side sent named an id from
+    another space than the one its spec says it carries (``space`` is that
+    declared space, ``event`` the outgoing message; see
+    :mod:`kvfsm.engine.outbox`).
     """
 
     kind: AnomalyKind

@@ -397,6 +397,19 @@ def check_id_spaces(spec: Spec) -> Iterable[Finding]:
             )
 
 
+def check_outgoing(spec: Spec) -> Iterable[Finding]:
+    """KVF106 for outgoing messages: the id space each one carries is the key's or a declared one."""
+    for message in spec.outgoing.values():
+        if message.carries != spec.key and message.carries not in spec.spaces:
+            known = ", ".join([spec.key, *spec.spaces])
+            yield _finding(
+                "KVF106",
+                message.loc,
+                f"outgoing message {message.name!r} carries an id from undeclared id space {message.carries!r}",
+                f"Declare it under 'spaces:' with where it is linked, or use one of: {known}.",
+            )
+
+
 def check_remote_events(spec: Spec) -> Iterable[Finding]:
     """KVF114 and KVF115: a remote event is expected everywhere; a state only remote events leave is not local."""
     table = _accepts(spec)
@@ -442,6 +455,7 @@ CHECKS: tuple[Check, ...] = (
     check_release_actions,
     check_relations,
     check_id_spaces,
+    check_outgoing,
     check_remote_events,
 )
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from yaml.nodes import Node, ScalarNode, SequenceNode
 
 from .findings import READ_ERROR, Finding, SpecError
-from .model import EventDecl, IgnoreRule, Relation, Resource, Send, Space, Spec, State, Timeout, Transition
+from .model import EventDecl, IgnoreRule, Outgoing, Relation, Resource, Send, Space, Spec, State, Timeout, Transition
 from .schema import NULL, STR, Schema
 
 TOP_KEYS = {
@@ -32,10 +32,12 @@ TOP_KEYS = {
     "relations": "relations the params must keep, e.g. 'lease_ttl > transfer_timeout'",
     "spaces": "id spaces besides the key's: {name: {linked_at: <event or begin>}}",
     "events": "what events are: {name: {by: <id space>, remote: true}}",
+    "outgoing": "messages sent to peers: {name: {to: <peer machine>, event: <its event>, carries: <id space>}}",
 }
 BEGIN_KEYS = ("payload", "doc")
 SPACE_KEYS = ("linked_at", "doc")
 EVENT_KEYS = ("by", "remote", "doc")
+OUTGOING_KEYS = ("to", "event", "carries", "doc")
 RESOURCE_KEYS = ("release", "acquire", "doc")
 STATE_KEYS = ("initial", "final", "holds", "waits", "timeout", "warn_after", "doc")
 TIMEOUT_KEYS = ("after", "fire")
@@ -263,6 +265,24 @@ def _event_decl(s: Schema, name: str, knode: Node, node: Node, key: str) -> Even
     return EventDecl(name, by or key, remote, doc, s.loc(knode)) if by is not None else None
 
 
+def _outgoing(s: Schema, name: str, knode: Node, node: Node) -> Outgoing | None:
+    what = f"outgoing message {name!r}"
+    items = s.mapping(node, what, OUTGOING_KEYS)
+    if items is None:
+        return None
+    example = f"'{name}: {{to: <peer machine>, carries: <id space>}}'"
+    to_node = s.require(items, "to", knode, what, f"Say which peer machine receives it: {example}.")
+    to = s.name(to_node, f"{what}: to") if to_node is not None else None
+    fix = f"Say which id space the id it carries comes from (the key's or one under 'spaces:'): {example}."
+    carries_node = s.require(items, "carries", knode, what, fix)
+    carries = s.name(carries_node, f"{what}: carries") if carries_node is not None else None
+    event = s.name(items["event"][1], f"{what}: event") if "event" in items else name
+    doc = s.text(items["doc"][1], f"{what}: doc") if "doc" in items else ""
+    if to is None or carries is None or event is None:
+        return None
+    return Outgoing(name, to, event, carries, doc, s.loc(knode))
+
+
 def read_text(text: str, path: str = "<string>") -> Spec:
     """Read spec text (schema only: see :func:`kvfsm.parse` for the checks); raises :class:`SpecError` listing every KVF001."""
     s = Schema(path)
@@ -328,6 +348,12 @@ def read_text(text: str, path: str = "<string>") -> Spec:
             decl = _event_decl(s, ename, eknode, enode, key or "")
             if decl is not None:
                 event_decls[ename] = decl
+    outgoing: dict[str, Outgoing] = {}
+    if "outgoing" in top:
+        for oname, oknode, onode in s.named_mapping(top["outgoing"][1], "outgoing", "outgoing message"):
+            message = _outgoing(s, oname, oknode, onode)
+            if message is not None:
+                outgoing[oname] = message
 
     if s.errors or name is None or key is None:
         raise SpecError(sorted(s.errors, key=lambda f: (f.line, f.col)))
@@ -348,6 +374,7 @@ def read_text(text: str, path: str = "<string>") -> Spec:
         relations=relations,
         spaces=spaces,
         event_decls=event_decls,
+        outgoing=outgoing,
     )
 
 

@@ -146,6 +146,28 @@ class EventDecl:
     loc: Loc = NOWHERE
 
 
+@dataclass(frozen=True, slots=True)
+class Outgoing:
+    """A message this machine sends a peer machine: which event of which peer, and which id space its id is from.
+
+    What a peer routes by is the peer's business (its own ``events:``); what
+    this side puts on the wire is this side's, and ``carries`` says it: the
+    key's space or a declared one (``remote_request_id``). A driver reports
+    each message it sends (:mod:`kvfsm.engine.outbox`), so an id from the
+    wrong space is caught where it leaves, not where it is dropped.
+    """
+
+    name: str
+    to: str
+    """The peer machine (its ``machine:`` name)."""
+    event: str
+    """The peer's event the message fires (defaults to ``name``)."""
+    carries: str
+    """The id space the message's id is taken from."""
+    doc: str = ""
+    loc: Loc = NOWHERE
+
+
 Term = tuple[float, str | None]
 """``coefficient × param`` (a bare number when the name is None)."""
 
@@ -219,6 +241,8 @@ class Spec:
     """Id spaces besides ``key``'s, each linked by the payload of one event (or begin)."""
     event_decls: Mapping[str, EventDecl] = field(default_factory=dict)
     """Events declared under ``events:`` (routing space, remote or not); undeclared ones are local, by key."""
+    outgoing: Mapping[str, Outgoing] = field(default_factory=dict)
+    """Messages sent to peer machines, by name, each with the id space its id comes from (``outgoing:``)."""
 
     def routed_by(self, event: str) -> str:
         """The id space a message of ``event`` names: its declared ``by``, else the key's."""

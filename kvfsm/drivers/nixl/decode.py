@@ -4,7 +4,11 @@
 :class:`DecodeRank` owns a rank's blocks, agent and tracker, and polls the
 transfer handles once per step. Every id this side puts on the wire is the
 prefill's request id (``remote_request_id``): the one place that chooses it
-is :meth:`BlockReader.notif_id`. Each block is byte-checked after its READ.
+is :meth:`BlockReader.notif_id`, and every message is reported to the
+driver's :class:`~kvfsm.engine.outbox.Outbox` with the id it really carries,
+so one naming another space's id is caught where it leaves (the spec's
+``outgoing: read: carries: remote_request_id``). Each block is byte-checked
+after its READ.
 """
 
 from __future__ import annotations
@@ -18,17 +22,22 @@ from functools import cache
 from typing import Any
 
 from ...engine import Tracker
-from ...errors import ActionError
+from ...engine.outbox import Outbox
+from ...engine.tracker import Observer
+from ...errors import ActionError, Anomaly
 from ...spec import Spec, load
 from ...spec.bundled import SPECS
 from ..report import Finished, Report
 from .blocks import KVBlocks
-from .notif import encode
+from .notif import encode, parse
 from .topology import Topology
 from .transport import Extent, TransferError, Transport
 
 REMOTE_ID = "remote_request_id"
-"""The id space of the prefill side's request ids, as the decode tracker links them."""
+"""The id space of the prefill side's request ids, as the decode spec links them at begin."""
+
+NOTIFY = "read"
+"""The spec's outgoing message to the prefill side: every READ's notification and every ``send_notif``."""
 
 
 @cache
@@ -90,6 +99,8 @@ class BlockReader:
         self.stats: Counter[str] = Counter()
         self._loads: dict[Hashable, Load] = {}
         self._handles: dict[Hashable, list[object]] = {}
+        self.outbox = Outbox(decode_spec())
+        """Every message this rank sends, checked against the space the spec says it carries (once bound)."""
 
     @staticmethod
     def holder(key: Hashable) -> tuple[str, Hashable]:
@@ -108,6 +119,12 @@ class BlockReader:
     def skipped_notif(self, key: Hashable, load: Load) -> bytes:
         """The message for the prefill ranks MLA lets this rank skip: the same id, sent by ``send_notif``."""
         return self.notif(key, load)
+
+    def _outgoing(self, key: Hashable, message: bytes) -> bytes:
+        """Report the id ``message`` carries on the wire (however it was chosen) to the outbox; returns it unchanged."""
+        notif = parse(message)
+        self.outbox.sent(key, NOTIFY, notif.request_id if notif is not None else message)
+        return message
 
     # -- dst_blocks -----------------------------------------------------------------
 
@@ -148,13 +165,13 @@ class BlockReader:
             for piece in plan.reads:
                 peer = self._peer(load.engine_id, piece.prefill_rank)
                 if not load.blocks:  # a full prefix hit reads nothing but still tells the peer
-                    self.agent.send_notif(peer.agent, message)
+                    self.agent.send_notif(peer.agent, self._outgoing(key, message))
                     continue
                 local: list[Extent] = [(self.blocks.addr(b, piece.dst), piece.length) for b in load.blocks]
                 remote: list[Extent] = [
                     (peer.base + b * peer.block_bytes + piece.src, piece.length) for b in remote_blocks
                 ]
-                handles.append(self.agent.read(peer.agent, local, remote, message))
+                handles.append(self.agent.read(peer.agent, local, remote, self._outgoing(key, message)))
         except BaseException:
             for handle in handles:
                 self.agent.release(handle)
@@ -163,7 +180,7 @@ class BlockReader:
         skipped = self.skipped_notif(key, load) if plan.notify_only else b""
         for rank in plan.notify_only:
             try:
-                self.agent.send_notif(self._peer(load.engine_id, rank).agent, skipped)
+                self.agent.send_notif(self._peer(load.engine_id, rank).agent, self._outgoing(key, skipped))
             except TransferError:
                 self.stats["notify_failed"] += 1  # the read itself went out; that rank's expiry frees its copy
 
@@ -227,14 +244,21 @@ class DecodeRank:
         params: dict[str, Any] | None = None,
         clock: Callable[[], float] = time.monotonic,
         reader: type[BlockReader] = BlockReader,
+        observer: Observer | None = None,
+        on_anomaly: Callable[[Anomaly], None] | None = None,
     ) -> None:
+        """``observer`` and ``on_anomaly`` go to the tracker (a journal is both); a misaddressed message is an
+        anomaly too."""
         self.rank = rank
         self.topology = topology
         self.agent = agent
         self.blocks = KVBlocks(num_blocks, topology.block_bytes(topology.decode_tp))
         agent.register(self.blocks.tensor)
         self.driver = reader(rank, topology, agent, self.blocks)
-        self.tracker = Tracker(decode_spec(), self.driver, params=params, clock=clock, spaces=[REMOTE_ID])
+        self.tracker = Tracker(
+            decode_spec(), self.driver, params=params, clock=clock, observer=observer, on_anomaly=on_anomaly
+        )
+        self.driver.outbox.bind(self.tracker, on_anomaly)
         self.outcomes: Counter[str] = Counter()
         self.errors: list[ActionError] = []
 
@@ -250,10 +274,12 @@ class DecodeRank:
     ) -> None:  # fmt: skip
         """vLLM's start_load_kv for one request: pin the blocks and post the READs (a failure ends it ``failed``)."""
         self.tracker.begin(
-            request_id, remote_request_id=remote_request_id, remote_engine_id=remote_engine_id,
-            block_ids=list(block_ids), remote_block_ids=list(remote_block_ids),
-        )  # fmt: skip
-        self.tracker.link(request_id, REMOTE_ID, remote_request_id)
+            request_id,
+            remote_request_id=remote_request_id,
+            remote_engine_id=remote_engine_id,
+            block_ids=list(block_ids),
+            remote_block_ids=list(remote_block_ids),
+        )  # fmt: skip (the spec links remote_request_id at begin)
         self._fire(request_id, "read")
 
     def abort(self, request_id: str) -> None:

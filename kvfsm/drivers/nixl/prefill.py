@@ -18,6 +18,8 @@ from functools import cache
 from typing import Any
 
 from ...engine import Tracker
+from ...engine.tracker import Observer
+from ...errors import Anomaly
 from ...spec import Spec, load
 from ...spec.bundled import SPECS
 from ..report import Finished, Report
@@ -83,14 +85,19 @@ class PrefillRank:
         *,
         params: dict[str, Any] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        observer: Observer | None = None,
+        on_anomaly: Callable[[Anomaly], None] | None = None,
     ) -> None:
+        """``observer`` and ``on_anomaly`` go to the tracker: a journal is both."""
         self.rank = rank
         self.topology = topology
         self.agent = agent
         self.blocks = KVBlocks(num_blocks, topology.block_bytes(topology.prefill_tp))
         agent.register(self.blocks.tensor)
         self.driver = BlockHolder(self.blocks)
-        self.tracker = Tracker(prefill_spec(), self.driver, params=params, clock=clock)
+        self.tracker = Tracker(
+            prefill_spec(), self.driver, params=params, clock=clock, observer=observer, on_anomaly=on_anomaly
+        )
         self.counts: Counter[str] = Counter()
         """``malformed`` notifications dropped, ``partial`` ones counted toward a ratio, ``read`` events fired."""
         self.outcomes: Counter[str] = Counter()

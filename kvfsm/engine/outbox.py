@@ -1,0 +1,136 @@
+"""What a driver puts on the wire, held to the id space its spec says each message carries.
+
+Two ids name one request across a P/D pair, and a message that names the
+wrong one is dropped by the peer as ``unknown``: too late, and on the wrong
+side, to say which line of which driver chose it. A spec declares what each
+outgoing message carries (``outgoing: {read: {to: nixl_prefill, carries:
+remote_request_id}}``); the driver reports every message it sends to its
+:class:`Outbox` with the id it actually put on the wire; the outbox compares
+that id with the one the tracker linked for the key in that space, using the
+Tracker's public queries only (:meth:`~kvfsm.Tracker.ids`,
+:meth:`~kvfsm.Tracker.route`, :meth:`~kvfsm.Tracker.state`).
+
+A mismatch is a :class:`Misaddressed` record (drained by the model-based
+tests, which turn it into the failing story) and a ``misaddressed``
+:class:`~kvfsm.Anomaly` (to ``on_anomaly``, so a journal records it and
+``kvfsm replay --max misaddressed=0`` fails the run). The check needs nothing
+the Tracker keeps privately, so a ``Tracker.sent(key, message, ident)`` could
+wrap it unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+
+from ..errors import Anomaly, KvfsmError
+from ..spec import Spec
+from .tracker import Tracker
+
+LOGGER = logging.getLogger("kvfsm.anomalies")
+
+__all__ = ["Misaddressed", "Outbox"]
+
+
+@dataclass(frozen=True)
+class Misaddressed:
+    """A message sent with an id from another space than the one its spec declares it carries."""
+
+    message: str
+    """The outgoing message's name in the spec."""
+    to: str
+    """The peer machine it went to."""
+    key: Hashable
+    """The instance that sent it."""
+    sent: Hashable
+    """The id that went on the wire."""
+    belongs: str
+    """What the sent id is, in words: ``the key (space request_id)``, an id of another instance, or unknown."""
+    carries: str
+    """The space the spec says the message's id comes from."""
+    expected: Hashable | None
+    """The id linked for ``key`` in ``carries`` (None: nothing was linked there)."""
+
+    def __str__(self) -> str:
+        linked = f"linked to {self.expected!r}" if self.expected is not None else f"with no id linked for {self.key!r}"
+        return (
+            f"sent {self.message} to {self.to} with {self.sent!r}, {self.belongs}; "
+            f"the spec says it carries {self.carries}, {linked}"
+        )
+
+
+class Outbox:
+    """The messages one driver sends, checked against the spec's ``outgoing:`` declarations.
+
+    The driver owns it (so it exists before any tracker) and calls
+    :meth:`sent` once per message; whoever builds the tracker calls
+    :meth:`bind`. Until bound nothing can be checked and :meth:`sent` only
+    counts.
+    """
+
+    def __init__(self, spec: Spec, on_anomaly: Callable[[Anomaly], None] | None = None) -> None:
+        self.spec = spec
+        self.on_anomaly = on_anomaly
+        self.tracker: Tracker | None = None
+        self.counts: Counter[str] = Counter()
+        """``sent`` and ``misaddressed`` messages, by kind."""
+        self._found: list[Misaddressed] = []
+
+    def bind(self, tracker: Tracker, on_anomaly: Callable[[Anomaly], None] | None = None) -> None:
+        """Check what is sent from now on against ``tracker``'s links (its spec must be this outbox's)."""
+        if tracker.spec.name != self.spec.name:
+            raise KvfsmError(
+                f"outbox of machine {self.spec.name!r} cannot check sends against a tracker of {tracker.spec.name!r}"
+            )
+        self.tracker = tracker
+        if on_anomaly is not None:
+            self.on_anomaly = on_anomaly
+
+    def sent(self, key: Hashable, message: str, ident: Hashable) -> bool:
+        """Report that ``key``'s instance sent ``message`` naming ``ident``; False when the id is from the wrong space."""
+        decl = self.spec.outgoing.get(message)
+        if decl is None:
+            known = ", ".join(self.spec.outgoing) or "none"
+            raise KvfsmError(
+                f"machine {self.spec.name!r} declares no outgoing message {message!r} (declared: {known}); "
+                "add it under 'outgoing:' with the id space it carries"
+            )
+        self.counts["sent"] += 1
+        tracker = self.tracker
+        if tracker is None:
+            return True
+        expected = key if decl.carries == self.spec.key else tracker.ids(key).get(decl.carries)
+        if ident == expected:
+            return True
+        found = Misaddressed(message, decl.to, key, ident, self._belongs(tracker, key, ident), decl.carries, expected)
+        self.counts["misaddressed"] += 1
+        self._found.append(found)
+        LOGGER.warning("%s: %s", self.spec.name, found)
+        if self.on_anomaly is not None:
+            try:
+                self.on_anomaly(Anomaly("misaddressed", decl.carries, ident, message))
+            except Exception:
+                LOGGER.exception("%s: on_anomaly raised", self.spec.name)
+        return False
+
+    def misaddressed(self) -> list[Misaddressed]:
+        """Drain the misaddressed messages found since the last call."""
+        found, self._found = self._found, []
+        return found
+
+    def _belongs(self, tracker: Tracker, key: Hashable, ident: Hashable) -> str:
+        """Which space ``ident`` is from, as far as the tracker knows: ``key``'s own ids first, then other instances'."""
+        if ident == key:
+            return f"the key (space {self.spec.key})"
+        for space, linked in tracker.ids(key).items():
+            if linked == ident:
+                return f"{key!r}'s id in space {space}"
+        if tracker.state(ident) is not None:
+            return f"the key of another instance (space {self.spec.key})"
+        for space in self.spec.spaces:
+            other = tracker.route(space, ident)
+            if other is not None:
+                return f"{other!r}'s id in space {space}"
+        return "an id no live instance has in any space"
