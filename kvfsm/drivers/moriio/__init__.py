@@ -1,0 +1,58 @@
+"""MoRIIO drivers (vLLM's MoRIIO connector, seed 001): WRITE and READ mode, prefill and decode side.
+
+- :class:`PrefillEngine` with :class:`BlockWriter` (``specs/moriio/write_producer.yaml``:
+  write tasks deferred until ``remote_blocks``, every wait under a deadline, every
+  end frees the blocks) or :class:`BlockLender` (``read_producer.yaml``: blocks held
+  until every ``release``, reaped at ``defer_timeout``);
+- :class:`DecodeEngine` with :class:`WriteReceiver` (``write_consumer.yaml``) or
+  :class:`BlockReader` (``read_consumer.yaml``: ``release`` on every outcome);
+- :class:`Transport`: the operations vLLM's ``moriio_engine.py`` uses, with
+  :class:`EmbeddedTransport` here, ``kvfsm.drivers.moriio.mooncake.MooncakeTransport``
+  (imports ``mooncake`` and ``zmq``) and ``kvfsm.drivers.moriio.nixl.NixlTransport``
+  (imports ``nixl``);
+- :class:`FaultPlan` / :class:`FaultyTransport`: failed and raising transfers, lost
+  and duplicated messages, one fault per transfer id;
+- :func:`run_load`: a closed-loop load at a given concurrency, and what it left.
+"""
+
+from .consumer import BlockLoader, BlockMismatch, BlockReader, DecodeEngine, Source, WriteReceiver
+from .embedded import EmbeddedTransport, Fabric
+from .faults import READ_FAULTS, WRITE_FAULTS, FaultPlan, FaultyTransport
+from .load import LoadResult, run_load
+from .messages import Message, Release, RemoteBlocks, WriteDone, decode, encode
+from .producer import BlockHolder, BlockLender, BlockWriter, PrefillEngine, expected_acks
+from .specs import TRANSFER_ID, moriio_spec
+from .transport import Status, TransferError, Transport
+
+__all__ = [
+    "READ_FAULTS",
+    "TRANSFER_ID",
+    "WRITE_FAULTS",
+    "BlockHolder",
+    "BlockLender",
+    "BlockLoader",
+    "BlockMismatch",
+    "BlockReader",
+    "BlockWriter",
+    "DecodeEngine",
+    "EmbeddedTransport",
+    "Fabric",
+    "FaultPlan",
+    "FaultyTransport",
+    "LoadResult",
+    "Message",
+    "PrefillEngine",
+    "Release",
+    "RemoteBlocks",
+    "Source",
+    "Status",
+    "TransferError",
+    "Transport",
+    "WriteDone",
+    "WriteReceiver",
+    "decode",
+    "encode",
+    "expected_acks",
+    "moriio_spec",
+    "run_load",
+]

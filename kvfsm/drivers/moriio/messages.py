@@ -1,0 +1,88 @@
+"""The MoRIIO control messages, as msgpack structs, parsed with a guard.
+
+vLLM's MoRIIO connector sends msgpack dicts over ZMQ: ``remote_blocks`` (decode
+to every prefill rank, WRITE mode), ``write_done`` (prefill to decode, WRITE
+mode) and ``release`` (decode to prefill, READ mode). Every one names the
+``transfer_id`` both engines agree on, never an engine's own request id.
+``prefill`` and the stats pair are the commands of the cross-process test
+harness (:mod:`.peer`). :func:`decode` returns None for anything that is not
+one of these, so a bad frame is counted, never raised.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class RemoteBlocks(msgspec.Struct, tag="remote_blocks"):
+    """Where the decode side's blocks for ``transfer_id`` are: the writer's targets."""
+
+    transfer_id: str
+    peer: str
+    base: int
+    block_bytes: int
+    blocks: list[int]
+    decode_rank: int = 0
+
+
+class WriteDone(msgspec.Struct, tag="write_done"):
+    """Every write of one prefill rank for ``transfer_id`` has landed."""
+
+    transfer_id: str
+    rank: int = 0
+
+
+class Release(msgspec.Struct, tag="release"):
+    """The decode side's reads of ``transfer_id`` ended (success or failure): free the blocks."""
+
+    transfer_id: str
+    rank: int = 0
+
+
+class Prefill(msgspec.Struct, tag="prefill"):
+    """Compute ``n`` blocks of KV for a request and hold them for ``transfer_id`` (the router's request)."""
+
+    request_id: str
+    transfer_id: str
+    n: int
+    reply_to: str
+
+
+class StatsQuery(msgspec.Struct, tag="stats_query"):
+    """Ask an engine for its counters."""
+
+    reply_to: str
+
+
+class Stats(msgspec.Struct, tag="stats"):
+    """An engine's counters: JSON-able values by name."""
+
+    values: dict[str, object]
+
+
+class Computed(msgspec.Struct, tag="computed"):
+    """The prefill side computed ``transfer_id``'s blocks (READ mode: where the decode side reads them)."""
+
+    transfer_id: str
+    peer: str
+    base: int
+    block_bytes: int
+    blocks: list[int]
+
+
+Message = RemoteBlocks | WriteDone | Release | Prefill | StatsQuery | Stats | Computed
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder: msgspec.msgpack.Decoder[Message] = msgspec.msgpack.Decoder(Message)
+
+
+def encode(message: Message) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode(raw: bytes) -> Message | None:
+    """The message in ``raw``, or None for anything malformed (never raises)."""
+    try:
+        return _decoder.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
