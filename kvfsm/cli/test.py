@@ -14,8 +14,11 @@ from rich.table import Table
 from .common import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, Subparsers, err, out, write_output
 
 if TYPE_CHECKING:
+    from ..spec.system import System
     from ..testing import Report
+    from ..testing.contract import DriverFactory
     from ..testing.trace_replay import TraceResult
+    from ..testing.trace_set import SystemCoverage
 
 
 def _positive(text: str) -> int:
@@ -52,17 +55,25 @@ def register(sub: Subparsers) -> None:
         "(exit 0 passed, 1 diverged, 2 unusable)",
         description="Drive a Tracker and fresh drivers through random events, faults and timeouts (Hypothesis), "
         "checking after every step that the driver's observe(key) matches what the spec says each key holds. "
-        "With --trace, replay an explorer trace of a system on one Tracker and driver per role instead "
+        "Given a system file, replay a small set of traces that together take every reachable role edge and "
+        "deliver every reachable message, on one Tracker and driver per role (exit 0 when all match and nothing "
+        "reachable went unexercised). With --trace, replay one explorer trace of a system instead "
         "(exit 0 when the trace's violation is reproduced).",
     )
-    p.add_argument("spec", type=Path, metavar="SPEC", help="a machine spec; with --trace, a system file")
+    p.add_argument(
+        "spec",
+        type=Path,
+        metavar="SPEC",
+        help="a machine spec; or a system file: its trace set (every reachable role edge and message) is replayed "
+        "on the drivers, or with --trace one trace is",
+    )
     p.add_argument(
         "--driver",
         action="append",
         default=[],
         metavar="[ROLE=]MODULE:FACTORY",
         help="a callable, importable from the current directory, that returns a fresh driver (e.g. my_drivers:make); "
-        "with --trace, one ROLE=MODULE:FACTORY per role you have a driver for (the others get a ledger driver)",
+        "for a system file, one ROLE=MODULE:FACTORY per role you have a driver for (the others get a ledger driver)",
     )
     p.add_argument(
         "--trace",
@@ -99,12 +110,15 @@ def register(sub: Subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..gen.diagram import to_svg
     from ..spec import load
+    from ..spec.system import is_system_file
     from ..testing.bar import Bar, load_exemptions
     from ..testing.runner import STEPS, load_factory
     from ..testing.runner import run as run_machine
 
     if args.trace is not None:
         return _replay(args)
+    if args.spec.is_file() and is_system_file(args.spec):
+        return _cover_system(args)
     if len(args.driver) != 1 or "=" in args.driver[0]:
         err.print(
             "[red]kvfsm test: give one --driver MODULE:FACTORY for a machine spec "
@@ -202,7 +216,6 @@ def _coverage(report: Report) -> None:
 
 def _replay(args: argparse.Namespace) -> int:
     from ..spec.system import is_system_file, load_system
-    from ..testing.runner import load_factory
     from ..testing.trace_replay import replay_trace
 
     given = [
@@ -221,26 +234,10 @@ def _replay(args: argparse.Namespace) -> int:
         )
         return EXIT_USAGE
     system = load_system(args.spec)
-    refs: dict[str, str] = {}
-    for text in args.driver:
-        role, sep, ref = text.partition("=")
-        if not sep or not role or not ref:
-            err.print(
-                f"[red]kvfsm test: --driver {escape(text)!r} names no role; with --trace write ROLE=MODULE:FACTORY, "
-                f"e.g. --driver {escape(next(iter(system.roles)))}=my_drivers:make (roles: {escape(', '.join(system.roles))})[/]"
-            )
-            return EXIT_USAGE
-        if role not in system.roles:
-            err.print(
-                f"[red]kvfsm test: --driver {escape(text)}: {escape(system.name)} has no role {escape(role)!r} "
-                f"(its roles: {escape(', '.join(system.roles))})[/]"
-            )
-            return EXIT_USAGE
-        if role in refs:
-            err.print(f"[red]kvfsm test: two --driver options for role {escape(role)!r}; give one per role[/]")
-            return EXIT_USAGE
-        refs[role] = ref
-    factories = {role: load_factory(ref) for role, ref in refs.items()}
+    roles = _role_drivers(args.driver, system, "with --trace")
+    if roles is None:
+        return EXIT_USAGE
+    refs, factories = roles
     result = replay_trace(system, args.trace, factories)
     drivers = {
         role: f"{result.drivers[role]} ({refs[role]})" if role in refs else result.drivers[role]
@@ -251,6 +248,34 @@ def _replay(args: argparse.Namespace) -> int:
     else:
         _render_replay(result, drivers)
     return EXIT_OK if result.passed else EXIT_FINDINGS
+
+
+def _role_drivers(
+    given: list[str], system: System, mode: str
+) -> tuple[dict[str, str], dict[str, DriverFactory]] | None:
+    """``ROLE=MODULE:FACTORY`` options → (role → reference, role → factory); ``None`` after a usage error."""
+    from ..testing.runner import load_factory
+
+    refs: dict[str, str] = {}
+    for text in given:
+        role, sep, ref = text.partition("=")
+        if not sep or not role or not ref:
+            err.print(
+                f"[red]kvfsm test: --driver {escape(text)!r} names no role; {mode} write ROLE=MODULE:FACTORY, "
+                f"e.g. --driver {escape(next(iter(system.roles)))}=my_drivers:make (roles: {escape(', '.join(system.roles))})[/]"
+            )
+            return None
+        if role not in system.roles:
+            err.print(
+                f"[red]kvfsm test: --driver {escape(text)}: {escape(system.name)} has no role {escape(role)!r} "
+                f"(its roles: {escape(', '.join(system.roles))})[/]"
+            )
+            return None
+        if role in refs:
+            err.print(f"[red]kvfsm test: two --driver options for role {escape(role)!r}; give one per role[/]")
+            return None
+        refs[role] = ref
+    return refs, {role: load_factory(ref) for role, ref in refs.items()}
 
 
 def _render_replay(result: TraceResult, drivers: dict[str, str]) -> None:
@@ -287,3 +312,69 @@ def _render_replay(result: TraceResult, drivers: dict[str, str]) -> None:
         out.print(f"[red]✗ {escape(result.summary)}[/]")
     else:
         out.print(f"[red]✗ the drivers diverged from the trace at {escape(str(result.mismatch))}[/]")
+
+
+# -- a system file: its trace set replayed on drivers -------------------------------------------
+
+
+def _cover_system(args: argparse.Namespace) -> int:
+    from ..spec.system import load_system
+    from ..testing.bar import Bar, load_exemptions
+    from ..testing.trace_set import cover_system
+
+    given = [
+        f"--{name.replace('_', '-')}" for name in ("examples", "steps", "seed", "coverage_svg") if getattr(args, name)
+    ]
+    if given:
+        verb = "does" if len(given) == 1 else "do"
+        err.print(
+            f"[red]kvfsm test: {', '.join(given)} {verb} not apply to a system file, whose trace set is fixed by "
+            "the system (no examples, no seed)[/]"
+        )
+        return EXIT_USAGE
+    system = load_system(args.spec)
+    roles = _role_drivers(args.driver, system, "for a system file")
+    if roles is None:
+        return EXIT_USAGE
+    refs, factories = roles
+    exempt = load_exemptions(args.exempt).get(system.name, {}) if args.exempt is not None else {}
+    bar = Bar(args.min_coverage if args.min_coverage is not None else 1.0, exempt)
+    result = cover_system(system, factories, bar=bar)
+    drivers = {
+        role: f"{result.drivers[role]} ({refs[role]})" if role in refs else result.drivers[role]
+        for role in system.roles
+    }
+    if args.format == "json":
+        out.print_json(json.dumps({**result.as_dict(), "drivers": drivers}))
+    else:
+        _render_system(result, drivers)
+    return EXIT_OK if result.passed else EXIT_FINDINGS
+
+
+def _render_system(result: SystemCoverage, drivers: dict[str, str]) -> None:
+    on = ", ".join(f"{role}: {name}" for role, name in drivers.items())
+    moves = sum(len(r.trace.moves) for r in result.runs)
+    out.print(
+        f"trace set of {escape(result.system)}: {len(result.runs)} traces, {moves} steps, for "
+        f"{len(result.reachable)} reachable items; {escape(on)}"
+    )
+    for n, r in enumerate(result.runs, 1):
+        if r.mismatch is None:
+            out.print(f"  ✓ #{n} {escape(r.goal.name)} ({len(r.trace.moves)} steps)")
+        else:
+            out.print(f"  [red]✗ #{n} {escape(r.goal.name)}: diverged at {escape(str(r.mismatch))}[/]")
+    for item, why in result.gaps:
+        mark = "[yellow]not reached[/]" if result.cleared else "[red]not reached[/]"
+        out.print(f"  {mark} {escape(item.name)}: {escape(why)}")
+    for item, reason in result.exempted:
+        out.print(f"  [dim]exempt {escape(item.name)}: {escape(reason)}[/]")
+    if result.unreachable:
+        names = ", ".join(i.name for i in result.unreachable)
+        out.print(f"  [dim]no run of the system reaches (not required): {escape(names)}[/]")
+    name = escape(result.system)
+    if result.passed:
+        out.print(f"[green]✓ {name}: {escape(result.summary())}[/]")
+    elif result.diverged:
+        out.print(f"[red]✗ {name}: the drivers diverged from the trace set: {escape(result.summary())}[/]")
+    else:
+        out.print(f"[red]✗ {name}: the drivers kept to every trace, but {escape(result.summary())}[/]")

@@ -3,16 +3,19 @@
 A run passes only if every edge, deadline and ignore rule of the spec was
 exercised, or the user lowered the bar explicitly: ``min_coverage`` (the share
 of them that must be exercised) or an exemption list that names each one
-left out and says why. An exemption file is YAML, one mapping per machine::
+left out and says why. An exemption file is YAML, one mapping per machine
+(or per system, for a composition's trace set, naming its items)::
 
     kv_request:
       "transferring --expire--> expired": the deadline is tested against the real store in test_store.py
       "ignored abort in done": abort after done cannot happen in our scheduler
+    pd_abort_corrected:
+      "message abort_ack": the ACK path is tested against the real bootstrap server
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -81,16 +84,20 @@ def judge(coverage: Coverage, bar: Bar, blocked: Mapping[tuple[str, str], str] |
 
 def check_exemptions(coverage: Coverage, exempt: Mapping[str, str]) -> None:
     """Refuse an exemption that names nothing in the spec (a typo would silently exempt nothing) or has no reason."""
-    names = coverage.names()
+    check_names(coverage.spec.name, coverage.names(), exempt)
+
+
+def check_names(machine: str, names: Sequence[str], exempt: Mapping[str, str]) -> None:
+    """Refuse an exemption of ``machine`` (a spec or a system) that is not one of ``names`` or gives no reason."""
     for name, reason in exempt.items():
         if name not in names:
             raise ExemptionError(
-                f"exemption {name!r} names nothing in machine {coverage.spec.name!r}; it can name: "
+                f"exemption {name!r} names nothing in machine {machine!r}; it can name: "
                 + "; ".join(repr(n) for n in names)
             )
         if not isinstance(reason, str) or not reason.strip():
             raise ExemptionError(
-                f"exemption {name!r} of machine {coverage.spec.name!r} gives no reason; say why it may go "
+                f"exemption {name!r} of machine {machine!r} gives no reason; say why it may go "
                 "unexercised, so the next reader can tell a decision from an oversight"
             )
 
@@ -112,4 +119,4 @@ def load_exemptions(path: str | Path) -> dict[str, dict[str, str]]:
     }
 
 
-__all__ = ["Bar", "ExemptionError", "Verdict", "check_exemptions", "judge", "load_exemptions"]
+__all__ = ["Bar", "ExemptionError", "Verdict", "check_exemptions", "check_names", "judge", "load_exemptions"]

@@ -1,0 +1,152 @@
+"""A composition's trace set: every reachable role edge and message, replayed on the PD loopback's real drivers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from buggy_drivers import FreesOnlyOnAck, frees_only_on_ack, never_takes_pages
+
+from kvfsm.drivers import pd_loopback
+from kvfsm.drivers.pd_loopback import PDLoopback
+from kvfsm.explore import check_trace, explore
+from kvfsm.spec.system import load_system
+from kvfsm.testing import Bar
+from kvfsm.testing.bar import ExemptionError
+from kvfsm.testing.contract import DriverFactory
+from kvfsm.testing.trace_set import Item, TraceSetError, _agree_with_explorer, cover_system, items, trace_set
+
+ROOT = Path(__file__).resolve().parent.parent
+TESTS = ROOT / "tests"
+PD = ROOT / "specs" / "pd_abort"
+CORRECTED, MERGED = PD / "corrected.yaml", PD / "merged_fix.yaml"
+
+
+def paired(decode: type[FreesOnlyOnAck]) -> dict[str, DriverFactory]:
+    """The loopback's prefill with a buggy decode on the same loopback (a trace run makes prefill first)."""
+    loops: list[PDLoopback] = []
+
+    def prefill() -> object:
+        loops.append(PDLoopback())
+        return loops[-1].prefill
+
+    return {"prefill": prefill, "decode": lambda: decode(loops[-1])}
+
+
+# -- the set -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", [CORRECTED, MERGED], ids=["corrected", "merged_fix"])
+def test_the_set_exercises_every_item_the_walk_reaches_with_few_shortest_traces(path: Path) -> None:
+    system = load_system(path)
+    chosen = trace_set(system)
+    assert set(chosen.reachable) | set(chosen.unreachable) == set(items(system))
+    assert {i for i in chosen.reachable if i.kind == "message"} == {
+        Item("message", m.receiver, "", m.name, "") for m in system.messages.values()
+    }  # every message of the PD protocol is delivered on some run
+    assert len(chosen.traces) < len(chosen.reachable)
+    for trace in chosen.traces:
+        check_trace(trace, system)  # each is a run the system can make
+        assert len(trace.moves) <= 7
+    # Every role state the explorer reaches for one request is some exercised edge's source or target.
+    reached = {(i.role, s) for i in chosen.reachable if i.kind == "edge" for s in (i.source, i.target)}
+    result = explore(system, requests=1)
+    every = {(r, s) for r, role in system.roles.items() for s in role.spec.states}
+    assert reached == every - set(result.unreached)
+
+
+def test_items_no_run_can_reach_are_listed_apart_not_required() -> None:
+    chosen = trace_set(CORRECTED)
+    names = {i.name for i in chosen.unreachable}
+    # A finished prefill's server answers a late ABORT (reply_if_finished): the ignore rule never applies.
+    assert "prefill: ignored abort_req in done" in names
+    assert "decode: ignored abort_ack in waiting" in names  # no ABORT was sent from waiting
+    assert not any(i.kind == "edge" for i in chosen.unreachable)
+
+
+def test_the_walk_refuses_to_judge_when_it_and_the_explorer_part() -> None:
+    system = load_system(CORRECTED)
+    with pytest.raises(TraceSetError, match="explorer reaches decode in received that the walk does not"):
+        _agree_with_explorer(system, {(r, s) for r, s in trace_set(system).reached if s != "received"})
+
+
+# -- replayed on the real drivers ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", [CORRECTED, MERGED], ids=["corrected", "merged_fix"])
+def test_the_loopback_drivers_keep_to_every_trace_of_the_set(path: Path) -> None:
+    result = cover_system(path, pd_loopback.factories())
+    assert result.passed, result.summary()
+    assert result.exercised == set(result.reachable) and result.ratio == 1.0
+    assert result.drivers == {"prefill": "PrefillDriver", "decode": "DecodeDriver"}
+    assert all(r.matched == len(r.trace.moves) for r in result.runs)
+
+
+@pytest.mark.parametrize(
+    ("drivers", "first"),
+    [
+        pytest.param(paired(FreesOnlyOnAck), "observe: expected nothing, got FreesOnlyOnAck.observe says kv_pages"),
+        pytest.param({"decode": frees_only_on_ack}, "observe: expected nothing, got FreesOnlyOnAck", id="ledger"),
+        pytest.param({"decode": never_takes_pages}, "observe: expected kv_pages, got NeverTakesPages.observe says"),
+    ],
+)
+def test_a_buggy_decode_fails_the_set_and_what_it_cut_off_is_named(
+    drivers: dict[str, DriverFactory], first: str
+) -> None:
+    result = cover_system(CORRECTED, drivers)
+    assert not result.passed and result.diverged
+    assert first in str(result.diverged[0].mismatch)
+    gaps = {i.name: why for i, why in result.gaps}
+    assert "diverged at step" in gaps["decode: aborting --abort_ack--> aborted"]
+    assert not result.cleared
+
+
+def test_exemptions_name_items_and_need_a_reason() -> None:
+    names = [i.name for i, _why in cover_system(CORRECTED, {"decode": frees_only_on_ack}).gaps]
+    exempt = dict.fromkeys(names, "the ABORT_ACK path is tested against the real bootstrap server")
+    lowered = cover_system(CORRECTED, {"decode": frees_only_on_ack}, bar=Bar(exempt=exempt))
+    assert lowered.cleared and not lowered.gaps and len(lowered.exempted) == len(names)
+    assert not lowered.passed  # a divergence fails the run whatever the bar
+    with pytest.raises(ExemptionError, match="'message abort_akc' names nothing in machine 'pd_abort_corrected'"):
+        cover_system(CORRECTED, bar=Bar(exempt={"message abort_akc": "typo"}))
+    with pytest.raises(ExemptionError, match="gives no reason"):
+        cover_system(CORRECTED, bar=Bar(exempt={"message abort_ack": ""}))
+
+
+# -- from the command line ---------------------------------------------------------------------
+
+
+def kvfsm_test(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvfsm.cli", "test", *args], capture_output=True, text=True, cwd=TESTS, timeout=300
+    )
+
+
+LOOPBACK = (
+    "--driver",
+    "prefill=kvfsm.drivers.pd_loopback:prefill",
+    "--driver",
+    "decode=kvfsm.drivers.pd_loopback:decode",
+)
+
+
+def test_cli_a_system_file_replays_its_trace_set_on_the_drivers() -> None:
+    result = kvfsm_test(str(CORRECTED), *LOOPBACK)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "✓ pd_abort_corrected: every reachable role edge (27), message (5) and ignored delivery" in result.stdout
+    buggy = kvfsm_test(str(CORRECTED), "--driver", "decode=buggy_drivers:frees_only_on_ack", "--format", "json")
+    assert buggy.returncode == 1, buggy.stdout + buggy.stderr
+    doc = json.loads(buggy.stdout)
+    assert doc["drivers"]["prefill"] == "ledger (built in)" and not doc["passed"]
+    assert "decode: aborting --abort_ack--> aborted" in {g["name"] for g in doc["coverage_verdict"]["not_reached"]}
+    assert any(t["mismatch"] and t["mismatch"]["what"] == "observe" for t in doc["traces"])
+
+
+def test_cli_a_system_file_refuses_what_only_a_random_run_takes() -> None:
+    result = kvfsm_test(str(CORRECTED), "--seed", "3", *LOOPBACK)
+    assert result.returncode == 2 and "--seed does not apply to a system file" in result.stderr
+    unnamed = kvfsm_test(str(CORRECTED), "--driver", "kvfsm.drivers.pd_loopback:decode")
+    assert unnamed.returncode == 2 and "names no role; for a system file write ROLE=MODULE:FACTORY" in unnamed.stderr
