@@ -73,6 +73,11 @@ def _export(args: argparse.Namespace, system: System) -> int:
     out.print(
         f"[dim]check it: spin -a {escape(args.promela.name)} && gcc -O2 -DSAFETY -DNOREDUCE -o pan pan.c && ./pan -m5000000[/]"
     )
+    for prop in system.eventually:
+        out.print(
+            f"[dim]{escape(prop.name)}: spin -DLIVE -DONLY=255 -a {escape(args.promela.name)}"
+            f" && gcc -O2 -DNOREDUCE -o pan pan.c && ./pan -a -N {escape(prop.name)}[/]"
+        )
     return EXIT_OK
 
 
@@ -145,7 +150,9 @@ def _render(result: ExploreResult) -> None:
     colours = {"holds": "green", "violated": "red", "unknown": "yellow"}
     for p in result.properties:
         verdict = f"[{colours[p.status]}]{p.status}[/]"
-        if p.trace is not None:
+        if p.trace is not None and p.trace.loop is not None:
+            verdict += f" (lasso: {p.trace.loop} + {len(p.trace.cycle)} steps)"
+        elif p.trace is not None:
             verdict += f" ({len(p.trace.moves)} steps)"
         table.add_row(escape(p.name), verdict, escape(p.description))
     out.print(table)

@@ -94,6 +94,8 @@ class LocalSystem:
         self.index: dict[LocalState, int] = {}
         self.moves: list[list[tuple[int, Move]]] = []
         """per local id: (target id, move); target -1 for a send that cannot fit (overflow)."""
+        self.loops: list[list[Move]] = []
+        """per local id: the moves that leave it as it is (the safety search skips them; fairness needs them)."""
         self.violations: list[tuple[tuple[str, str], ...]] = []
         """per local id: (property, what is wrong) for every property the local state breaks."""
         self.nmsg: list[int] = []
@@ -183,6 +185,7 @@ class LocalSystem:
         self.nmsg.append(len(state[1]))
         self.violations.append(self.describe_violations(state))
         self.moves.append([])
+        self.loops.append([])
         return i
 
     # -- moves ---------------------------------------------------------------------
@@ -245,7 +248,8 @@ class LocalSystem:
                 known = state in self.index
                 j = self._intern(state)
                 if j == i:
-                    continue  # a no-op; a rejected duplicate is also caught by its consuming twin
+                    self.loops[i].append(move)  # a no-op; a rejected duplicate is also caught by its consuming twin
+                    continue
                 out.append((j, move))
                 if not known:
                     todo.append(j)

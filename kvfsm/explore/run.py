@@ -9,6 +9,7 @@ from typing import Any
 
 from ..spec.system import Channel, System, load_system
 from .automaton import Automaton, build
+from .liveness import Fairness, Lasso, find_lasso
 from .local import LocalSystem, Move
 from .search import Found, ProgressFn, Search, path_to, search
 from .trace import Sent, Step, Trace, TraceRole
@@ -20,7 +21,7 @@ class PropertyResult:
 
     name: str
     kind: str
-    """``builtin`` or ``never``."""
+    """``builtin``, ``never`` or ``eventually``."""
     description: str
     status: str
     trace: Trace | None = None
@@ -140,8 +141,17 @@ def explore(
         progress=progress,
     )
     results = []
+    fairness = Fairness(local) if system.eventually else None
     for prop in system.properties:
-        kind = "builtin" if prop.builtin else "never"
+        kind = "builtin" if prop.builtin else "eventually" if prop.liveness else "never"
+        if prop.liveness:
+            lasso = find_lasso(local, prop, fairness)
+            if lasso is None:
+                results.append(PropertyResult(prop.name, kind, prop.describe(), "holds"))
+            else:
+                trace = _lasso_trace(system, local, lasso)
+                results.append(PropertyResult(prop.name, kind, prop.describe(), "violated", trace))
+            continue
         hit = found.found.get(prop.name)
         if hit is not None:
             trace = _trace(system, local, auto, found, hit, n)
@@ -236,12 +246,11 @@ def _violation_text(
     return next(text for p, text in local.violations[at[r]] if p == hit.prop)
 
 
-def _trace(system: System, local: LocalSystem, auto: Automaton, found: Search, hit: Found, requests: int) -> Trace:
-    steps_taken, at = _concrete(local, auto, found, hit, requests)
-    involved = sorted({r for r, *_ in steps_taken} or {0})
+def _steps(local: LocalSystem, taken: list[tuple[int, Move, int]]) -> list[Step]:
+    """The trace steps of (request, move, local state after) in order, each request begun before its first move."""
     names = [role.name for role in local.roles]
     steps: list[Step] = []
-    for r in involved:
+    for r in sorted({r for r, *_ in taken} or {0}):
         for role_no, role in enumerate(local.roles):
             start = local.role_state(local.initial, role_no)
             assert start is not None
@@ -250,7 +259,7 @@ def _trace(system: System, local: LocalSystem, auto: Automaton, found: Search, h
                     f"r{r}", role.name, "begin", "begin", None, None, start, holds=role.holds[role.states.index(start)]
                 )
             )
-    for r, _before, move, after in steps_taken:
+    for r, move, after in taken:
         role = local.roles[move.role]
         flight = local.in_flight(after) if after >= 0 else ()
         sent = tuple(Sent(local.message_names[m], names[local.receiver[m]], lost=not kept) for m, kept in move.sent)
@@ -270,6 +279,15 @@ def _trace(system: System, local: LocalSystem, auto: Automaton, found: Search, h
                 note=_words(local, move),
             )
         )
+    return steps
+
+
+def _roles(system: System) -> tuple[TraceRole, ...]:
+    return tuple(TraceRole(name, r.path, r.spec.name, r.spec.key) for name, r in system.roles.items())
+
+
+def _trace(system: System, local: LocalSystem, auto: Automaton, found: Search, hit: Found, requests: int) -> Trace:
+    steps_taken, at = _concrete(local, auto, found, hit, requests)
     final = steps_taken[-1] if steps_taken else None
     culprit = f"r{final[0]}" if final is not None else "r0"
     return Trace(
@@ -278,6 +296,21 @@ def _trace(system: System, local: LocalSystem, auto: Automaton, found: Search, h
         prop=hit.prop,
         violation=_violation_text(local, found, hit, final, at),
         request=culprit,
-        roles=tuple(TraceRole(name, r.path, r.spec.name, r.spec.key) for name, r in system.roles.items()),
-        steps=tuple(steps),
+        roles=_roles(system),
+        steps=tuple(_steps(local, [(r, move, after) for r, _b, move, after in steps_taken])),
+    )
+
+
+def _lasso_trace(system: System, local: LocalSystem, lasso: Lasso) -> Trace:
+    """A lasso of request r0 as a trace: its prefix, then its cycle from ``loop`` on."""
+    taken = [(0, move, after) for _b, move, after in (*lasso.prefix, *lasso.cycle) if move is not None]
+    return Trace(
+        system=system.name,
+        path=system.path,
+        prop=lasso.prop,
+        violation=lasso.violation,
+        request="r0",
+        roles=_roles(system),
+        steps=tuple(_steps(local, taken)),
+        loop=len(lasso.prefix),
     )

@@ -183,7 +183,12 @@ class TraceRole:
 
 @dataclass(frozen=True)
 class Trace:
-    """The shortest run from the initial state to a violation of ``prop``."""
+    """The shortest run from the initial state to a violation of ``prop``, or a lasso for an ``eventually``.
+
+    A lasso (``loop`` set) is an infinite run: the moves up to ``loop`` once,
+    then the moves from ``loop`` on, repeated forever. ``loop`` equal to the
+    number of moves means the run stays where the moves left it, forever.
+    """
 
     system: str
     path: str
@@ -194,11 +199,18 @@ class Trace:
     """The request that breaks the property."""
     roles: tuple[TraceRole, ...]
     steps: tuple[Step, ...]
+    loop: int | None = None
+    """For a lasso: the index (among :attr:`moves`) of the first move of the cycle."""
 
     @property
     def moves(self) -> tuple[Step, ...]:
         """The steps after the instances began."""
         return tuple(s for s in self.steps if s.action != "begin")
+
+    @property
+    def cycle(self) -> tuple[Step, ...]:
+        """The moves repeated forever (a lasso only; empty when the run stays put)."""
+        return self.moves[self.loop :] if self.loop is not None else ()
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -210,6 +222,7 @@ class Trace:
             "request": self.request,
             "roles": {r.name: {"spec": r.spec, "machine": r.machine, "key": r.key} for r in self.roles},
             "steps": [s.as_dict() for s in self.steps],
+            **({"loop": self.loop} if self.loop is not None else {}),
         }
 
     @classmethod
@@ -233,7 +246,21 @@ class Trace:
             request=_field(d, "request", "", str),
             roles=tuple(roles),
             steps=tuple(Step.from_dict(s, f"steps[{i}]") for i, s in enumerate(_field(d, "steps", "", list))),
+            loop=_loop(d),
         )
+
+
+def _loop(d: Mapping[str, Any]) -> int | None:
+    """The lasso's ``loop`` field: absent for a finite trace, else a move index."""
+    if "loop" not in d:
+        return None
+    loop = d["loop"]
+    if not isinstance(loop, int) or isinstance(loop, bool) or loop < 0:
+        raise TraceError("loop", f"must be the index of the cycle's first move (0 or more), not {loop!r}")
+    moves = sum(1 for s in d.get("steps", ()) if isinstance(s, Mapping) and s.get("action") != "begin")
+    if loop > moves:
+        raise TraceError("loop", f"the cycle starts at move {loop}, but the trace has {moves} moves")
+    return loop
 
 
 def read_trace(path: str | Path) -> Trace:
@@ -292,8 +319,16 @@ def check_trace(trace: Trace, system: System) -> None:
         )
     begun: set[tuple[str, str]] = set()
     traffic = Traffic(system.wire)
+    where: dict[tuple[str, str], str] = {}
+    moves = 0
+    mark: tuple[dict[tuple[str, str], str], dict[str, tuple[int, ...]]] | None = None
     for i, step in enumerate(trace.steps):
         at = f"steps[{i}]"
+        if step.action != "begin":
+            if moves == trace.loop:
+                mark = (dict(where), dict(traffic.flights))
+            moves += 1
+        where[(step.request, step.role)] = step.target
         role = system.roles.get(step.role)
         if role is None:
             raise TraceError(f"{at}.role", f"{system.name} has no role {step.role!r} (its roles: {roles})")
@@ -325,6 +360,10 @@ def check_trace(trace: Trace, system: System) -> None:
             )
     if trace.steps and all(s.request != trace.request for s in trace.steps):
         raise TraceError("request", f"no step names {trace.request!r}")
+    if trace.loop is not None and trace.loop < moves:
+        assert mark is not None  # set when the move numbered ``loop`` was read
+        if mark != (where, traffic.flights):
+            raise TraceError("loop", f"the cycle from move {trace.loop} does not end where it began")
 
 
 def carry(traffic: Traffic, step: Step, at: str = "step") -> None:
@@ -432,7 +471,11 @@ def format_trace(trace: Trace) -> str:
     width = LANE * len(lanes)
     head = "  #  req  "
     pad = " " * len(head)
-    out = [f"{trace.prop}: {trace.violation}", f"shortest trace: {len(trace.moves)} steps ({trace.system})", ""]
+    if trace.loop is None:
+        size = f"shortest trace: {len(trace.moves)} steps"
+    else:
+        size = f"lasso: {trace.loop} steps, then {len(trace.cycle) or 'no'} steps repeated forever"
+    out = [f"{trace.prop}: {trace.violation}", f"{size} ({trace.system})", ""]
     out.append(head + "".join(name.ljust(LANE) for name in lanes).rstrip())
     out.append(" " * len(head) + "─" * (width - 2))
     begun: dict[str, dict[str, str]] = {}
@@ -446,6 +489,8 @@ def format_trace(trace: Trace) -> str:
     for step in trace.steps:
         if step.action == "begin":
             continue
+        if number == trace.loop:
+            out.append(f"     ↻ {'─' * 8} from here on, forever {'─' * 8}")
         number += 1
         lane = lanes.index(step.role)
         text = describe_step(step)
@@ -455,6 +500,12 @@ def format_trace(trace: Trace) -> str:
             out.append(pad + " " * (LANE * lane) + f"  ({e})")
         for sent in step.sent:
             out.append(pad + _arrow(lanes, step.role, sent))
+    if trace.loop is not None:
+        out.append(
+            f"     ↻ {'─' * 8} back to move {trace.loop + 1}, forever {'─' * 8}"
+            if trace.cycle
+            else f"     ↻ {'─' * 8} nothing more happens, forever (nothing is owed) {'─' * 8}"
+        )
     out.append("")
     out.append(f"  ✗ {trace.prop} ({trace.request}): {trace.violation}")
     return "\n".join(out)

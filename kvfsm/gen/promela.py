@@ -56,8 +56,8 @@ class _Model:
         self.directions = len(directions)
         self.props = list(system.names)
 
-    def var(self, role: str) -> str:
-        return f"r_{role}[_pid]"
+    def var(self, role: str, who: str = "_pid") -> str:
+        return f"r_{role}[{who}]"
 
     def const(self, role: str, state: str) -> str:
         return f"s_{role}_{state}"
@@ -69,17 +69,18 @@ class _Model:
         """The value a role's variable takes once its request retired: one past its last state."""
         return len(self.specs[role].states)
 
-    def is_state(self, role: str, states: list[str]) -> str:
+    def is_state(self, role: str, states: list[str], who: str = "_pid") -> str:
         """``role`` is in one of ``states``: a bit test (short code, so pan.c compiles fast) where it fits an int."""
+        var = self.var(role, who)
         if not states:
             return "false"
         if len(states) == 1:
-            return f"({self.var(role)} == {self.const(role, states[0])})"
+            return f"({var} == {self.const(role, states[0])})"
         if self.retired(role) < 31:
             order = list(self.specs[role].states)
             mask = sum(1 << order.index(s) for s in states)
-            return f"(((1 << {self.var(role)}) & {mask}) != 0)"
-        return "(" + " || ".join(f"{self.var(role)} == {self.const(role, s)}" for s in states) + ")"
+            return f"(((1 << {var}) & {mask}) != 0)"
+        return "(" + " || ".join(f"{var} == {self.const(role, s)}" for s in states) + ")"
 
     # -- messages in flight -------------------------------------------------------
 
@@ -91,11 +92,12 @@ class _Model:
             parts = [f"n_{d}[_pid]" for d in range(self.directions)]
         return "(" + " + ".join(parts or ["0"]) + ")"
 
-    def has(self, message: str) -> str:
+    def has(self, message: str, who: str = "_pid") -> str:
+        """``message`` of request ``who`` may arrive now (in flight; the oldest of its direction without reorder)."""
         if self.system.channel.reorder:
-            return f"m_{message}[_pid] > 0"
+            return f"m_{message}[{who}] > 0"
         d = self.direction[message]
-        return f"n_{d}[_pid] > 0 && q_{d}[_pid * CAP] == {self.messages.index(message) + 1}"
+        return f"n_{d}[{who}] > 0 && q_{d}[{who} * CAP] == {self.messages.index(message) + 1}"
 
     def consume(self, message: str) -> list[str]:
         if self.system.channel.reorder:
@@ -153,6 +155,22 @@ class _Model:
     def final(self, role: str) -> list[str]:
         return [s for s, st in self.specs[role].states.items() if st.is_final]
 
+    def owed(self, role: str) -> list[str]:
+        """States where the role owes local work or a timeout (weak fairness): live states that progress."""
+        return [s for s in self.progress(role) if not self.specs[role].states[s].is_final]
+
+    def enabled(self, obligation: int, who: str) -> str:
+        """Obligation ``obligation`` of request ``who`` is enabled: a role's own work, or a message's delivery."""
+        if obligation < len(self.roles):
+            role = self.roles[obligation]
+            return self.is_state(role, self.owed(role), who)
+        return f"({self.has(self.messages[obligation - len(self.roles)], who)})"
+
+    @property
+    def obligations(self) -> int:
+        """Fairness obligations per request: one per role, one per message."""
+        return len(self.roles) + len(self.messages)
+
 
 def _fates(m: _Model, sends: tuple[str, ...]) -> Iterator[tuple[str, ...]]:
     """The messages kept, for each way the channel may treat ``sends``."""
@@ -162,15 +180,25 @@ def _fates(m: _Model, sends: tuple[str, ...]) -> Iterator[tuple[str, ...]]:
 
 
 def _option(
-    m: _Model, comment: str, guard: list[str], consumed: int, kept: tuple[str, ...], body: list[str]
+    m: _Model,
+    comment: str,
+    guard: list[str],
+    consumed: int,
+    kept: tuple[str, ...],
+    body: list[str],
+    took: tuple[int, bool],
 ) -> list[str]:
-    """One d_step: the guard, then the body with the kept sends; plus the overflow twin for a reliable channel."""
+    """One d_step: the guard, then the body with the kept sends; plus the overflow twin for a reliable channel.
+
+    ``took``: the fairness obligation the step discharges (``NOBODY`` for the
+    environment's) and whether the channel misbehaved (lost or duplicated).
+    """
     growth = len(kept) - consumed
     lines = [f"  /* {comment}{'; keeps ' + ', '.join(kept) if kept else ''} */"]
     cond = list(guard)
     if growth > 0:
         cond.append(f"inflight + {growth} <= CAP")
-    stmts = [*body, *(s for msg in kept for s in m.add(msg)), "after()"]
+    stmts = [*body, *(s for msg in kept for s in m.add(msg)), f"took({took[0]}, {int(took[1])})", "after()"]
     lines.append(f"  :: d_step {{ {' && '.join(cond)} ->")
     lines += [f"       {s};" for s in stmts[:-1]] + [f"       {stmts[-1]} }}"]
     if growth > 0 and not m.system.channel.loss and "overflow" in m.props:
@@ -189,6 +217,8 @@ def _spontaneous(m: _Model, role: str) -> Iterator[str]:
         if spec.states[e.source].is_final:
             continue
         sends = tuple(s.message for s in e.transition.sends if s.message in m.system.messages)
+        timeout = spec.states[e.source].timeout
+        owed = (timeout is not None and timeout.fire == e.event) or e.event not in m.system.environment(role)
         for kept in _fates(m, sends):
             yield from _option(
                 m,
@@ -197,6 +227,7 @@ def _spontaneous(m: _Model, role: str) -> Iterator[str]:
                 0,
                 kept,
                 [f"{m.var(role)} = {m.const(role, e.target)}"],
+                (m.roles.index(role) if owed else NOBODY, len(kept) < len(sends)),
             )
 
 
@@ -245,6 +276,7 @@ def _deliveries(m: _Model, name: str) -> Iterator[str]:
                     0 if keep else 1,
                     kept,
                     body or ["skip"],
+                    (len(m.roles) + m.messages.index(name), keep or len(kept) < len(sends)),
                 )
 
 
@@ -267,9 +299,79 @@ def _after(m: _Model) -> list[str]:
     done = " && ".join([f"{m.in_flight()} == 0", *(m.is_state(r, m.final(r)) for r in m.roles)])
     clean = "".join(f" && !({cond})" for _p, cond in nevers)
     retire = "; ".join(f"{m.var(r)} = {m.retired(r)}" for r in m.roles)
-    lines.append(f"  if :: {done}{clean} -> {retire} :: else -> skip fi")
+    lines.append(f"  if :: {done}{clean} -> {retire} :: else -> skip fi;")
+    lines.append("  fairness()")
     lines.append("}")
     return lines
+
+
+NOBODY = 255
+"""The obligation an environment move (abort, the on_error event, staying put) discharges: none."""
+
+
+def _liveness(m: _Model) -> list[str]:
+    """With ``-DLIVE``: the fairness bookkeeping, and one LTL formula per ``eventually`` property.
+
+    Fairness (as the explorer assumes it, :mod:`kvfsm.explore.liveness`):
+    obligation k of request q (role k's local work and timeouts, or the
+    delivery of message k - roles) is weakly fair, checked round-robin by
+    ``wf``: it advances past k when k is not enabled or was just discharged,
+    and ``wf == K`` infinitely often means every obligation was honoured. A
+    fair run also misbehaves finitely often (``<>[] !chaos``: eventually no
+    message is lost or duplicated).
+    """
+    total = m.n * m.obligations
+    rounds = [  # in order, so that one step may see several honoured
+        f"  if :: wf == {q * m.obligations + k} && (!{m.enabled(k, str(q))} || (lastp == {q} && lasto == {k}))"
+        " -> wf++ :: else -> skip fi;"
+        for q in range(m.n)
+        for k in range(m.obligations)
+    ]
+    fair = "([]<> (wf == K) && <>[] !chaos)"
+    lines = [
+        "#ifdef LIVE",
+        f"#define K {total}",
+        "byte wf;                       /* the next fairness obligation to see honoured */",
+        f"byte lastp = {NOBODY}, lasto = {NOBODY};  /* who discharged which obligation in the last step */",
+        "bit chaos;                     /* the last step lost or duplicated a message */",
+        "inline took(o, c) { lastp = _pid; lasto = o; chaos = c }",
+        "inline fairness() {",
+        "  if :: wf == K -> wf = 0 :: else -> skip fi;",
+        *rounds,
+        "  skip",
+        "}",
+    ]
+    for prop in m.system.eventually:
+        goals: list[str] = []
+        for q in range(m.n):
+            if prop.kind == "final":
+                done = " && ".join(m.is_state(r, m.final(r), str(q)) for r in m.roles)
+                goals.append(f"<> ({m.var(m.roles[0], str(q))} == {m.retired(m.roles[0])} || ({done}))")
+            else:
+                for r in m.roles:
+                    for x in sorted({x for st in m.specs[r].states.values() for x in st.holds}):
+                        held = [s for s, st in m.specs[r].states.items() if x in st.holds]
+                        goals.append(f"[]<> !{m.is_state(r, held, str(q))}")
+        lines.append(f"ltl {prop.name} {{ {fair} -> ({' && '.join(goals) or 'true'}) }}")
+    lines += [
+        "#else",
+        "inline took(o, c) { skip }",
+        "inline fairness() { skip }",
+        "#endif",
+    ]
+    return lines
+
+
+def _stutter(m: _Model) -> list[str]:
+    """With ``-DLIVE``: a live request that owes nothing may stay as it is forever (abort is never owed)."""
+    owes = " || ".join(m.enabled(k, "_pid") for k in range(m.obligations))
+    alive = f"{m.var(m.roles[0])} != {m.retired(m.roles[0])}"
+    return [
+        "#ifdef LIVE",
+        "  /* nothing owed: the request may stay as it is forever */",
+        f"  :: d_step {{ {alive} && !({owes}) -> took({NOBODY}, 0); after() }}",
+        "#endif",
+    ]
 
 
 def _initial_violations(m: _Model) -> list[str]:
@@ -354,6 +456,8 @@ def to_promela(system: System, *, requests: int | None = None) -> str:
             "}",
         ]
     lines.append("")
+    lines += _liveness(m)
+    lines.append("")
     lines += _after(m)
     lines.append("")
     lines.append("active [N] proctype request() {")
@@ -365,6 +469,7 @@ def to_promela(system: System, *, requests: int | None = None) -> str:
         lines.extend(_spontaneous(m, role))
     for name in m.messages:
         lines.extend(_deliveries(m, name))
+    lines.extend(_stutter(m))
     lines.append("  od")
     lines.append("}")
     return "\n".join(lines) + "\n"
@@ -405,6 +510,7 @@ def check_with_spin(
     depth: int = 5_000_000,
     hash_bits: int = 26,
     optimise: str = "-O2",
+    claim: str | None = None,
 ) -> SpinResult:
     """Run SPIN on an exported model in ``workdir``: ``spin -a``, ``gcc -DSAFETY -DNOREDUCE``, ``./pan``.
 
@@ -414,7 +520,9 @@ def check_with_spin(
     is ``complete=False``. ``hash_bits``: pan's hash table has 2**hash_bits slots
     (26: 512 MB, for millions of states). ``optimise``: gcc's -O level (``-O0``
     compiles pan ten times faster, for tests; pan then runs about half as fast).
-    Raises ``OSError`` if spin or gcc is missing or fails.
+    ``claim``: check the ``eventually`` property of that name instead (``-DLIVE``,
+    the LTL claim, ``pan -a``: a fair acceptance cycle violates it; the
+    assertions are off). Raises ``OSError`` if spin or gcc is missing or fails.
     """
     missing = [tool for tool in SPIN_TOOLS if shutil.which(tool) is None]
     if missing:
@@ -422,14 +530,20 @@ def check_with_spin(
     work = Path(workdir)
     work.mkdir(parents=True, exist_ok=True)
     (work / "model.pml").write_text(text, encoding="utf-8")
-    defines = (["-DREPORT"] if report else []) + ([f"-DONLY={only}"] if only is not None else [])
+    if claim is not None:
+        defines, mode, search = ["-DLIVE", f"-DONLY={NOBODY}"], [], ["-a", "-N", claim]
+    else:
+        defines = (["-DREPORT"] if report else []) + ([f"-DONLY={only}"] if only is not None else [])
+        mode, search = ["-DSAFETY"], []
     _tool(["spin", *defines, "-a", "model.pml"], work)
-    _tool(["gcc", optimise, "-DSAFETY", "-DNOREDUCE", f"-DMEMLIM={memory_mb}", "-w", "-o", "pan", "pan.c"], work)
-    output, found_at, seconds, timed_out = _run_pan(["./pan", f"-m{depth}", f"-w{hash_bits}"], work, timeout)
+    _tool(["gcc", optimise, *mode, "-DNOREDUCE", f"-DMEMLIM={memory_mb}", "-w", "-o", "pan", "pan.c"], work)
+    output, found_at, seconds, timed_out = _run_pan(["./pan", *search, f"-m{depth}", f"-w{hash_bits}"], work, timeout)
     stored = re.search(r"(\d+) states, stored", output)
     errors = re.search(r"errors: (\d+)", output)
     violated = re.findall(r"kvfsm: violated (\w+)", output)
     violated += re.findall(r"assertion violated \(holds_(\w+)\|\|", output)
+    if claim is not None and "acceptance cycle" in output:
+        violated.append(claim)
     cut = timed_out or "out of memory" in output or "max search depth too small" in output
     n_errors = int(errors.group(1)) if errors else 0
     progress = re.findall(r"States=\s*([0-9.e+]+)", output)  # pan's own progress lines, one per million

@@ -20,7 +20,7 @@ from ..findings import READ_ERROR, Finding, SpecError
 from ..loader import read as read_machine
 from ..schema import NULL, YAML_LOADER, Schema
 from .channel import Channel
-from .model import BUILTIN_PROPERTIES, BUILTINS, Condition, Message, Property, Role, System
+from .model import BUILTIN_PROPERTIES, BUILTINS, LIVENESS, Condition, Message, Property, Role, System
 
 TOP_KEYS = {
     "kvfsm": "schema version (required, 1)",
@@ -30,12 +30,12 @@ TOP_KEYS = {
     "messages": "what the roles send each other (required)",
     "channel": "what the channel may do to messages",
     "requests": "how many requests to explore",
-    "properties": "what must never happen",
+    "properties": "what must never happen, and what must eventually happen",
 }
 ROLE_KEYS = ("spec", "doc")
 MESSAGE_KEYS = ("from", "to", "reply_if_finished", "doc")
 CHANNEL_KEYS = ("loss", "duplicate", "reorder", "capacity")
-PROPERTY_KEYS = ("never", "builtins")
+PROPERTY_KEYS = ("never", "builtins", "eventually")
 NEVER_KEYS = ("name", "when", "doc")
 CONDITION_KEYS = ("in", "holds", "lacks")
 DEFAULT_REQUESTS = 2
@@ -115,8 +115,9 @@ def _never(s: Schema, node: Node) -> Property | None:
 
 
 def _properties(s: Schema, node: Node) -> tuple[Property, ...]:
-    """``properties: {never: [...], builtins: [...]}``: the built-ins kept, then each ``never``, names unique."""
+    """``properties: {never: [...], builtins: [...], eventually: [...]}``: built-ins, each ``never``, then each ``eventually``."""
     never: tuple[Property, ...] = ()
+    eventually: tuple[Property, ...] = ()
     builtins = BUILTIN_PROPERTIES
     items = s.mapping(node, "properties", PROPERTY_KEYS)
     if items is not None:
@@ -129,17 +130,30 @@ def _properties(s: Schema, node: Node) -> tuple[Property, ...]:
                 if b not in BUILTINS:
                     s.error(bnode, f"unknown builtin property {b!r}", f"Built-in properties: {', '.join(BUILTINS)}.")
             builtins = tuple(p for p in BUILTIN_PROPERTIES if p.name in listed)
+        if "eventually" in items:
+            enode = items["eventually"][1]
+            wanted = s.names(enode, "eventually property")
+            for w in wanted:
+                if w not in LIVENESS:
+                    s.error(
+                        enode, f"unknown eventually property {w!r}", f"Eventually properties: {', '.join(LIVENESS)}."
+                    )
+            eventually = tuple(
+                Property(w, w, loc=s.loc(enode))  # type: ignore[arg-type]  # LIVENESS' keys are the liveness kinds
+                for w in LIVENESS
+                if w in wanted
+            )
     seen: set[str] = set()
     for prop in never:
-        if prop.name in seen or prop.name in BUILTINS:
+        if prop.name in seen or prop.name in BUILTINS or prop.name in LIVENESS:
             s.error(
                 prop.loc,
                 f"property name {prop.name!r} is used twice"
-                + (" (it is a built-in property)" if prop.name in BUILTINS else ""),
+                + (" (it is a built-in property)" if prop.name in BUILTINS or prop.name in LIVENESS else ""),
                 "Give each property its own name.",
             )
         seen.add(prop.name)
-    return (*builtins, *never)
+    return (*builtins, *never, *eventually)
 
 
 def _read_role(s: Schema, base: Path, name: str, knode: Node, node: Node, out: list[Finding]) -> Role | None:

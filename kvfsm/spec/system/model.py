@@ -27,7 +27,15 @@ BUILTINS: Mapping[str, str] = {
 }
 """The properties every exploration checks unless ``properties: builtins:`` narrows them."""
 
-PropertyKind = Literal["never", "deadlock", "leak", "late_message", "unexpected_message", "overflow"]
+LIVENESS: Mapping[str, str] = {
+    "final": "every request eventually has every instance in a final state (under fairness)",
+    "released": "every resource an instance holds is eventually released (under fairness)",
+}
+"""The ``eventually`` properties a system may ask for: checked on infinite runs, broken by a lasso."""
+
+PropertyKind = Literal[
+    "never", "deadlock", "leak", "late_message", "unexpected_message", "overflow", "final", "released"
+]
 
 ON_STEP: frozenset[str] = frozenset({"late_message", "unexpected_message", "overflow"})
 """Kinds broken by a step itself (a delivery, a send), not by the state a request is in."""
@@ -94,7 +102,8 @@ class Condition:
 
 @dataclass(frozen=True, slots=True)
 class Property:
-    """Something no run may do: a built-in (``kind`` is its name) or a ``never`` over one request's roles.
+    """Something no run may do: a built-in (``kind`` is its name), a ``never`` over one request's roles,
+    or an ``eventually`` (``kind`` ``final`` or ``released``) that an infinite run breaks.
 
     A ``never`` property is broken when its request meets every condition in
     ``when`` at once. :func:`kvfsm.spec.system.properties.violation` is the
@@ -109,7 +118,12 @@ class Property:
 
     @property
     def builtin(self) -> bool:
-        return self.kind != "never"
+        return self.kind in BUILTINS
+
+    @property
+    def liveness(self) -> bool:
+        """An ``eventually`` property: broken by a fair infinite run (a lasso), not by one state or step."""
+        return self.kind in LIVENESS
 
     @property
     def on_step(self) -> bool:
@@ -119,7 +133,7 @@ class Property:
     def describe(self) -> str:
         if self.kind == "never":
             return " while ".join(c.describe() for c in self.when)
-        return BUILTINS[self.kind]
+        return LIVENESS.get(self.kind) or BUILTINS[self.kind]
 
 
 BUILTIN_PROPERTIES: tuple[Property, ...] = tuple(
@@ -160,6 +174,11 @@ class System:
     def never(self) -> tuple[Property, ...]:
         """The ``never`` properties, in order."""
         return tuple(p for p in self.properties if p.kind == "never")
+
+    @property
+    def eventually(self) -> tuple[Property, ...]:
+        """The ``eventually`` (liveness) properties, in order."""
+        return tuple(p for p in self.properties if p.liveness)
 
     @property
     def builtins(self) -> tuple[str, ...]:
