@@ -5,17 +5,33 @@ reads one prefill rank (its READ carries the right id) and sends the others
 ``f"{req_id}:{world_size}"``, ``req_id`` being the decode side's id, where the
 prefill ranks index their held blocks by their own (``meta.remote.request_id``).
 This is the correct :class:`~kvfsm.drivers.nixl.BlockReader` with that one
-message changed, kept to show what kvfsm makes of it: each skipped rank counts
+message changed, kept to show what kvfsm makes of it: before it runs,
+``kvfsm test`` fails it with the message it sent, whose id is the key where
+``nixl_decode``'s ``outgoing: read: carries: remote_request_id``; at run time
+the decode journal has a ``misaddressed`` anomaly, and each skipped rank counts
 an ``unknown`` id in its ``request_id`` space and holds the blocks until
 ``abort_timeout``.
+
+The factories :func:`correct_reader` and :func:`seed_reader` make each reader
+on an embedded fabric with two MLA prefill ranks, as ``kvfsm test`` needs it::
+
+    kvfsm test kvfsm/specs/nixl_decode.yaml --driver kvfsm.showcase.nixl_seed:seed_reader
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Hashable
+from typing import Any
 
-from ..drivers.nixl.decode import BlockReader, Load
+from ..drivers.nixl.blocks import KVBlocks
+from ..drivers.nixl.decode import BlockReader, Load, PeerInfo
+from ..drivers.nixl.embedded import Fabric
 from ..drivers.nixl.notif import encode
+from ..drivers.nixl.topology import Topology
+
+ENGINE = "prefill-engine"
+BLOCKS_PER_REQUEST = 2
 
 
 class LocalIdReader(BlockReader):
@@ -23,3 +39,67 @@ class LocalIdReader(BlockReader):
 
     def skipped_notif(self, key: Hashable, load: Load) -> bytes:
         return encode(str(key), self.topology.decode_tp)  # the bug: key is the decode-local id
+
+
+class FabricReader(BlockReader):
+    """A decode rank's reader on an embedded fabric with two MLA prefill ranks (it reads rank 0, notifies rank 1).
+
+    What a model-based test needs beyond the actions: ``before_begin`` plays
+    the prefill (its forward pass writes the request's KV under a fresh
+    prefill request id) and the scheduler (it allocates the local blocks),
+    and returns the payload vLLM's ``kv_transfer_params`` would carry;
+    ``verify_blocks`` first polls the READs, as ``DecodeRank.step`` does
+    before it fires ``complete``.
+    """
+
+    def __init__(self) -> None:
+        topology = Topology(prefill_tp=2, decode_tp=1, mla=True, kv_bytes=64)
+        self.fabric = Fabric()
+        self.prefill: list[KVBlocks] = []
+        for rank in range(topology.prefill_tp):
+            blocks = KVBlocks(256, topology.block_bytes(topology.prefill_tp))
+            self.fabric.agent(f"p{rank}").register(blocks.tensor)
+            self.prefill.append(blocks)
+        agent = self.fabric.agent("d0")
+        local = KVBlocks(64, topology.block_bytes(topology.decode_tp))
+        agent.register(local.tensor)
+        super().__init__(0, topology, agent, local)
+        for rank, blocks in enumerate(self.prefill):
+            self.peers[ENGINE, rank] = PeerInfo(ENGINE, rank, f"p{rank}", b"", blocks.base, blocks.block_bytes)
+        self._ids = itertools.count(1)
+
+    def before_begin(self, key: Hashable, resources: frozenset[str], /) -> dict[str, Any]:
+        remote_id = f"p-{next(self._ids)}"
+        remote_blocks: list[int] = []
+        for rank, blocks in enumerate(self.prefill):
+            ids = blocks.pool.allocate(remote_id, BLOCKS_PER_REQUEST)
+            lo, _ = self.topology.range(rank, self.topology.prefill_tp)
+            blocks.fill(ids, remote_id, lo)
+            remote_blocks = remote_blocks or ids
+        if self.pool.held_by(key):
+            self.pool.release(key)  # the scheduler's allocation for an earlier instance of the key
+        local = self.pool.allocate(key, BLOCKS_PER_REQUEST)
+        return {
+            "remote_request_id": remote_id,
+            "remote_engine_id": ENGINE,
+            "block_ids": local,
+            "remote_block_ids": remote_blocks,
+        }
+
+    def verify_blocks(self, key: Hashable, /) -> None:
+        self.transfer_state(key)  # the embedded agent copies the bytes when a READ is polled
+        super().verify_blocks(key)
+
+
+class FabricLocalIdReader(LocalIdReader, FabricReader):
+    """Seed 004's reader on the same fabric."""
+
+
+def correct_reader() -> FabricReader:
+    """``--driver`` factory: the correct reader, which notifies every prefill rank with the prefill's id."""
+    return FabricReader()
+
+
+def seed_reader() -> FabricReader:
+    """``--driver`` factory: seed 004's reader, which tells the skipped rank the decode-local id."""
+    return FabricLocalIdReader()

@@ -10,13 +10,19 @@ capabilities that kvfsm.testing uses when a driver has them, found by
 - :class:`TakesBeforeBegin`: required when the initial state holds a resource
   that no acquire action takes (the caller takes it before ``begin``);
 - :class:`TakesBeforeFire`: used by trace replay when a transition enters a
-  state holding a resource that no action takes.
+  state holding a resource that no action takes;
+- :class:`ReportsSends`: an ``outbox`` (:class:`~kvfsm.engine.outbox.Outbox`)
+  the driver reports each message it sends to; the test binds it to its
+  tracker and fails a message whose id is from another space than the
+  spec's ``outgoing:`` says it carries.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Hashable, Iterable
 from typing import Protocol, runtime_checkable
+
+from ..engine.outbox import Outbox
 
 
 @runtime_checkable
@@ -65,6 +71,14 @@ class TakesBeforeFire(Protocol):
         ...
 
 
+@runtime_checkable
+class ReportsSends(Protocol):
+    """Optional: what the driver puts on the wire, for specs that declare ``outgoing:`` messages."""
+
+    outbox: Outbox
+    """Called once per message sent (``outbox.sent(key, message, id_on_the_wire)``), with the id as it goes out."""
+
+
 DriverFactory = Callable[[], ObservableDriver]
 """Called with no arguments; must return a fresh driver each time (one per example)."""
 
@@ -78,6 +92,7 @@ __all__ = [
     "DriverFactory",
     "FaultInjecting",
     "ObservableDriver",
+    "ReportsSends",
     "TakesBeforeBegin",
     "TakesBeforeFire",
     "can_inject_faults",

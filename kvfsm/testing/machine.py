@@ -37,14 +37,16 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from ..engine import Tracker
+from ..engine.outbox import Outbox
 from ..errors import ActionError, BindingError, DuplicateKey, Failure, IllegalTransition, TrackerClosed
 from ..spec import Spec, load
+from ..spec.model import BEGIN
 from .clock import VirtualClock
 from .contract import DriverFactory, can_inject_faults
 from .cover import Pair, blocked_edges, caller_taken, routes
 from .coverage import Coverage
 from .oracle import Outcome, SpecModel
-from .story import SpecViolation, begin_line, clock, close_line, drain_line, fire_line, poll_line
+from .story import SpecViolation, begin_line, clock, close_line, deliver_line, drain_line, fire_line, poll_line
 
 KEYS = 3
 """Distinct keys one example uses: enough for instances to interfere through shared resources."""
@@ -136,6 +138,12 @@ class SpecMachine(RuleBasedStateMachine):
         """Steps after which the close rule is enabled in this example (None: it closes only at the end)."""
         self.trace: list[tuple[str, tuple[object, ...]]] = []
         """Each step as (method, arguments): replaying it on a fresh machine repeats the example."""
+        outbox = getattr(self.driver, "outbox", None)
+        self.outbox = outbox if isinstance(outbox, Outbox) else None
+        """The driver's record of what it sends (:class:`~kvfsm.testing.contract.ReportsSends`), checked each step."""
+        if self.outbox is not None:
+            self.outbox.bind(self.tracker)
+        self._ids = 0
         cls.coverage.examples += 1
 
     # -- the steps -------------------------------------------------------------------
@@ -149,8 +157,10 @@ class SpecMachine(RuleBasedStateMachine):
             asks = self.given or (self.spec.begin_payload and hasattr(self.driver, "before_begin"))
             if asks and not live and not self.model.closed:
                 payload = self._hook(f"begin {key}", "before_begin", key, self.given)
+            if not live and not self.model.closed:
+                payload = self._with_ids(BEGIN, self.spec.begin_payload, payload)
             self.arm(self.model.begin_actions(key), fault)
-            outcome = self.model.begin(key)
+            outcome = self.model.begin(key, payload)
             self._tell(begin_line(key, outcome), outcome)
             self._call(outcome, lambda: self.tracker.begin(key, **payload))
 
@@ -163,29 +173,68 @@ class SpecMachine(RuleBasedStateMachine):
         if state is not None and (state, event) in (self.blocked or {}):
             return
         with self._step("fire", key, event, fault):
-            payload: Mapping[str, Any] = {}
-            edge = self.spec.table.get((state, event)) if state is not None else None
-            if (
-                edge is not None
-                and self.gives
-                and (edge.transition.payload or caller_taken(self.spec, state, edge.target))
-            ):
-                taken = caller_taken(self.spec, state, edge.target)
-                payload = self._hook(f"fire {key} {event}", "before_fire", key, event, taken)
-                if taken:
-                    fault = None  # what the caller took for the target would outlive a transition that fails
+            payload, fault = self._fire_payload(key, state, event, fault)
             self.arm(self.model.fire_actions(key, event), fault)
-            outcome = self.model.fire(key, event)
+            outcome = self.model.fire(key, event, payload)
             self._tell(fire_line(key, event, outcome), outcome)
-            before = self._observe_all() if outcome.refused else None
-            got = self._call(outcome, lambda: self.tracker.fire(key, event, **payload))
-            if outcome.refused not in ("illegal", "closed") and not outcome.failures and got != outcome.state:
-                self._diverge([f"fire() returned {got!r}, the spec says {outcome.state!r}"])
-            if before is not None:
-                after = self._observe_all()
-                changed = [f"{k}: {sorted(before[k])} → {sorted(after[k])}" for k in before if before[k] != after[k]]
-                if changed:
-                    self._diverge([f"a refused event changed what observe says ({'; '.join(changed)})"])
+            self._apply("fire", outcome, lambda: self.tracker.fire(key, event, **payload))
+
+    def deliver(self, event: str, ident: Hashable) -> None:
+        """A peer's message: ``deliver(event, ident)``, routed by the space the spec declares for ``event``.
+
+        ``ident`` may be from that space or another, live, of an earlier
+        generation, retired or never seen: the Tracker must apply it to the
+        instance it names, or count it exactly as the model says.
+        """
+        space = self.spec.routed_by(event)
+        key, _kind = self.model.resolve(space, ident)
+        state = None if self.model.closed or key is None else self.model.state(key)
+        if state is not None and (state, event) in (self.blocked or {}):
+            return
+        with self._step("deliver", event, ident):
+            payload, _ = self._fire_payload(str(key), state, event, None)
+            outcome = self.model.deliver(event, ident, payload)
+            self._tell(deliver_line(event, ident, space, outcome), outcome)
+            self._apply("deliver", outcome, lambda: self.tracker.deliver(event, ident, **payload))
+
+    def _fire_payload(
+        self, key: str, state: str | None, event: str, fault: int | None
+    ) -> tuple[Mapping[str, Any], int | None]:
+        """The payload ``event`` carries from ``state`` (the driver's ``before_fire``, fresh ids for the spaces it
+        links) and the fault still to arm (none when the caller took what the target holds)."""
+        payload: Mapping[str, Any] = {}
+        edge = self.spec.table.get((state, event)) if state is not None else None
+        if edge is None:
+            return payload, fault
+        taken = caller_taken(self.spec, state, edge.target)
+        if self.gives and (edge.transition.payload or taken):
+            payload = self._hook(f"fire {key} {event}", "before_fire", key, event, taken)
+            if taken:
+                fault = None  # what the caller took for the target would outlive a transition that fails
+        return self._with_ids(event, edge.transition.payload, payload), fault
+
+    def _with_ids(self, at: str, carried: Sequence[str], payload: Mapping[str, Any]) -> Mapping[str, Any]:
+        """``payload`` with a fresh id for each space linked at ``at`` that it may carry and the driver left out."""
+        missing = [s for s in self.spec.linked_at(at) if s in carried and s not in payload]
+        if not missing:
+            return payload
+        out = dict(payload)
+        for space in missing:
+            self._ids += 1
+            out[space] = f"{space}-{self._ids}"
+        return out
+
+    def _apply(self, name: str, outcome: Outcome, call: Callable[[], str | None]) -> None:
+        """Run an event's Tracker call: it returns the state the spec says, and a refused one changes nothing real."""
+        before = self._observe_all() if outcome.refused else None
+        got = self._call(outcome, call)
+        if outcome.refused not in ("illegal", "closed") and not outcome.failures and got != outcome.state:
+            self._diverge([f"{name}() returned {got!r}, the spec says {outcome.state!r}"])
+        if before is not None:
+            after = self._observe_all()
+            changed = [f"{k}: {sorted(before[k])} → {sorted(after[k])}" for k in before if before[k] != after[k]]
+            if changed:
+                self._diverge([f"a refused event changed what observe says ({'; '.join(changed)})"])
 
     def advance(self, dt: float, fault: int | None = None) -> None:
         """Move the clock by ``dt`` and ``poll()``; ``fault``: make the fault-th action of a due timeout raise."""
@@ -282,7 +331,7 @@ class SpecMachine(RuleBasedStateMachine):
     @invariant()
     def agrees_with_spec(self) -> None:
         """The Tracker's view equals the model's; every key's real resources equal what the spec says it holds."""
-        problems: list[str] = []
+        problems: list[str] = [str(m) for m in self.outbox.misaddressed()] if self.outbox is not None else []
         model, tracker = self.model, self.tracker
         for key in self.keys:
             state, got = model.state(key), tracker.state(key)
@@ -292,6 +341,8 @@ class SpecMachine(RuleBasedStateMachine):
                 problems.append(
                     f"Tracker says {key} holds {list(tracker.held(key))}, the spec says {list(model.held(key))}"
                 )
+            if tracker.ids(key) != model.ids(key):
+                problems.append(f"Tracker links {key} to {tracker.ids(key)}, the spec says {model.ids(key)}")
             problems += self._reality(key, state)
         diff = {k: (tracker.counts.get(k), v) for k, v in model.counts.items() if tracker.counts.get(k) != v}
         if diff:
@@ -457,6 +508,7 @@ def spec_machine(
         for a in SpecModel(spec, params).edges[st_.name, st_.timeout.fire].prepare_actions
     )
 
+    declared = tuple(spec.event_decls)
     deep = tuple(s for s in spec.live if s != spec.initial.name) if steer else ()
     """Live states a planned prefix may walk a key to."""
 
@@ -489,6 +541,21 @@ def spec_machine(
                 """A handled event whose do or acquire action is made to raise: the on_error path."""
                 key, event = _pick(self.model.movable(self.faultable), which, choice)
                 self.fire(key, event, fault=nth)
+
+        if declared:
+
+            @rule(event=st.sampled_from(declared), pick=st.integers(0, 255))
+            def deliver_a_message_naming_any_id(self, event: str, pick: int) -> None:
+                """A peer's message naming an id of its space or another, live, stale, retired or never seen."""
+                ids = self.model.known_ids(self.spec.routed_by(event))
+                self.deliver(event, ids[pick % len(ids)])
+
+            @precondition(lambda self: bool(self.model.deliverable()))
+            @rule(which=st.integers(0, 15))
+            def deliver_a_message_to_a_live_instance(self, which: int) -> None:
+                """A peer's message naming a live instance by the id of the space the spec routes it by."""
+                options = self.model.deliverable()
+                self.deliver(*options[which % len(options)])
 
         @rule(dt=st.sampled_from(ticks))
         def advance_clock_and_poll(self, dt: float) -> None:

@@ -27,22 +27,31 @@ The rules, as DESIGN.md states them and as they are applied below:
 - due timeouts fire state by state in declaration order, in arming order
   within a state; deadlines armed during a poll wait for the next one;
 - ``close()`` aborts every live instance and releases by force what abort
-  cannot finish (a ``forced`` anomaly).
+  cannot finish (a ``forced`` anomaly);
+- an id a payload carries under a declared space's name is linked to the
+  instance once its transition (or begin) is complete; one that already
+  names another live instance is a ``link`` failure; a drained instance's
+  ids retire with it, and one begun again leaves its earlier ids naming the
+  old generation until the old instance is drained;
+- a message routed by a declared space (:meth:`SpecModel.deliver`) with an
+  id linked to the current generation is that instance's event; an id of an
+  earlier generation is ``stale``, a retired one ``late``, any other
+  ``unknown`` (a key's space: ``late`` once drained, else ``unknown``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Hashable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from ..spec import well_formed
-from ..spec.model import ABORT, Spec
+from ..spec.model import ABORT, BEGIN, Spec
 
 How = Literal["begin", "fire", "timeout", "on_error", "close"]
 """What made a transition happen."""
 
-Phase = Literal["do", "acquire", "release"]
+Phase = Literal["do", "acquire", "release", "link"]
 
 NOT_BEGUN = "(not begun)"
 """The state a failure at ``begin`` reports: no instance was created."""
@@ -109,6 +118,10 @@ class Outcome:
     """finished(): how many of the last ``drained`` close() finished; the spec leaves their order open."""
     forced: list[Hashable] = field(default_factory=list)
     """close(): keys whose resources were released without a transition."""
+    anomaly: str = ""
+    """The kind of the anomaly a refused ``unknown`` call counts: ``unknown``, ``late`` or ``stale``."""
+    key: Hashable | None = None
+    """deliver(): the instance the id named (None: it named none)."""
 
 
 @dataclass(frozen=True)
@@ -146,11 +159,13 @@ class Edge:
 class Instance:
     """One begun instance: its state and its armed deadline, if any."""
 
-    __slots__ = ("by_close", "due", "key", "seq", "state")
+    __slots__ = ("by_close", "due", "gen", "key", "seq", "state")
 
-    def __init__(self, key: Hashable, state: str) -> None:
+    def __init__(self, key: Hashable, state: str, gen: int = 0) -> None:
         self.key = key
         self.state = state
+        self.gen = gen
+        """The generation: each begin of a key makes a new one."""
         self.due: float | None = None
         self.seq = 0
         """Arming number of ``due``: deadlines fire in arming order within a state."""
@@ -197,9 +212,14 @@ class SpecModel:
             0,
         )
         self.anomalies: list[tuple[str, str, Hashable, str]] = []
+        """(kind, id space, id, event) per anomaly, in order; the caller drains it."""
         self.retired: set[Hashable] = set()
         """Keys whose instance was drained: an event for one is ``late``, not ``unknown``."""
-        """(kind, id space, id, event) per anomaly, in order; the caller drains it."""
+        self.links: dict[str, dict[Hashable, tuple[Hashable, int]]] = {name: {} for name in spec.spaces}
+        """Per declared space: id → (key, generation) it was linked to, until that instance retires."""
+        self.retired_ids: dict[str, dict[Hashable, None]] = {name: {} for name in spec.spaces}
+        """Per declared space: ids whose instance was drained (a message naming one is ``late``)."""
+        self._gen = 0
         self._seq = 0
 
     def _acquires(self, source: str | None, target: str) -> tuple[tuple[str, str], ...]:
@@ -244,6 +264,55 @@ class SpecModel:
     def next_deadline(self) -> float | None:
         dues = [i.due for i in self.live.values() if i.due is not None]
         return min(dues) if dues else None
+
+    def ids(self, key: Hashable) -> dict[str, Hashable]:
+        """The ids linked to ``key``'s current instance, by space (what ``Tracker.ids`` must say)."""
+        inst = self.live.get(key)
+        if inst is None:
+            return {}
+        return {
+            space: ident for space, table in self.links.items() for ident, at in table.items() if at == (key, inst.gen)
+        }
+
+    def resolve(self, space: str, ident: Hashable) -> tuple[Hashable | None, str]:
+        """The key ``ident`` names in ``space`` and "", or None and the anomaly a message naming it counts."""
+        if space == self.spec.key:
+            if ident in self.live:
+                return ident, ""
+            return None, "late" if ident in self.retired else "unknown"
+        entry = self.links[space].get(ident)
+        if entry is None:
+            return None, "late" if ident in self.retired_ids[space] else "unknown"
+        key, gen = entry
+        inst = self.live.get(key)
+        return (key, "") if inst is not None and inst.gen == gen else (None, "stale")
+
+    def known_ids(self, space: str) -> list[Hashable]:
+        """Ids worth sending a message of ``space``: its live ones, then earlier generations', retired ones, the
+        other spaces' ids and the keys (the wrong space, unless it is the key's), and one never seen."""
+        out: dict[Hashable, None] = {}
+        if space != self.spec.key:
+            out.update(dict.fromkeys(self.links[space]))
+            out.update(self.retired_ids[space])
+        out.update(dict.fromkeys(self.live))
+        out.update(dict.fromkeys(self.retired))
+        for other, table in self.links.items():
+            if other != space:
+                out.update(dict.fromkeys(table))
+        out[f"never-{space}"] = None
+        return list(out)
+
+    def deliverable(self) -> list[tuple[str, Hashable]]:
+        """``(event, id)`` for every declared event a live instance's state handles, named in its routing space."""
+        out = []
+        for key, inst in self.live.items():
+            ids = self.ids(key)
+            for event in self.spec.event_decls:
+                space = self.spec.routed_by(event)
+                ident = key if space == self.spec.key else ids.get(space)
+                if ident is not None and (inst.state, event) in self.edges:
+                    out.append((event, ident))
+        return out
 
     def accepted(self, state: str) -> set[str]:
         """Events ``state`` handles or ignores: what IllegalTransition lists."""
@@ -292,7 +361,8 @@ class SpecModel:
 
     # -- the calls -------------------------------------------------------------
 
-    def begin(self, key: Hashable) -> Outcome:
+    def begin(self, key: Hashable, payload: Mapping[str, Any] | None = None) -> Outcome:
+        """``payload``: what begin carries; the ids it holds under declared spaces' names are linked."""
         out = Outcome(event="begin")
         if self.closed:
             out.refused = "closed"
@@ -308,12 +378,14 @@ class SpecModel:
                 self._release(out, key, "begin", undo, NOT_BEGUN)
                 return out
         initial = self.spec.initial.name
-        inst = self.live[key] = Instance(key, initial)
+        self._gen += 1
+        inst = self.live[key] = Instance(key, initial, self._gen)
         self._arm(inst)
+        self._link(out, inst, BEGIN, "begin", payload)
         out.moves.append(Move(key, "begin", "", initial, "begin"))
         return out
 
-    def fire(self, key: Hashable, event: str) -> Outcome:
+    def fire(self, key: Hashable, event: str, payload: Mapping[str, Any] | None = None) -> Outcome:
         """After close() every instance is final or gone, so every event is refused, and counted nowhere."""
         out = Outcome(event=event)
         inst = self.live.get(key)
@@ -321,8 +393,7 @@ class SpecModel:
             out.refused, out.state = "closed", inst.state if inst is not None else None
             return out
         if inst is None:
-            self._anomaly("late" if key in self.retired else "unknown", key, event)
-            out.refused = "unknown"
+            self._anomaly(out, "late" if key in self.retired else "unknown", self.spec.key, key, event)
             return out
         out.state = inst.state
         edge = self.edges.get((inst.state, event))
@@ -330,8 +401,29 @@ class SpecModel:
             out.refused = "ignored" if (inst.state, event) in self.ignored else "illegal"
             self.counts[out.refused] += 1
             return out
-        self._take(inst, edge, "fire", out)
+        self._take(inst, edge, "fire", out, payload)
         out.state = inst.state
+        return out
+
+    def deliver(self, event: str, ident: Hashable, payload: Mapping[str, Any] | None = None) -> Outcome:
+        """A peer's message: ``event`` for the instance ``ident`` names in the space the spec routes it by.
+
+        An id that names no current instance is counted (``unknown``, ``late``
+        or ``stale``) and not applied, even after close(): nothing is refused
+        before the id is resolved.
+        """
+        space = self.spec.routed_by(event)
+        if space == self.spec.key:
+            out = self.fire(ident, event, payload)
+            out.key = ident if out.refused != "unknown" else None
+            return out
+        key, kind = self.resolve(space, ident)
+        if key is None:
+            out = Outcome(event=event)
+            self._anomaly(out, kind, space, ident, event)
+            return out
+        out = self.fire(key, event, payload)
+        out.key = key
         return out
 
     def poll(self, now: float | None = None) -> Outcome:
@@ -358,6 +450,9 @@ class SpecModel:
             if self.live.get(inst.key) is inst:
                 del self.live[inst.key]
                 self.retired.add(inst.key)
+                self._unlink(inst.key, None)
+            else:  # begun again since: the ids of its earlier generations retire, the current one's stay
+                self._unlink(inst.key, self.live[inst.key].gen if inst.key in self.live else None)
             out.drained.append((inst.key, inst.state))
             out.unordered += inst.by_close  # after a close nothing else finishes, so these come last
         return out
@@ -379,8 +474,9 @@ class SpecModel:
                 self._take(inst, edge, "close", out)
                 inst.by_close = True
             if not self.spec.states[inst.state].is_final:
-                self._anomaly("forced", key, ABORT)
+                self._anomaly(Outcome(), "forced", self.spec.key, key, ABORT)
                 del self.live[key]
+                self._unlink(key, None)
                 inst.due = None
                 out.forced.append(key)
                 releases = tuple(self.spec.resources[r].release for r in self.spec.holds(inst.state))
@@ -390,8 +486,10 @@ class SpecModel:
 
     # -- the transition ----------------------------------------------------------
 
-    def _take(self, inst: Instance, edge: Edge, how: How, out: Outcome) -> None:
-        """do → acquires → state change → releases; a raise before the change fires on_error instead."""
+    def _take(
+        self, inst: Instance, edge: Edge, how: How, out: Outcome, payload: Mapping[str, Any] | None = None
+    ) -> None:
+        """do → acquires → state change → links → releases; a raise before the change fires on_error instead."""
         key = inst.key
         mine = len(out.failures)
         if not edge.bare:
@@ -411,6 +509,8 @@ class SpecModel:
         self._arm(inst)
         if self.spec.states[edge.target].is_final:
             self.finished.append(inst)
+        if not edge.bare:
+            self._link(out, inst, edge.event, edge.event, payload)
         out.moves.append(Move(key, edge.event, source, edge.target, how))
         self._release(out, key, edge.event, edge.releases, edge.target)
 
@@ -443,9 +543,35 @@ class SpecModel:
             self._seq += 1
             inst.due, inst.seq = self.now + timed[0], self._seq
 
-    def _anomaly(self, kind: Literal["unknown", "late", "forced"], key: Hashable, event: str) -> None:
+    def _anomaly(self, out: Outcome, kind: str, space: str, ident: Hashable, event: str) -> None:
+        """Count a message that named no current instance; the call is refused as ``unknown``."""
         self.counts[kind] += 1
-        self.anomalies.append((kind, self.spec.key, key, event))
+        self.anomalies.append((kind, space, ident, event))
+        out.refused, out.anomaly = "unknown", kind
+
+    def _link(self, out: Outcome, inst: Instance, at: str, event: str, payload: Mapping[str, Any] | None) -> None:
+        """Link the ids ``payload`` carries for the spaces linked at ``at``; one naming another live instance fails."""
+        for space in self.spec.linked_at(at):
+            if not payload or space not in payload:
+                continue
+            ident = payload[space]
+            table = self.links[space]
+            other = table.get(ident)
+            if other == (inst.key, inst.gen):
+                continue
+            owner = self.live.get(other[0]) if other is not None else None
+            if owner is not None and other is not None and owner.gen == other[1] and not self.is_final(owner.key):
+                self._failed(out, inst.key, event, f"<link {space}>", "link", inst.state)
+                continue
+            table[ident] = (inst.key, inst.gen)
+
+    def _unlink(self, key: Hashable, below: int | None) -> None:
+        """Retire ``key``'s linked ids (only those of generations before ``below``, if given)."""
+        for space, table in self.links.items():
+            for ident, (owner, gen) in list(table.items()):
+                if owner == key and (below is None or gen < below):
+                    del table[ident]
+                    self.retired_ids[space][ident] = None
 
 
 __all__ = [

@@ -60,6 +60,14 @@ def fire_line(key: str, event: str, outcome: Outcome) -> str:
     return _move(outcome.moves[0])
 
 
+def deliver_line(event: str, ident: object, space: str, outcome: Outcome) -> str:
+    """``deliver read_done 'r-3' (remote_request_id) → read_done req-1: held → done``, or what the id named."""
+    head = f"deliver {event} {ident!r} ({space})"
+    if outcome.refused == "unknown" and outcome.key is None:
+        return f"{head}: {outcome.anomaly} id, names no live instance (counted as {outcome.anomaly}, not applied)"
+    return f"{head} → {fire_line(str(outcome.key), event, outcome)}"
+
+
 def poll_line(dt: float, outcome: Outcome) -> str:
     parts = _moves_and_faults(outcome)
     return f"clock +{dt:g}, poll() → " + ("; ".join(parts) if parts else "nothing due")
