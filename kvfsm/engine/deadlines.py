@@ -25,9 +25,10 @@ Entry = tuple[float, Hashable]
 class Deadlines:
     __slots__ = ("armed", "queues")
 
-    def __init__(self, states: int) -> None:
+    def __init__(self, queues: list[deque[Entry]]) -> None:
+        """``queues[i]`` is state i's queue (the compiled state holds it too, so the step appends without a lookup)."""
         self.armed: dict[Hashable, Entry] = {}
-        self.queues: list[deque[Entry]] = [deque() for _ in range(states)]
+        self.queues = queues
 
     def __len__(self) -> int:
         return len(self.armed)

@@ -10,6 +10,7 @@ over short tuples; nothing on the per-event path looks at the spec again.
 from __future__ import annotations
 
 import inspect
+from collections import deque
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +25,7 @@ Action = Callable[..., Any]
 class CState:
     """A state in runtime form. ``row[event]`` is a CEdge, or IGNORED."""
 
-    __slots__ = ("after", "error_edge", "final", "holds", "index", "name", "row", "timeout_event")
+    __slots__ = ("after", "error_edge", "final", "holds", "index", "name", "queue", "row", "timeout_event")
 
     def __init__(self, name: str, index: int, final: bool, holds: tuple[str, ...]) -> None:
         self.name = name
@@ -35,6 +36,8 @@ class CState:
         self.after: float | None = None
         self.timeout_event: str | None = None
         self.error_edge: CEdge | None = None
+        self.queue: deque[tuple[float, Hashable]] = deque()
+        """This state's deadline entries, in due order: the tracker's own (see ``Deadlines``)."""
 
     def __repr__(self) -> str:
         return f"<state {self.name}>"
@@ -84,7 +87,7 @@ class CEdge:
         self.bare = self if not self.prepare else CEdge(event, source, target, None, None, (), self.releases)
         """This edge without the actions that can raise: how on_error is taken when its own action fails."""
 
-    def add_tap(self, tap: Callable[[Hashable], None]) -> None:
+    def add_tap(self, tap: Callable[[Hashable], object]) -> None:
         """Call ``tap(key)`` after this edge's releases (and its on_error twin's): see :meth:`Tracker.tap`."""
         for edge in {self, self.bare}:
             edge.release_fns += (tap,)

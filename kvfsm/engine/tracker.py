@@ -24,6 +24,7 @@ from collections.abc import Callable, Hashable, Iterable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from itertools import repeat
+from operator import attrgetter, is_, itemgetter
 from pathlib import Path
 from typing import Any, Final
 
@@ -45,6 +46,7 @@ from ..spec.model import ABORT
 from .deadlines import Deadlines
 from .params import log_once, resolve
 from .program import IGNORED, Action, CEdge, CState, compile_program
+from .retired import RetiredIds
 
 Observer = Callable[[Hashable, int, str, str, str, float], None]
 """Called after each transition with (key, generation, event, from, to, time); ``begin`` has from ``""``."""
@@ -117,7 +119,7 @@ class Tracker:
     __slots__ = (
         "spec", "driver", "counts", "_program", "_begin_edge", "_payloads", "_clock", "_observer", "_lock", "_guard",
         "_live", "_gens", "_links", "_linked", "_deadlines", "_finished", "_queue", "_busy", "_closed", "_failures",
-        "_anomalies", "_serial", "_begin_taps", "params", "_retired", "_on_anomaly", "_plain_begin",
+        "_anomalies", "_armed", "_serial", "_begin_taps", "params", "_retired", "_on_anomaly", "_plain_begin",
     )  # fmt: skip
 
     def __init__(
@@ -157,7 +159,7 @@ class Tracker:
         """Every param's value and its source (``Tracker(params=...)``, ``environment KVFSM_...``, ``spec``)."""
         log_once(spec, resolved)
         self._begin_edge = self._program.begin
-        self._begin_taps: tuple[Callable[[Hashable], None], ...] = ()
+        self._begin_taps: tuple[Callable[[Hashable], object], ...] = ()
         self._payloads = self._program.payloads
         self.counts: dict[str, int] = dict.fromkeys(
             (
@@ -185,12 +187,13 @@ class Tracker:
         self._live: dict[Hashable, CState] = {}
         self._gens: dict[Hashable, int] = {}
         self._links: dict[str, dict[Hashable, tuple[Hashable, int]]] = {space: {} for space in (*spec.spaces, *spaces)}
-        self._retired: dict[str, dict[Hashable, None]] = {space: {} for space in (spec.key, *self._links)}
+        self._retired = {space: RetiredIds(RETIRED_LIMIT) for space in (spec.key, *self._links)}
         """Ids of drained instances, per space (the newest ``RETIRED_LIMIT``): a message naming one is late."""
         self._on_anomaly = on_anomaly
         self._plain_begin = False
         self._linked: dict[Hashable, list[tuple[str, Hashable]]] = {}
-        self._deadlines = Deadlines(len(self._program.states))
+        self._deadlines = Deadlines([state.queue for state in self._program.states])
+        self._armed = self._deadlines.armed
         self._finished: list[tuple[Hashable, CState]] = []
         self._queue: deque[tuple[Hashable, Any, dict[str, Any]]] = deque()
         self._busy = False
@@ -234,13 +237,10 @@ class Tracker:
                     self._raise_failures(None)
                 return
             # Nothing runs that could call back (no acquire, tap, link or observer): the plain path.
-            old = self._live.get(key)
-            if (old is not None and not old.final) or self._closed or payload:
-                self._begin(key, payload)  # it raises what is wrong (or takes the payload the spec allows)
+            if key in self._live or self._closed or payload:
+                self._begin(key, payload)  # it raises what is wrong, or begins a finished key again, or takes payload
                 return
             target = self._live[key] = self._begin_edge.target
-            if old is not None and key in self._gens:
-                self._gens[key] = self._serial = self._serial + 1
             if target.after is not None:
                 self._deadlines.arm(key, target.index, self._clock() + target.after)
         finally:
@@ -352,16 +352,7 @@ class Tracker:
 
     def _begin_batch(self, keys: list[Hashable], payload: dict[str, Any]) -> None:
         live, edge = self._live, self._begin_edge
-        fresh: list[Hashable] = []
-        for key in keys:
-            old = live.get(key)
-            if old is not None and not old.final:
-                error = DuplicateKey(
-                    f"{key!r} is already live in state {old.name!r}; finish it before beginning it again"
-                )
-                self._failures.append(Failure(key, "begin", "<none>", "refused", error, old.name))
-                continue
-            fresh.append(key)
+        fresh = keys if live.keys().isdisjoint(keys) else self._beginnable(keys)
         for done, acquire in enumerate(edge.batch_acquires):
             if not fresh:
                 return
@@ -375,15 +366,15 @@ class Tracker:
                 fresh = [key for key in fresh if key not in failed]
         target = edge.target
         regen = [key for key in fresh if key in live and key in self._gens] if self._gens else []
-        live.update(dict.fromkeys(fresh, target))
+        live.update(zip(fresh, repeat(target)))
         if regen or self._observer is not None:
             for key in regen if self._observer is None else fresh:
                 self._gens[key] = self._serial = self._serial + 1
         if target.after is not None:
             due = self._clock() + target.after
             entries = [(due, key) for key in fresh]
-            self._deadlines.armed.update(zip(fresh, entries, strict=True))
-            self._deadlines.queues[target.index].extend(entries)
+            self._armed.update(zip(fresh, entries, strict=True))
+            target.queue.extend(entries)
         if edge.links:
             for key in fresh:
                 self._link_carried(key, edge, payload)
@@ -393,6 +384,20 @@ class Tracker:
         if self._observer is not None:
             for key in fresh:
                 self._notify(key, "begin", "", target.name)
+
+    def _beginnable(self, keys: list[Hashable]) -> list[Hashable]:
+        """The keys that may begin; each that is live already is a ``refused`` failure."""
+        fresh = []
+        for key in keys:
+            old = self._live.get(key)
+            if old is not None and not old.final:
+                error = DuplicateKey(
+                    f"{key!r} is already live in state {old.name!r}; finish it before beginning it again"
+                )
+                self._failures.append(Failure(key, "begin", "<none>", "refused", error, old.name))
+                continue
+            fresh.append(key)
+        return fresh
 
     def fire_many(self, event: str, keys: Iterable[Hashable], /, **payload: Any) -> None:
         """Apply ``event`` to every key, under one lock, with each driver action called once per group.
@@ -616,10 +621,10 @@ class Tracker:
             done, self._finished = self._finished, []
             if self._busy:
                 self._queue.append((None, _RETIRE, {"done": done}))
-            else:
-                self._retire(done)
-                self._deadlines.sweep(DRAIN_SLACK)
-            return [(key, state.name) for key, state in done]
+                return list(zip(map(_first, done), map(_name, map(_second, done)), strict=True))
+            out = self._retire(done)
+            self._deadlines.sweep(DRAIN_SLACK)
+            return out
 
     def census(self) -> dict[str, int]:
         """Current instances per state; finished ones count until drained. O(instances)."""
@@ -660,7 +665,7 @@ class Tracker:
         """When ``key`` entered its state (tracker clock), known from its armed deadline; None for a state
         without a timeout (``kvfsm.observe.metrics`` times those)."""
         with self._guard:
-            entry = self._deadlines.armed.get(key)
+            entry = self._armed.get(key)
             state = self._live.get(key)
             if entry is None or state is None or state.after is None:
                 return None
@@ -691,8 +696,8 @@ class Tracker:
 
     def tap(
         self,
-        on_edge: Callable[[str, str, str], Callable[[Hashable], None] | None],
-        on_begin: Callable[[Hashable], None] | None = None,
+        on_edge: Callable[[str, str, str], Callable[[Hashable], object] | None],
+        on_begin: Callable[[Hashable], object] | None = None,
     ) -> None:
         """Install taps: ``on_edge(source, event, target)`` returns what to call with each key that takes that
         transition (after its releases), ``on_begin`` is called with each key begun.
@@ -738,11 +743,11 @@ class Tracker:
                 done += 1  # noqa: SIM113 - enumerate() costs an object per event here
         target = self._live[key] = edge.target
         if source.after is not None:
-            self._deadlines.armed.pop(key, None)  # disarm (poll may have already)
+            self._armed.pop(key, None)  # disarm (poll may have already)
         if target.after is not None:  # arm, inlined: see Deadlines
             entry = (self._clock() + target.after, key)
-            self._deadlines.armed[key] = entry
-            self._deadlines.queues[target.index].append(entry)
+            self._armed[key] = entry
+            target.queue.append(entry)
         if target.final:
             self._finished.append((key, target))
         if edge.links:
@@ -772,8 +777,8 @@ class Tracker:
             if not keys:
                 return
         target = edge.target
-        self._live.update(dict.fromkeys(keys, target))
-        armed = self._deadlines.armed
+        self._live.update(zip(keys, repeat(target)))
+        armed = self._armed
         if source.after is not None:
             for key in keys:
                 armed.pop(key, None)
@@ -781,7 +786,7 @@ class Tracker:
             due = self._clock() + target.after
             entries = [(due, key) for key in keys]
             armed.update(zip(keys, entries, strict=True))
-            self._deadlines.queues[target.index].extend(entries)
+            target.queue.extend(entries)
         if target.final:
             self._finished.extend(zip(keys, repeat(target)))
         if edge.links:
@@ -973,15 +978,23 @@ class Tracker:
                 current = self._live.get(key)
                 self._record(key, name, f"<queued {name}>", "queued", exc, current.name if current else "(none)")
 
-    def _retire(self, done: list[tuple[Hashable, CState]]) -> None:
-        """Forget drained instances: their keys (unless begun again since) and their linked ids."""
+    def _retire(self, done: list[tuple[Hashable, CState]]) -> list[tuple[Hashable, str]]:
+        """Forget drained instances: their keys (unless begun again since) and their linked ids.
+
+        Returns ``(key, final state)`` for each, as :meth:`finished` does.
+        """
         live, gens, linked = self._live, self._gens, self._linked
         retired = self._retired[self.spec.key]
+        keys = list(map(_first, done))
+        if not gens and not linked and all(map(is_, map(live.get, keys), map(_second, done))):
+            retired.add(keys)  # the usual drain: every key still in the final state it was drained in
+            return [(key, live.pop(key).name) for key in keys]
+        gone = []
         for key, state in done:
             current = live.get(key)
             if current is state:
                 del live[key]
-                retired[key] = None
+                gone.append(key)
                 if gens:
                     gens.pop(key, None)
                 if linked and key in linked:
@@ -989,9 +1002,8 @@ class Tracker:
                 continue
             if linked and key in linked:  # key begun again since: its new instance stays
                 self._unlink(key, keep_from=gens.get(key))
-        for space, ids in self._retired.items():
-            if len(ids) > 2 * RETIRED_LIMIT:  # amortised: keep the newest
-                self._retired[space] = dict.fromkeys(list(ids)[-RETIRED_LIMIT:])
+        retired.add(gone)
+        return list(zip(keys, map(_name, map(_second, done)), strict=True))
 
     def _force_release(self, key: Hashable, state: CState) -> None:
         """Release everything ``key`` holds without a transition (close() of an unfinishable instance)."""
@@ -1005,7 +1017,7 @@ class Tracker:
                 self.counts["release_errors"] += 1
                 self._failures.append(Failure(key, ABORT, action, "release", exc, state.name))
         if state.after is not None:
-            self._deadlines.armed.pop(key, None)
+            self._armed.pop(key, None)
         self._gens.pop(key, None)
         self._unlink(key, keep_from=None)
 
@@ -1064,7 +1076,7 @@ class Tracker:
                 kept.append((space, ident))
             else:
                 del table[ident]
-                self._retired[space][ident] = None
+                self._retired[space].add([ident])
         if kept:
             self._linked[key] = kept
         else:
@@ -1099,7 +1111,8 @@ class Tracker:
         """Count and keep a dropped event; an id this tracker retired is ``late``, not ``unknown``."""
         if kind == "unknown":
             try:
-                if ident in self._retired.get(space, ()):
+                retired = self._retired.get(space)
+                if retired is not None and ident in retired:
                     kind = "late"
             except TypeError:  # an unhashable id can never have been retired
                 pass
@@ -1137,6 +1150,9 @@ class Tracker:
         if fatal is not None:
             raise fatal from error
         raise error
+
+
+_first, _second, _name = itemgetter(0), itemgetter(1), attrgetter("name")
 
 
 def _rounds(keys: list[Hashable]) -> list[list[Hashable]]:
