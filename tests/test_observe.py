@@ -44,12 +44,12 @@ def samples(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str
     }
 
 
-@pytest.fixture
-def rig() -> Iterator[tuple[Tracker, VirtualClock, TrackerMetrics, CollectorRegistry]]:
+@pytest.fixture(params=[False, True], ids=["counted", "timed"])
+def rig(request: pytest.FixtureRequest) -> Iterator[tuple[Tracker, VirtualClock, TrackerMetrics, CollectorRegistry]]:
     clock = VirtualClock()
     tracker = Tracker(SPEC, Driver(), clock=clock)
     registry = CollectorRegistry()
-    yield tracker, clock, TrackerMetrics(tracker, registry=registry), registry
+    yield tracker, clock, TrackerMetrics(tracker, registry=registry, state_times=request.param), registry
 
 
 def test_every_state_resource_and_transition_is_a_series_at_zero_before_any_event(rig) -> None:  # type: ignore[no-untyped-def]
@@ -89,19 +89,38 @@ def test_transitions_finals_and_time_in_state_are_counted(rig) -> None:  # type:
     assert value("kvfsm_finished_total", state="expired", outcome="failure") == 1
     assert value("kvfsm_finished_total", state="aborted", outcome="failure") == 1
     assert value("kvfsm_timeouts_total") == 1
-    assert value("kvfsm_state_seconds_count", state="queued") == 3
-    assert value("kvfsm_state_seconds_sum", state="queued") == pytest.approx(6.0)
     assert value("kvfsm_begun_total") == 3
-    assert metrics.entered == {}  # every instance finished: nothing left to time
+    assert metrics.entered == {}  # every instance finished (or was never timed): nothing left to time
+    if metrics.state_times:
+        assert value("kvfsm_state_seconds_count", state="queued") == 3
+        assert value("kvfsm_state_seconds_sum", state="queued") == pytest.approx(6.0)
+    else:
+        assert not any(name.startswith("kvfsm_state_seconds") for name, _labels in got)
+    assert samples(registry)[("kvfsm_begun_total", (m,))] == 3  # a second scrape reads the same counts
 
 
 def test_the_oldest_age_per_live_state_is_read_when_scraped(rig) -> None:  # type: ignore[no-untyped-def]
-    t, clock, _m, registry = rig
+    t, clock, metrics, registry = rig
     t.begin("old")
     clock.advance(7.0)
     t.begin("new")
+    for key in ("old", "new"):
+        t.fire(key, "enqueue")
+    t.fire("old", "start")
+    clock.advance(3.0)
+    t.fire("new", "start")
+    clock.advance(1.0)
     got = samples(registry)
-    assert got[("kvfsm_oldest_seconds", (("machine", "kv_request"), ("state", "pinned")))] == 7.0
+
+    def oldest(state: str) -> float:
+        return got[("kvfsm_oldest_seconds", (("machine", "kv_request"), ("state", state)))]
+
+    assert oldest("transferring") == 4.0  # timed: read off the armed deadline, timed or not
+    assert oldest("queued") == 0.0  # nobody is there
+    t.begin("waiting")
+    clock.advance(2.0)
+    pinned = samples(registry)[("kvfsm_oldest_seconds", (("machine", "kv_request"), ("state", "pinned")))]
+    assert pinned == (2.0 if metrics.state_times else 0.0)  # untimed: known only when states are timed
 
 
 def test_a_tracker_without_metrics_runs_no_tap() -> None:
@@ -234,7 +253,7 @@ def test_a_declared_warn_after_watches_a_state_without_a_timeout(caplog: pytest.
     assert "warn_after: 3" in text
     clock = VirtualClock()
     t = Tracker(kvfsm.parse(text, "warned.yaml"), Driver(), clock=clock)
-    metrics = TrackerMetrics(t, registry=None)
+    metrics = TrackerMetrics(t, registry=None, state_times=True)
     watch = StuckWatch(t, entered=metrics.entered)
     t.begin("r")
     clock.advance(2.0)

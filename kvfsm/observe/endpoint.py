@@ -109,9 +109,15 @@ class DebugServer:
         self.close()
 
 
-def serve(trackers: Sequence[Tracker], *, host: str = "127.0.0.1", port: int = 0) -> DebugServer:
+def serve(
+    trackers: Sequence[Tracker], *, host: str = "127.0.0.1", port: int = 0, state_times: bool = False
+) -> DebugServer:
     """A :class:`DebugServer` for ``trackers`` with their metrics on ``/metrics`` (when prometheus_client is
-    installed), ages in the dump from the metrics' entry times: what a process adds to expose its lifecycles."""
+    installed): what a process adds to expose its lifecycles.
+
+    With ``state_times`` every state is timed (see :class:`~kvfsm.observe.metrics.TrackerMetrics`), and the
+    dump shows ages in untimed states too; otherwise only timed states have an age (from their deadlines).
+    """
     try:
         from prometheus_client import CollectorRegistry
 
@@ -119,5 +125,6 @@ def serve(trackers: Sequence[Tracker], *, host: str = "127.0.0.1", port: int = 0
     except ImportError:
         return DebugServer(trackers, host=host, port=port)
     registry = CollectorRegistry()
-    entered = {t.spec.name: TrackerMetrics(t, registry=registry).entered for t in trackers}
+    metrics = [TrackerMetrics(t, registry=registry, state_times=state_times) for t in trackers]
+    entered = {m.machine: m.entered for m in metrics} if state_times else None
     return DebugServer(trackers, host=host, port=port, registry=registry, entered=entered)

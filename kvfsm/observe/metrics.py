@@ -10,14 +10,19 @@ request id. Every series exists at zero from the start, so an alert on a
 rate works before the first event.
 
 Counting and timing are taps compiled into the tracker's transitions
-(:meth:`kvfsm.Tracker.tap`): a tracker without metrics pays nothing; the
-gauges are read from the tracker when Prometheus scrapes.
+(:meth:`kvfsm.Tracker.tap`): a tracker without metrics pays nothing, a
+counted transition pays one C call; the gauges are read from the tracker when
+Prometheus scrapes. Timing every state (``state_times=True``) costs a Python
+call, a clock read and a dict update per transition, so it is opt-in.
 """
 
 from __future__ import annotations
 
+import itertools
+import threading
 from bisect import bisect_left
 from collections.abc import Callable, Hashable, Iterator, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -41,14 +46,40 @@ FAILURES = {
 }
 
 
+class Tally:
+    """A counter whose increment is a single C call, ``tally.tap(key)``: a tap as cheap as Python allows.
+
+    ``tap`` is ``next(counter, key)``: the key is a default that an endless
+    counter never returns. Reading takes one value too, so reads are counted
+    and subtracted.
+    """
+
+    __slots__ = ("_counter", "_reads", "tap")
+    _reading = threading.Lock()
+
+    def __init__(self) -> None:
+        self._counter = itertools.count()
+        self._reads = 0
+        self.tap: Callable[[Hashable], object] = partial(next, self._counter)
+
+    @property
+    def value(self) -> int:
+        with self._reading:
+            value = next(self._counter) - self._reads
+            self._reads += 1
+            return value
+
+
 class TrackerMetrics:
     """The metrics of one tracker; register it with a Prometheus registry (the default one unless given).
 
-    >>> metrics = TrackerMetrics(tracker)          # counting and timing start now
+    >>> metrics = TrackerMetrics(tracker)          # counting starts now
     >>> prometheus_client.start_http_server(9400, addr="127.0.0.1")
 
-    ``state_times=False`` counts transitions but does not time states (the
-    histogram and the oldest-age gauge then stay empty): about half the cost.
+    ``state_times=True`` also times every state: the ``kvfsm_state_seconds``
+    histogram, and the oldest-age gauge of states without a timeout (timed
+    states report it from their armed deadlines either way). It is opt-in
+    because it costs several times what counting does (see docs/observability.md).
     """
 
     def __init__(
@@ -56,7 +87,7 @@ class TrackerMetrics:
         tracker: Tracker,
         *,
         registry: CollectorRegistry | None = REGISTRY,
-        state_times: bool = True,
+        state_times: bool = False,
         buckets: Sequence[float] = BUCKETS,
         clock: Callable[[], float] | None = None,
     ) -> None:
@@ -66,46 +97,39 @@ class TrackerMetrics:
         self.clock = clock if clock is not None else tracker.clock
         """Times states on the tracker's own clock unless told otherwise."""
         spec = tracker.spec
+        self.state_times = state_times
         self.edges: list[tuple[str, str, str]] = []
-        self.taken: list[int] = []
-        self.begun = [0]
+        self.taken: list[Tally] = []
+        self.begun = Tally()
         self.entered: dict[Hashable, float] = {}
         """When each live instance entered its current state (only with ``state_times``)."""
         self.histograms = {name: [0] * (len(self.buckets) + 1) for name in spec.states}
         self.sums = {name: [0.0] for name in spec.states}
         tracker.tap(
-            self._edge_tap if state_times else self._count_tap, self._begin_tap if state_times else self._count_begin
+            self._edge_tap if state_times else self._count_tap, self._begin_tap if state_times else self.begun.tap
         )
         if registry is not None:
             registry.register(self)
 
     # -- taps: run inside the tracker's calls, per key -------------------------------
 
-    def _slot(self, source: str, event: str, target: str) -> int:
+    def _tally(self, source: str, event: str, target: str) -> Tally:
         self.edges.append((source, event, target))
-        self.taken.append(0)
-        return len(self.taken) - 1
+        self.taken.append(Tally())
+        return self.taken[-1]
 
-    def _count_tap(self, source: str, event: str, target: str) -> Callable[[Hashable], None]:
-        taken, slot = self.taken, self._slot(source, event, target)
-
-        def count(_key: Hashable) -> None:
-            taken[slot] += 1
-
-        return count
-
-    def _count_begin(self, _key: Hashable) -> None:
-        self.begun[0] += 1
+    def _count_tap(self, source: str, event: str, target: str) -> Callable[[Hashable], object]:
+        return self._tally(source, event, target).tap
 
     def _edge_tap(self, source: str, event: str, target: str) -> Callable[[Hashable], None]:
-        taken, slot = self.taken, self._slot(source, event, target)
+        tally = self._tally(source, event, target).tap
         entered, clock, bounds = self.entered, self.clock, self.buckets
         counts, total = self.histograms[source], self.sums[source]
         pop = entered.pop
         final = self.tracker.spec.states[target].is_final
 
         def time_state(key: Hashable) -> None:
-            taken[slot] += 1
+            tally(key)
             now = clock()
             since = pop(key, now)
             counts[bisect_left(bounds, now - since)] += 1
@@ -116,7 +140,7 @@ class TrackerMetrics:
         return time_state
 
     def _begin_tap(self, key: Hashable) -> None:
-        self.begun[0] += 1
+        self.begun.tap(key)
         self.entered[key] = self.clock()
 
     # -- the collector: read when scraped ----------------------------------------------
@@ -136,11 +160,12 @@ class TrackerMetrics:
             held.add_metric([m, resource], holding.get(resource, 0))
         yield held
         begun = CounterMetricFamily("kvfsm_begun", "Instances begun", labels=["machine"])
-        begun.add_metric([m], self.begun[0])
+        begun.add_metric([m], self.begun.value)
         yield begun
         moved = CounterMetricFamily("kvfsm_transitions", "Transitions taken", labels=["machine", "from", "event", "to"])
         finished: dict[str, int] = dict.fromkeys(spec.finals, 0)
-        for (source, event, target), n in zip(self.edges, self.taken, strict=True):
+        for (source, event, target), tally in zip(self.edges, self.taken, strict=True):
+            n = tally.value
             moved.add_metric([m, source, event, target], n)
             if target in finished:
                 finished[target] += n
@@ -170,16 +195,8 @@ class TrackerMetrics:
 
     def _times(self) -> Iterator[Metric]:
         m = self.machine
-        seconds = HistogramMetricFamily(
-            "kvfsm_state_seconds", "Time spent in each state, observed on leaving it", labels=["machine", "state"]
-        )
-        for state, counts in self.histograms.items():
-            cumulative, running = [], 0
-            for bound, n in zip([*map(str, self.buckets), "+Inf"], counts, strict=True):
-                running += n
-                cumulative.append((bound, running))
-            seconds.add_metric([m, state], cumulative, self.sums[state][0])
-        yield seconds
+        if self.state_times:
+            yield self._histogram()
         oldest = GaugeMetricFamily(
             "kvfsm_oldest_seconds",
             "Age in its state of the oldest instance of each live state",
@@ -189,14 +206,31 @@ class TrackerMetrics:
             oldest.add_metric([m, state], age)
         yield oldest
 
+    def _histogram(self) -> Metric:
+        m = self.machine
+        seconds = HistogramMetricFamily(
+            "kvfsm_state_seconds", "Time spent in each state, observed on leaving it", labels=["machine", "state"]
+        )
+        for state, counts in self.histograms.items():
+            cumulative, running = [], 0
+            for bound, n in zip([*map(str, self.buckets), "+Inf"], counts, strict=True):
+                running += n
+                cumulative.append((bound, running))
+            seconds.add_metric([m, state], cumulative, self.sums[state][0])
+        return seconds
+
     def oldest(self) -> dict[str, float]:
-        """Seconds the oldest instance of each live state has been in it (0 where none is, or untimed)."""
+        """Seconds the oldest instance of each live state has been in it.
+
+        0 where none is; without ``state_times``, also for a state without a
+        timeout (a timed one is read off its armed deadlines).
+        """
         now = self.clock()
         out = dict.fromkeys(self.tracker.spec.live, 0.0)
         states = self.tracker.snapshot()
-        entered = self.entered
+        entered = self.entered.get if self.state_times else self.tracker.entered
         for key, state in states:
-            since = entered.get(key)
+            since = entered(key)
             if since is not None and state in out:
                 out[state] = max(out[state], now - since)
         return out
