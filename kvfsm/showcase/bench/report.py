@@ -27,6 +27,10 @@ class Target(NamedTuple):
     threshold: float
     passed: bool
 
+    @classmethod
+    def at_most(cls, description: str, measured: float, threshold: float) -> Target:
+        return cls(description, measured, threshold, measured <= threshold)
+
 
 @dataclass
 class BenchReport:
