@@ -516,3 +516,47 @@ def frees_only_on_ack() -> FreesOnlyOnAck:
 
 def never_takes_pages() -> NeverTakesPages:
     return NeverTakesPages(PDLoopback())
+
+
+# -- ids crossing spaces (seed 004's class of bug) ---------------------------------------------------------------------
+
+from drivers import HeldBlocks, Notifier  # noqa: E402 - kept with the drivers it extends
+
+
+class FreesByTheKey(HeldBlocks):
+    """Holds the blocks under the peer's id (as a prefill's pool does) but frees them under the key: they stay held."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.serial = 0
+        self.remote: dict[Hashable, str] = {}
+
+    def before_begin(self, key: Hashable, resources: frozenset[str], /) -> dict[str, str]:
+        self.serial += 1
+        self.remote[key] = f"p-{self.serial}"
+        self.held.add(self.remote[key])
+        return {"remote_request_id": self.remote[key]}
+
+    def free_blocks(self, key: Hashable, /) -> None:
+        self.held.discard(key)  # the bug: the blocks are held under self.remote[key]
+
+    def observe(self, key: Hashable, /) -> set[str]:
+        return {"blocks"} if self.remote.get(key) in self.held else set()
+
+
+class NotifiesWithTheKey(Notifier):
+    """Seed 004's shape: tells the peer it is done using this side's own id, not the one the peer knows."""
+
+    def notify(self, key: Hashable, /) -> None:
+        self.outbox.sent(key, "read_done", key)
+
+
+class NotifiesWithTheFirstId(Notifier):
+    """Keeps the peer's id of a key's first instance: a key begun again sends an id from a retired generation."""
+
+    def before_begin(self, key: Hashable, resources: frozenset[str], /) -> dict[str, str]:
+        first = self.remote.get(key)
+        payload = super().before_begin(key, resources)
+        if first is not None:
+            self.remote[key] = first  # the bug: the new instance's id is forgotten
+        return payload

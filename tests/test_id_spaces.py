@@ -9,39 +9,18 @@ request id, the id decode was told in the handshake, never decode's local one
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Hashable
 
 import pytest
+from drivers import DECODE_READ, PREFILL_HOLD, HeldBlocks, Notifier
 
 import kvfsm
 from kvfsm import Tracker
 from kvfsm.replay import JsonlJournal
 from kvfsm.testing import VirtualClock
 
-SPEC = """
-kvfsm: 1
-machine: prefill_hold
-key: request_id
-params: {expiry: 480.0}
-spaces:
-  remote_request_id: {linked_at: begin, doc: the id decode names in its notification}
-events:
-  read_done: {by: remote_request_id, remote: true}
-begin: {payload: [remote_request_id]}
-resources:
-  blocks: {release: free_blocks}
-states:
-  held:    {initial: true, holds: [blocks], timeout: {after: expiry, fire: expire}}
-  done:    {final: success}
-  expired: {final: failure}
-  aborted: {final: failure}
-transitions:
-  - {event: read_done, from: held, to: done}
-  - {event: expire,    from: held, to: expired}
-  - {event: abort,     from: "*",  to: aborted}
-ignore:
-  - {event: read_done, in: [done, expired, aborted]}
-"""
+SPEC = PREFILL_HOLD
 
 
 class Blocks:
@@ -119,3 +98,105 @@ def test_the_diagram_shows_which_id_a_message_carries() -> None:
 
     text = to_mermaid(kvfsm.parse(SPEC, "prefill_hold.yaml"))
     assert "read_done ⟨remote_request_id⟩" in text
+
+
+# -- kvfsm test with id spaces: deliveries by space, and what a driver sends ------------------------------------------
+
+def test_kvfsm_test_delivers_ids_of_every_space_and_generation_and_the_model_predicts_each_anomaly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvfsm.testing import oracle, run
+
+    predicted: Counter[tuple[str, str]] = Counter()
+    model_anomaly = oracle.SpecModel._anomaly
+
+    def counted(self: oracle.SpecModel, out: oracle.Outcome, kind: str, space: str, ident: Hashable, event: str) -> None:
+        predicted[kind, space] += 1
+        model_anomaly(self, out, kind, space, ident, event)
+
+    monkeypatch.setattr(oracle.SpecModel, "_anomaly", counted)
+    report = run(kvfsm.parse(SPEC, "prefill_hold.yaml"), HeldBlocks, seed=4, examples=60)
+    assert report.passed, "\n".join(report.story) or report.error
+    # every prediction was held to the Tracker's own anomalies, step by step; the run reached each kind
+    assert report.coverage.edges["held", "read_done", "fire"] > 0
+    for kind in ("unknown", "late", "stale"):
+        assert predicted[kind, "remote_request_id"] > 0, predicted
+    assert predicted["unknown", "request_id"] > 0 and predicted["late", "request_id"] > 0, predicted
+
+
+def test_kvfsm_test_passes_a_notifier_that_sends_the_peers_id() -> None:
+    from kvfsm.testing import run
+
+    report = run(kvfsm.parse(DECODE_READ, "decode_read.yaml"), Notifier, seed=1, examples=30)
+    assert report.passed, "\n".join(report.story) or report.error
+
+
+def _story(report: object) -> str:
+    return "\n".join(getattr(report, "story", ())) or str(getattr(report, "error", ""))
+
+
+def test_kvfsm_test_fails_a_driver_that_frees_under_the_wrong_id() -> None:
+    from buggy_drivers import FreesByTheKey
+
+    from kvfsm.testing import run
+
+    report = run(kvfsm.parse(SPEC, "prefill_hold.yaml"), FreesByTheKey, seed=1, examples=30)
+    assert not report.passed
+    assert "observe says blocks still held by req-1" in report.story[-1], _story(report)
+
+
+def test_kvfsm_test_fails_the_seed_shape_naming_the_id_it_sent_and_both_spaces() -> None:
+    from buggy_drivers import NotifiesWithTheKey
+
+    from kvfsm.testing import run
+
+    report = run(kvfsm.parse(DECODE_READ, "decode_read.yaml"), NotifiesWithTheKey, seed=1, examples=30)
+    assert not report.passed
+    assert report.story[-1].endswith(
+        "sent read_done to prefill_hold with 'req-1', the key (space request_id); "
+        "the spec says it carries remote_request_id, linked to 'p-1'"
+    ), _story(report)
+
+
+def test_kvfsm_test_fails_a_driver_that_sends_the_id_of_a_retired_generation() -> None:
+    from buggy_drivers import NotifiesWithTheFirstId
+
+    from kvfsm.testing import run
+
+    report = run(kvfsm.parse(DECODE_READ, "decode_read.yaml"), NotifiesWithTheFirstId, seed=1, examples=60)
+    assert not report.passed
+    assert "an id no live instance has in any space; the spec says it carries remote_request_id" in report.story[-1]
+
+
+def test_the_outbox_records_a_misaddressed_message_as_an_anomaly_the_journal_keeps(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from kvfsm.engine.outbox import Outbox
+    from kvfsm.replay import check_log
+
+    spec = kvfsm.parse(DECODE_READ, "decode_read.yaml")
+    path = tmp_path / "decode.jsonl"
+    journal = JsonlJournal(path, machine="decode_read")
+    driver = Notifier()
+    t = Tracker(spec, driver, observer=journal, on_anomaly=journal.anomaly)
+    driver.outbox.bind(t, journal.anomaly)
+    driver.before_begin("d-1", frozenset())
+    t.begin("d-1", remote_request_id="p-1")
+    assert driver.outbox.sent("d-1", "read_done", "p-1")
+    assert not driver.outbox.sent("d-1", "read_done", "d-1")
+    [found] = driver.outbox.misaddressed()
+    assert (found.sent, found.carries, found.expected) == ("d-1", "remote_request_id", "p-1")
+    assert driver.outbox.counts == {"sent": 2, "misaddressed": 1}
+    t.fire("d-1", "abort")
+    journal.close()
+    report = check_log(spec, path, limits={"misaddressed": kvfsm.replay.Limit.parse("0")})
+    assert not report.conforms and report.anomalies == {"misaddressed": 1}
+
+
+def test_the_outbox_refuses_an_undeclared_message_and_a_tracker_of_another_machine() -> None:
+    from kvfsm.engine.outbox import Outbox
+
+    outbox = Outbox(kvfsm.parse(DECODE_READ, "decode_read.yaml"))
+    assert outbox.sent("d-1", "read_done", "anything")  # unbound: counted, nothing to check against
+    with pytest.raises(kvfsm.KvfsmError, match="declares no outgoing message 'notify'.*read_done"):
+        outbox.sent("d-1", "notify", "p-1")
+    with pytest.raises(kvfsm.KvfsmError, match="cannot check sends against a tracker of 'prefill_hold'"):
+        outbox.bind(tracker()[0])
