@@ -386,3 +386,40 @@ def test_kvf111_final_state_timeout_is_not_also_reported_as_kvf106() -> None:
     # but the fix is to remove the timeout (KVF111), not to add a transition (KVF106).
     findings = spec_api.check(HERE / "specs" / "broken" / "kvf111_final_timeout.yaml")
     assert [f.code for f in findings] == ["KVF111"]
+
+
+_OUTGOING = """
+kvfsm: 1
+machine: decode_notify
+key: request_id
+spaces:
+  remote_request_id: {linked_at: begin}
+begin: {payload: [remote_request_id]}
+outgoing:
+  read: {to: nixl_prefill, carries: CARRIES}
+states:
+  loading: {initial: true, waits: local}
+  done:    {final: success}
+  aborted: {final: failure}
+transitions:
+  - {event: finish, from: loading, to: done}
+  - {event: abort,  from: "*",     to: aborted}
+"""
+
+
+@pytest.mark.parametrize("carries", ["remote_request_id", "request_id"])
+def test_an_outgoing_message_may_carry_the_key_or_a_declared_space(carries: str) -> None:
+    assert _checked(_OUTGOING.replace("CARRIES", carries)) == []
+
+
+def test_kvf106_an_outgoing_message_carrying_an_undeclared_space_names_the_declared_ones() -> None:
+    [finding] = _checked(_OUTGOING.replace("CARRIES", "prefill_request_id"))
+    assert (finding.code, finding.line) == ("KVF106", 9)
+    assert "outgoing message 'read' carries an id from undeclared id space 'prefill_request_id'" in finding.message
+    assert "request_id, remote_request_id" in finding.fix
+
+
+def test_an_outgoing_message_without_carries_is_a_schema_error_that_says_what_to_write() -> None:
+    with pytest.raises(SpecError) as caught:
+        read_text(_OUTGOING.replace(", carries: CARRIES", ""), "inline.yaml")
+    assert "outgoing message 'read'" in str(caught.value) and "carries" in str(caught.value)
