@@ -13,19 +13,16 @@ from pathlib import Path
 
 import pytest
 from buggy_drivers import (
-    CPU_HIT_SPEC,
     KV_REQUEST,
     PEER_SPEC,
     PRODUCER_SPEC,
     ClosesWriteTwice,
-    CpuHitLoader,
     GivesPeer,
     NeedsPeer,
     Producer,
     SkipsDecOnPutError,
     StoreSender,
     TaskDoneFreesBlocks,
-    UnpinsOnlyLoadedHits,
 )
 
 import kvfsm
@@ -97,26 +94,7 @@ def test_without_the_cover_the_run_is_the_plain_random_walk() -> None:
     assert not report.passed and report.verdict is not None and report.verdict.gaps  # 3 short walks miss edges
 
 
-CPU_HIT = kvfsm.parse(CPU_HIT_SPEC, "cpu_hit_load.yaml")
-BUGGY = [(KV_REQUEST, SkipsDecOnPutError), (KV_REQUEST, TaskDoneFreesBlocks), (CPU_HIT, UnpinsOnlyLoadedHits),
-         (PRODUCER, ClosesWriteTwice)]  # fmt: skip
-CORRECT = [(KV_REQUEST, StoreSender), (CPU_HIT, CpuHitLoader), (PRODUCER, Producer)]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(("spec", "factory"), BUGGY, ids=[f.__name__ for _s, f in BUGGY])
-def test_every_seeded_bug_is_caught_on_each_of_200_seeds(spec: kvfsm.Spec | Path, factory: type) -> None:
-    missed = [seed for seed in range(200) if not run(spec, factory, seed=seed).diverged]
-    assert missed == []
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(("spec", "factory"), CORRECT, ids=[f.__name__ for _s, f in CORRECT])
-def test_every_correct_driver_passes_at_full_coverage_on_each_of_200_seeds(
-    spec: kvfsm.Spec | Path, factory: type
-) -> None:
-    failed = [seed for seed in range(200) if not run(spec, factory, seed=seed).passed]
-    assert failed == []
+# The 200-seed study of every seeded bug and correct driver is tests/test_testing_study.py (--run-slow).
 
 
 # -- the verdict ---------------------------------------------------------------------------
