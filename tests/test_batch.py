@@ -250,3 +250,61 @@ def test_fire_calls_a_batch_action_with_a_one_key_list() -> None:
     with pytest.raises(ActionError):
         t.fire("bad", "start", peer="d")
     assert sender.submitted == [(["bad"], "d")] and t.state("bad") == "failed"
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(spec=specs(max_states=4, max_resources=2, max_events=3).map(own_actions), data=st.data())
+def test_fire_many_by_does_to_each_id_what_fire_by_does(spec: Spec, data: st.DataObject) -> None:
+    """Ids of the current, an earlier and no generation, in a batch: the same states, anomalies and failures."""
+    actions = spec.actions()
+    faults = frozenset(
+        data.draw(
+            st.sets(st.tuples(st.sampled_from(actions), st.sampled_from(KEYS), st.integers(1, 3)), max_size=4)
+            if actions
+            else st.just(set()),
+            label="faults",
+        )
+    )
+    one, many = Ledger(actions, frozenset(), faults), Ledger(actions, frozenset(actions), faults)
+    t1, t2 = (Tracker(spec, driver, clock=VirtualClock(), spaces=["peer"]) for driver in (one, many))
+    serial = 0
+    ids = ["never-linked"]
+    for _ in range(data.draw(st.integers(1, 10), label="steps")):
+        kind = data.draw(st.sampled_from(("begin", "fire", "fire", "drain")), label="step")
+        if kind == "begin":
+            key = data.draw(st.sampled_from(KEYS), label="key")
+            if t1.state(key) in spec.live:
+                continue
+            serial += 1
+            for t in (t1, t2):
+                try:
+                    t.begin(key)
+                except ActionError:
+                    pass
+                if t.state(key) in spec.live:
+                    t.link(key, "peer", f"p{serial}")
+            ids.append(f"p{serial}")
+            continue
+        if kind == "drain":
+            assert t1.finished() == t2.finished()
+            continue
+        event = data.draw(st.sampled_from(spec.events), label="event")
+        batch = data.draw(st.lists(st.sampled_from(ids), max_size=5), label="ids")
+        expected: Counter[tuple[Any, ...]] = Counter()
+        for ident in batch:
+            try:
+                t1.fire_by("peer", ident, event)
+            except ActionError as exc:
+                expected += failures(exc)
+            except IllegalTransition as exc:
+                expected[exc.key, event, "<none>", "refused", exc.state] += 1
+        got: Counter[tuple[Any, ...]] = Counter()
+        try:
+            t2.fire_many_by("peer", event, batch)
+        except ActionError as exc:
+            got = failures(exc)
+        assert got == expected
+        assert {k: t1.state(k) for k in KEYS} == {k: t2.state(k) for k in KEYS}
+        assert {k: set(one.held[k]) for k in KEYS} == {k: set(many.held[k]) for k in KEYS}
+        assert t1.counts == t2.counts
+        assert Counter(t1.anomalies()) == Counter(t2.anomalies())

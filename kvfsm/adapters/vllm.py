@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -287,58 +287,66 @@ class CpuOffloadScheduler:
         """
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, CpuOffloadWorkerMeta):
-            for job in meta.loads_done:
-                self._load_over(job, "complete")
-            for job in meta.loads_failed:
-                self._load_over(job, "load_error")
-            for job in meta.stores_done:
-                self._store_over(job, "complete")
-            for job in meta.stores_failed:
-                self._store_over(job, "store_error")
+            for done, event in ((meta.loads_done, "complete"), (meta.loads_failed, "load_error")):
+                for success, blocks in self._copies_over(
+                    self.loads, "load_job", self.offload.load.transfer, done, event
+                ):
+                    if success:
+                        self.stats.loads_done += 1
+                        self.stats.blocks_loaded += blocks
+                    elif event == "load_error":
+                        self.stats.loads_failed += 1
+            for done, event in ((meta.stores_done, "complete"), (meta.stores_failed, "store_error")):
+                for success, blocks in self._copies_over(
+                    self.stores, "store_job", self.offload.store.transfer, done, event
+                ):
+                    if success:
+                        self.stats.stores_done += 1
+                        self.stats.blocks_stored += blocks
+                    elif event != "complete":
+                        self.stats.stores_failed += 1
         _sending, recving = self.report.take_finished()
         connector_output.finished_recving = set(map(str, recving)) or None
 
-    def _load_over(self, job: int, event: str) -> None:
-        success, blocks = self._copy_over(self.loads, "load_job", self.offload.load.transfer, job, event)
-        if success:
-            self.stats.loads_done += 1
-            self.stats.blocks_loaded += blocks
-        elif success is not None and event == "load_error":
-            self.stats.loads_failed += 1
-
-    def _store_over(self, job: int, event: str) -> None:
-        success, blocks = self._copy_over(self.stores, "store_job", self.offload.store.transfer, job, event)
-        if success:
-            self.stats.stores_done += 1
-            self.stats.blocks_stored += blocks
-        elif success is not None and event != "complete":
-            self.stats.stores_failed += 1
-
-    def _copy_over(
+    def _copies_over(
         self,
         tracker: Tracker,
         space: str,
         transfer: Callable[[Hashable], tuple[list[int], list[int]]],
-        job: int,
+        jobs: Iterable[int],
         event: str,
-    ) -> tuple[bool | None, int]:
-        """Apply the worker's report on copy ``job``: (ended in success?, its blocks); None if it named no live copy.
+    ) -> list[tuple[bool, int]]:
+        """Apply one of the worker's per-step sets of copy ``jobs`` as one batch: (ended in success?, blocks) for
+        each job that named a live copy.
 
-        An unknown or late job id is counted by the tracker, not applied. An
-        action that raises (``accept_load``, ``publish``) ends the copy the
-        way the spec's ``on_error`` says, and counts as a failure.
+        The set is fired with :meth:`~kvfsm.Tracker.fire_many_by` (one lock,
+        batch actions called once). An unknown or late job id is counted by
+        the tracker, not applied. An action that raises (``accept_load``,
+        ``publish``) ends its copy the way the spec's ``on_error`` says, and
+        counts as a failure.
         """
-        rid = tracker.route(space, job)
-        live = rid is not None and self._live(tracker, rid)
-        blocks = len(transfer(rid)[1]) if live else 0
+        jobs = list(jobs)
+        if not jobs:
+            return []
+        live: dict[Hashable, int] = {}
+        for job in jobs:
+            rid = tracker.route(space, job)
+            if rid is not None and self._live(tracker, rid):
+                live[rid] = len(transfer(rid)[1])
+        failed: set[Hashable] = set()
         try:
-            state = tracker.fire_by(space, job, event)
-        except ActionError:
-            self.stats.action_errors += 1
-            return False, 0
-        if state is None or not live:
-            return None, 0
-        return tracker.spec.states[state].final == "success", blocks
+            tracker.fire_many_by(space, event, jobs)
+        except ActionError as exc:
+            failed = {f.key for f in exc.failures}
+            self.stats.action_errors += len(failed)
+        out = []
+        for rid, blocks in live.items():
+            state = tracker.state(rid)
+            if rid in failed or state is None:
+                out.append((False, 0))
+            else:
+                out.append((tracker.spec.states[state].final == "success", blocks))
+        return out
 
     # -- the end of a request ----------------------------------------------------
 

@@ -479,6 +479,25 @@ class Tracker:
         """
         return self.fire_by(self.spec.routed_by(event), ident, event, **payload)
 
+    def fire_many_by(self, space: str, event: str, ids: Iterable[Hashable], /, **payload: Any) -> None:
+        """:meth:`fire_many` for the instances ``ids`` name in id space ``space``.
+
+        Each id is looked up as :meth:`fire_by` looks it up (one naming no
+        current instance is reported as ``stale``, ``late`` or ``unknown``
+        and left out); the rest are fired as one batch.
+        """
+        if space == self.spec.key:
+            self.fire_many(event, ids, **payload)
+            return
+        with self._guard:
+            resolve = self._resolve
+            keys = [key for key in (resolve(space, ident, event) for ident in ids) if key is not None]
+            self.fire_many(event, keys, **payload)
+
+    def deliver_many(self, event: str, ids: Iterable[Hashable], /, **payload: Any) -> None:
+        """:meth:`deliver` for a batch of a peer's messages: ids in the space the spec routes ``event`` by."""
+        self.fire_many_by(self.spec.routed_by(event), event, ids, **payload)
+
     def link(self, key: Hashable, space: str, ident: Hashable) -> None:
         """Let ``ident`` in id space ``space`` name ``key``'s current instance (linking it again changes nothing)."""
         with self._guard:
