@@ -13,7 +13,7 @@ from buggy_drivers import FreesOnlyOnAck, frees_only_on_ack, never_takes_pages
 from kvfsm.drivers import pd_loopback
 from kvfsm.drivers.pd_loopback import PDLoopback
 from kvfsm.explore import check_trace, explore
-from kvfsm.spec.system import load_system
+from kvfsm.spec.system import check_system, is_system_file, load_system
 from kvfsm.testing import Bar
 from kvfsm.testing.bar import ExemptionError
 from kvfsm.testing.contract import DriverFactory
@@ -56,6 +56,20 @@ def test_the_set_exercises_every_item_the_walk_reaches_with_few_shortest_traces(
     result = explore(system, requests=1)
     every = {(r, s) for r, role in system.roles.items() for s in role.spec.states}
     assert reached == every - set(result.unreached)
+
+
+SYSTEMS = sorted(
+    p
+    for p in (ROOT / "kvfsm" / "specs").rglob("*.yaml")
+    if is_system_file(p) and not any(f.severity == "error" for f in check_system(p))  # pre-fix shapes are refused
+)
+
+
+@pytest.mark.parametrize("path", SYSTEMS, ids=[p.stem for p in SYSTEMS])
+def test_the_walk_agrees_with_the_explorer_on_every_bundled_system_and_the_ledger_keeps_to_its_set(path: Path) -> None:
+    result = cover_system(path)  # raises TraceSetError if the walk and the explorer reach different role states
+    assert result.passed, result.summary()
+    assert {i.kind for i in result.exercised} >= {"edge", "message"}
 
 
 def test_items_no_run_can_reach_are_listed_apart_not_required() -> None:
