@@ -66,7 +66,7 @@ class Fairness:
         state = self.local.states[i]
         if state == RETIRED:
             return frozenset()
-        at, flight = state
+        at, flight, _bits = state
         owed = {
             r
             for r, role in enumerate(self.local.roles)

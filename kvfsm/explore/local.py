@@ -32,11 +32,15 @@ from dataclasses import dataclass, replace
 from ..spec.model import ABORT
 from ..spec.system import LastStep, Snapshot, System, violations
 from ..spec.system.channel import Flight
+from .clocks import Clocks
 
-LocalState = tuple[tuple[int, ...], tuple[int, ...]]
-"""(state index per role, ids of this request's messages in flight); ``RETIRED`` once done."""
+LocalState = tuple[tuple[int, ...], tuple[int, ...], int]
+"""(state index per role, ids of this request's messages in flight, deadline order bits); ``RETIRED`` once done."""
 
-RETIRED: LocalState = ((), ())
+RETIRED: LocalState = ((), (), 0)
+
+Placed = tuple[tuple[int, ...], tuple[int, ...]]
+"""Role states and flight after a move, before its deadline bits are worked out."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +104,8 @@ class LocalSystem:
         """per local id: (property, what is wrong) for every property the local state breaks."""
         self.nmsg: list[int] = []
         start = tuple(role.states.index(system.roles[role.name].spec.initial.name) for role in self.roles)
-        self.initial = self._intern(self._normal((start, ())))
+        self.clocks = Clocks(system, [role.states for role in self.roles])
+        self.initial = self._intern(self._normal((start, (), self.clocks.initial(start))))
         self._build()
 
     # -- compiling the roles -----------------------------------------------------
@@ -158,7 +163,7 @@ class LocalSystem:
         """What a local state breaks: the ``never`` properties, and deadlock or leak when it is stuck."""
         if state == RETIRED:
             return ()
-        at, flight = state
+        at, flight, _bits = state
         return tuple(violations(self.system, self.snapshot(at, len(flight))))
 
     def step_violation(self, at: tuple[int, ...], move: Move, load: int) -> tuple[str, str] | None:
@@ -170,7 +175,7 @@ class LocalSystem:
 
     def _normal(self, state: LocalState) -> LocalState:
         """Retire a request whose instances all finished with nothing in flight (unless that breaks a property)."""
-        at, flight = state
+        at, flight, _bits = state
         if flight or not all(role.final[at[r]] for r, role in enumerate(self.roles)):
             return state
         return state if self.describe_violations(state) else RETIRED
@@ -192,21 +197,25 @@ class LocalSystem:
 
     def _sending(
         self, at: tuple[int, ...], role: int, target: int, flight: Flight, sends: tuple[int, ...]
-    ) -> Iterator[tuple[LocalState, tuple[tuple[int, bool], ...]]]:
+    ) -> Iterator[tuple[Placed, tuple[tuple[int, bool], ...]]]:
         """The local states after ``role`` moves to ``target`` and sends ``sends``, one per fate of each message."""
         moved = (*at[:role], target, *at[role + 1 :])
         for after, sent in self.wire.sends(flight, sends):
             yield (moved, after), sent
 
-    def _successors(self, state: LocalState) -> Iterator[tuple[LocalState, Move]]:
+    def _successors(self, state: LocalState) -> Iterator[tuple[Placed, Move]]:
+        """Every move from ``state`` and where it leaves the roles and the flight (the deadline bits aside)."""
         if state == RETIRED:
             return
-        at, flight = state
+        at, flight, bits = state
+        clocks = self.clocks
         for r, role in enumerate(self.roles):
             s = at[r]
             if role.final[s]:
                 continue
             for event, target, sends, cause in role.spontaneous[s]:
+                if cause == "timeout" and clocks and clocks.blocked(bits, at, r):
+                    continue  # a shorter deadline armed no later than this one falls due first
                 for nxt, sent in self._sending(at, r, target, flight, sends):
                     yield nxt, Move(r, cause, "fire", event, s, target, sent, in_flight=len(nxt[1]))
         for pos in self.wire.deliverable(flight):
@@ -237,14 +246,18 @@ class LocalSystem:
         while todo:
             i = todo.pop()
             out = self.moves[i]
-            for nxt, found in self._successors(self.states[i]):
-                broken = self.step_violation(nxt[0], found, found.in_flight)
+            bits = self.states[i][2]
+            for (nxt_at, nxt_flight), found in self._successors(self.states[i]):
+                broken = self.step_violation(nxt_at, found, found.in_flight)
                 move = replace(found, violation=broken[0]) if broken is not None else found
                 if found.in_flight > capacity:
                     if broken is not None:  # overflow: the request's own sends do not fit
                         out.append((-1, move))
                     continue
-                state = self._normal(nxt)
+                if found.action == "fire" and self.clocks:
+                    state = self._normal((nxt_at, nxt_flight, self.clocks.fired(bits, found.role, nxt_at)))
+                else:
+                    state = self._normal((nxt_at, nxt_flight, bits))
                 known = state in self.index
                 j = self._intern(state)
                 if j == i:
@@ -270,7 +283,7 @@ class LocalSystem:
     def reached(self) -> set[tuple[str, str]]:
         """(role, state) pairs some request can reach (finished states included, though retired at once)."""
         out: set[tuple[str, str]] = set()
-        for i, (at, _flight) in enumerate(self.states):
+        for i, (at, _flight, _bits) in enumerate(self.states):
             for r, s in enumerate(at):
                 out.add((self.roles[r].name, self.roles[r].states[s]))
             for j, move in self.moves[i]:

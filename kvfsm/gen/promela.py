@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from itertools import product
 from pathlib import Path
 
+from ..explore.clocks import Clocks
 from ..spec.model import ABORT, Spec
 from ..spec.system import System
 
@@ -55,6 +56,40 @@ class _Model:
         self.direction = {m.name: directions[(m.sender, m.receiver)] for m in system.messages.values()}
         self.directions = len(directions)
         self.props = list(system.names)
+        self.clocks = Clocks(system, [list(spec.states) for spec in self.specs.values()])
+
+    # -- deadline order (the system's relations) -------------------------------------
+
+    def timed(self, role: int, shorter_than: tuple[str, str] | None = None) -> list[str]:
+        """States of ``role`` with a timeout (declared shorter than ``shorter_than``, if given)."""
+        name = self.roles[role]
+        return [
+            s
+            for s, p in zip(self.specs[name].states, self.clocks.param[role], strict=True)
+            if p is not None and (shorter_than is None or self.system.timing.outlasts(shorter_than, p))
+        ]
+
+    def blocked(self, role: str, state: str) -> list[str]:
+        """Guards that keep ``role``'s timeout in ``state`` from firing: a shorter deadline armed no earlier."""
+        r = self.roles.index(role)
+        mine = self.clocks.param[r][list(self.specs[role].states).index(state)]
+        out = []
+        for e, bit in self.clocks.shorter[r]:
+            shorter = self.timed(e, mine) if mine is not None else []
+            if shorter:
+                out.append(f"!(o_{bit.bit_length() - 1}[_pid] && {self.is_state(self.roles[e], shorter)})")
+        return out
+
+    def rearm(self, role: str, target: str) -> list[str]:
+        """What ``role`` firing into ``target`` does to the deadline order bits."""
+        r = self.roles.index(role)
+        lines = [f"o_{k}[_pid] = 0" for k, (e, x) in enumerate(self.clocks.pairs) if r in (e, x)]
+        if self.specs[role].states[target].timeout is None:
+            return lines
+        for e, bit in self.clocks.shorter[r]:
+            k = bit.bit_length() - 1
+            lines.append(f"if :: {self.is_state(self.roles[e], self.timed(e))} -> o_{k}[_pid] = 1 :: else -> skip fi")
+        return lines
 
     def var(self, role: str, who: str = "_pid") -> str:
         return f"r_{role}[{who}]"
@@ -223,10 +258,13 @@ def _spontaneous(m: _Model, role: str) -> Iterator[str]:
             yield from _option(
                 m,
                 f"{role}: {e.event} in {e.source} -> {e.target}",
-                [f"{m.var(role)} == {m.const(role, e.source)}"],
+                [
+                    f"{m.var(role)} == {m.const(role, e.source)}",
+                    *(m.blocked(role, e.source) if timeout and timeout.fire == e.event else []),
+                ],
                 0,
                 kept,
-                [f"{m.var(role)} = {m.const(role, e.target)}"],
+                [f"{m.var(role)} = {m.const(role, e.target)}", *m.rearm(role, e.target)],
                 (m.roles.index(role) if owed else NOBODY, len(kept) < len(sends)),
             )
 
@@ -264,6 +302,7 @@ def _deliveries(m: _Model, name: str) -> Iterator[str]:
             body = list(consume)
             if target is not None:
                 body.append(f"{m.var(role)} = {m.const(role, target)}")
+                body += m.rearm(role, target)
             if what.startswith("rejected"):
                 kind = "late_message" if st.is_final else "unexpected_message"
                 if kind in m.props:
@@ -440,6 +479,12 @@ def to_promela(system: System, *, requests: int | None = None) -> str:
             lines.append(f"byte q_{d}[N * CAP];  /* FIFO per request: {', '.join(names)} (message id + 1) */")
             lines.append(f"byte n_{d}[N];")
     lines.append("byte inflight;  /* all requests together: what CAP bounds */")
+    start = [list(m.specs[r].states).index(m.specs[r].initial.name) for r in m.roles]
+    begun = m.clocks.initial(start)
+    for k, (e, r) in enumerate(m.clocks.pairs):
+        lines.append(
+            f"bit o_{k}[N] = {(begun >> k) & 1};  /* {m.roles[e]}'s deadline armed no later than {m.roles[r]}'s */"
+        )
     lines.append("")
     lines.append("/* always false; hidden (not part of a state), they only name the property in SPIN's report */")
     for prop in m.props:

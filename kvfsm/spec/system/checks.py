@@ -13,7 +13,7 @@ from collections import defaultdict
 from collections.abc import Collection, Iterator
 
 from ..findings import Finding, Severity
-from ..model import ABORT, Loc, Spec
+from ..model import ABORT, NOWHERE, Loc, Spec
 from .model import System
 
 
@@ -260,8 +260,40 @@ def _check_properties(system: System, missing: Collection[str]) -> Iterator[Find
                     )
 
 
+def _check_relations(system: System, missing: Collection[str]) -> Iterator[Finding]:
+    """KVF213: relations name roles and params that exist, and some timing can keep them all."""
+    for rel in system.relations:
+        for role_name, param in (rel.longer, *rel.shorter):
+            role = system.roles.get(role_name)
+            if role is None:
+                if role_name not in missing:
+                    yield _finding(
+                        "KVF213",
+                        rel.loc,
+                        f"relation {rel.text!r} names {role_name!r}, which is not a role",
+                        f"Use one of: {', '.join(system.roles)}.",
+                    )
+                continue
+            timed = {st.timeout.after for st in role.spec.states.values() if st.timeout is not None}
+            if param not in timed:
+                yield _finding(
+                    "KVF213",
+                    rel.loc,
+                    f"relation {rel.text!r}: no state of {role_name} has a timeout after {param!r}",
+                    f"Name a param one of its timeouts uses: {', '.join(sorted(map(str, timed))) or '(it has none)'}.",
+                )
+    for role_name, param in system.timing.cycles():
+        loc = next((r.loc for r in system.relations if r.longer == (role_name, param)), NOWHERE)
+        yield _finding(
+            "KVF213",
+            loc,
+            f"the relations make {role_name}.{param} longer than itself",
+            "Relations must order the timeouts without a cycle; drop or turn around one of them.",
+        )
+
+
 def run_system_checks(system: System, missing: Collection[str] = ()) -> list[Finding]:
-    """Every composition finding (KVF201–KVF212), grouped by file, in line order within each.
+    """Every composition finding (KVF201–KVF213), grouped by file, in line order within each.
 
     ``missing`` names roles whose spec could not be read: what they would
     have checked is left to the findings that say why.
@@ -271,6 +303,7 @@ def run_system_checks(system: System, missing: Collection[str] = ()) -> list[Fin
         *_check_messages(system, missing),
         *_check_waits(system),
         *_check_properties(system, missing),
+        *_check_relations(system, missing),
     ]
     if not missing and not any(f.severity == "error" for f in found):
         found += _check_armed(system)  # after an error, what it cuts off would only echo it

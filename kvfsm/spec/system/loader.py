@@ -9,6 +9,7 @@ composition checks (KVF2xx) are :mod:`kvfsm.spec.system.checks`.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from ..findings import READ_ERROR, Finding, SpecError
 from ..loader import read as read_machine
 from ..schema import NULL, YAML_LOADER, Schema
 from .channel import Channel
-from .model import BUILTIN_PROPERTIES, BUILTINS, LIVENESS, Condition, Message, Property, Role, System
+from .model import BUILTIN_PROPERTIES, BUILTINS, LIVENESS, Condition, Message, Property, Role, System, TimeRelation
 
 TOP_KEYS = {
     "kvfsm": "schema version (required, 1)",
@@ -31,6 +32,7 @@ TOP_KEYS = {
     "channel": "what the channel may do to messages",
     "requests": "how many requests to explore",
     "properties": "what must never happen, and what must eventually happen",
+    "relations": "which timeouts outlast which: 'prefill.abort_timeout > decode.read_timeout'",
 }
 ROLE_KEYS = ("spec", "doc")
 MESSAGE_KEYS = ("from", "to", "reply_if_finished", "doc")
@@ -232,6 +234,33 @@ def _messages(s: Schema, node: Node) -> dict[str, Message]:
     return messages
 
 
+_TERM = r"\s*([A-Za-z_][A-Za-z0-9_]*)\.([A-Za-z_][A-Za-z0-9_]*)\s*"
+_SIDE = re.compile(rf"{_TERM}(?:\+{_TERM})*")
+_RELATION = re.compile(r"^(?P<left>[^<>]+)(?P<op>[<>])(?P<right>[^<>]+)$")
+
+
+def _relation(s: Schema, node: Node) -> TimeRelation | None:
+    """``role.param > role.param + role.param`` (or ``<``): which deadline outlasts which."""
+    fix = "Write 'role.param > role.param', or a sum on the longer side's other end: 'a.x > b.y + c.z'."
+    text = s.scalar(node, "relation")
+    if text is None:
+        return None
+    match = _RELATION.match(text)
+    sides = []
+    for part in (match.group("left"), match.group("right")) if match else ():
+        if _SIDE.fullmatch(part) is None:
+            break
+        sides.append(tuple(tuple(t.strip() for t in term.split(".")) for term in part.split("+")))
+    if match is None or len(sides) != 2:
+        s.error(node, f"relation {text!r} is not 'role.param > role.param + ...'", fix)
+        return None
+    left, right = sides if match.group("op") == ">" else sides[::-1]
+    if len(left) != 1:
+        s.error(node, f"relation {text!r} has a sum on its longer side", fix)
+        return None
+    return TimeRelation(left[0], right, text.strip(), s.loc(node))  # type: ignore[arg-type]  # pairs by the regex
+
+
 def _channel(s: Schema, knode: Node, node: Node) -> Channel:
     default = Channel()
     items = s.mapping(node, "channel", CHANNEL_KEYS)
@@ -293,6 +322,7 @@ def read_system_text(text: str, path: str) -> Draft:
         got = s.count(top["requests"][1], "requests", "Write how many requests to explore, e.g. 3.")
         requests = got if got is not None else requests
     properties = _properties(s, top["properties"][1]) if "properties" in top else BUILTIN_PROPERTIES
+    relations = s.sequence(top["relations"][1], "relations", lambda n: _relation(s, n)) if "relations" in top else ()
 
     errors = sorted(s.errors, key=lambda f: (f.line, f.col))
     if name is None:
@@ -304,6 +334,7 @@ def read_system_text(text: str, path: str) -> Draft:
         channel=channel,
         requests=requests,
         properties=properties,
+        relations=relations,
         doc=doc,
         path=path,
         locs={k: s.loc(knode) for k, (knode, _v) in top.items()},

@@ -70,6 +70,57 @@ class Message:
 
 
 @dataclass(frozen=True, slots=True)
+class TimeRelation:
+    """``longer > shorter + ...`` between role-qualified params (``prefill.abort_timeout``): which deadline outlasts.
+
+    Params are durations, so ``a > b + c`` implies ``a > b`` and ``a > c``;
+    that consequence is all the explorer uses (see :class:`Timing`).
+    """
+
+    longer: tuple[str, str]
+    """(role, param) on the left."""
+    shorter: tuple[tuple[str, str], ...]
+    """(role, param) per term on the right."""
+    text: str
+    loc: Loc = NOWHERE
+
+
+class Timing:
+    """Which armed deadline must expire before which, from the system's relations (transitively closed).
+
+    ``outlasts(a, b)``: param ``a`` (role-qualified) is declared longer than
+    ``b``. A deadline armed no later than another and shorter than it expires
+    first: :mod:`kvfsm.explore.local` keeps, per pair of roles, whether one's
+    deadline was armed no later than the other's, and lets a timeout fire only
+    when no such shorter deadline is still armed.
+    """
+
+    def __init__(self, relations: tuple[TimeRelation, ...]) -> None:
+        longer: dict[tuple[str, str], set[tuple[str, str]]] = {}
+        for rel in relations:
+            longer.setdefault(rel.longer, set()).update(rel.shorter)
+        changed = True
+        while changed:
+            changed = False
+            for small in longer.values():
+                more = set().union(*(longer.get(x, set()) for x in small)) - small
+                if more:
+                    small |= more
+                    changed = True
+        self._longer = {k: frozenset(v) for k, v in longer.items()}
+
+    def outlasts(self, big: tuple[str, str], small: tuple[str, str]) -> bool:
+        return small in self._longer.get(big, frozenset())
+
+    def cycles(self) -> list[tuple[str, str]]:
+        """Params declared longer than themselves (through a chain of relations): no timing can satisfy them."""
+        return sorted(k for k, v in self._longer.items() if k in v)
+
+    def __bool__(self) -> bool:
+        return bool(self._longer)
+
+
+@dataclass(frozen=True, slots=True)
 class Condition:
     """What one role's instance must look like: in one of ``states`` (any if empty), holding and lacking resources."""
 
@@ -156,6 +207,12 @@ class System:
     doc: str = ""
     path: str = "<memory>"
     locs: Mapping[str, Loc] = field(default_factory=dict)
+    relations: tuple[TimeRelation, ...] = ()
+    """Declared orders between the roles' timeouts; none: any timeout may fire at any time."""
+
+    @cached_property
+    def timing(self) -> Timing:
+        return Timing(self.relations)
 
     @cached_property
     def names(self) -> tuple[str, ...]:

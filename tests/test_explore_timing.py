@@ -1,0 +1,121 @@
+"""Timeout relations: which deadline outlasts which, read from the system file, honoured by the explorer and SPIN."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from test_explore_system import write_pingpong
+
+from kvfsm.explore import explore
+from kvfsm.gen.promela import check_with_spin, to_promela
+from kvfsm.spec import SpecError
+from kvfsm.spec.system import System, check_system, load_system
+from kvfsm.spec.system.model import TimeRelation, Timing
+
+ROOT = Path(__file__).resolve().parent.parent
+BUNDLED = ROOT / "specs" / "explore"
+
+needs_spin = pytest.mark.skipif(
+    shutil.which("spin") is None or shutil.which("gcc") is None, reason="needs Debian spin and gcc"
+)
+
+
+def status(system: System | Path, name: str) -> str:
+    return next(p.status for p in explore(system).properties if p.name == name)
+
+
+def without_relations(folder: Path) -> Path:
+    """The NIXL expiry composition with its relation taken out: any timeout may fire at any time."""
+    source = BUNDLED / "nixl_expiry.yaml"
+    text = source.read_text().replace("{spec: ", f"{{spec: {BUNDLED}/")
+    start = text.index("relations:\n")
+    end = text.index("\n\n", start)
+    path = folder / "nixl_expiry_untimed.yaml"
+    path.write_text(text[:start] + text[end + 2 :])
+    return path
+
+
+def test_the_expiry_that_outlasts_the_read_never_frees_under_it() -> None:
+    result = explore(BUNDLED / "nixl_expiry.yaml")
+    assert result.verdict == "verified"
+
+
+def test_the_reversed_relation_frees_under_a_read_in_one_step() -> None:
+    result = explore(BUNDLED / "nixl_expiry_reversed.yaml")
+    (broken,) = result.violated
+    assert broken.name == "read_after_free" and broken.trace is not None
+    assert [(s.role, s.cause, s.event) for s in broken.trace.moves] == [("prefill", "timeout", "expire")]
+
+
+def test_without_relations_any_timeout_fires_at_any_time(tmp_path: Path) -> None:
+    system = load_system(without_relations(tmp_path))
+    assert system.relations == ()
+    assert status(system, "read_after_free") == "violated"
+
+
+def test_relations_are_read_with_their_lines_and_turned_to_longer_first(tmp_path: Path) -> None:
+    path = write_pingpong(
+        tmp_path,
+        edits={
+            "requests: 2\n": "requests: 2\nrelations:\n  - server.idle_timeout > client.reply_timeout\n"
+            "  - client.reply_timeout < server.idle_timeout\n"
+        },
+    )
+    system = load_system(path)
+    assert [(r.longer, r.shorter, r.loc.line) for r in system.relations] == [
+        (("server", "idle_timeout"), (("client", "reply_timeout"),), 12),
+        (("server", "idle_timeout"), (("client", "reply_timeout"),), 13),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("relation", "message"),
+    [
+        ("server.idle_timeout >= client.reply_timeout", "is not 'role.param > role.param"),
+        ("idle_timeout > client.reply_timeout", "is not 'role.param > role.param"),
+        ("server.idle_timeout + client.reply_timeout > client.reply_timeout", "has a sum on its longer side"),
+    ],
+)
+def test_a_malformed_relation_is_a_schema_error(tmp_path: Path, relation: str, message: str) -> None:
+    path = write_pingpong(tmp_path, edits={"requests: 2\n": f"requests: 2\nrelations: ['{relation}']\n"})
+    with pytest.raises(SpecError, match=message):
+        load_system(path)
+
+
+@pytest.mark.parametrize(
+    ("relations", "message"),
+    [
+        (["nobody.idle_timeout > client.reply_timeout"], "names 'nobody', which is not a role"),
+        (["server.answer_timeout > client.reply_timeout"], "no state of server has a timeout after 'answer_timeout'"),
+        (
+            ["server.idle_timeout > client.reply_timeout", "client.reply_timeout > server.idle_timeout"],
+            "longer than itself",
+        ),
+    ],
+)
+def test_relations_name_real_timeouts_and_admit_some_timing(tmp_path: Path, relations: list[str], message: str) -> None:
+    listed = "".join(f"  - {r}\n" for r in relations)
+    path = write_pingpong(tmp_path, edits={"requests: 2\n": f"requests: 2\nrelations:\n{listed}"})
+    found = [f for f in check_system(path) if f.code == "KVF213"]
+    assert found and message in found[0].message
+
+
+def test_timing_is_transitive_and_reads_a_sum_through_its_terms() -> None:
+    a, b, c, d = ("x", "a"), ("y", "b"), ("z", "c"), ("w", "d")
+    timing = Timing((TimeRelation(a, (b, c), "x.a > y.b + z.c"), TimeRelation(c, (d,), "z.c > w.d")))
+    assert timing.outlasts(a, b) and timing.outlasts(a, c) and timing.outlasts(a, d)
+    assert not timing.outlasts(b, a) and not timing.outlasts(b, d)
+    assert timing.cycles() == []
+
+
+@needs_spin
+@pytest.mark.spin
+@pytest.mark.parametrize("name", ["nixl_expiry", "nixl_expiry_reversed"])
+def test_spin_agrees_on_the_timed_compositions(tmp_path: Path, name: str) -> None:
+    system = load_system(BUNDLED / f"{name}.yaml")
+    ours = explore(system, requests=2, symmetry=False, merge=False)
+    spin = check_with_spin(to_promela(system, requests=2), tmp_path, optimise="-O0", hash_bits=18, depth=100_000)
+    assert spin.complete and spin.states == ours.states
+    assert set(spin.violated) == {p.name for p in ours.violated if p.kind != "eventually"}
