@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from buggy_drivers import FreesOnlyOnAck, frees_only_on_ack, never_takes_pages
 
+from kvfsm.cli import main
 from kvfsm.drivers import pd_loopback
 from kvfsm.drivers.pd_loopback import PDLoopback
 from kvfsm.explore import check_trace, explore
@@ -133,10 +132,12 @@ def test_exemptions_name_items_and_need_a_reason() -> None:
 # -- from the command line ---------------------------------------------------------------------
 
 
-def kvfsm_test(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kvfsm.cli", "test", *args], capture_output=True, text=True, cwd=TESTS, timeout=300
-    )
+def kvfsm_test(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, *args: str) -> tuple[int, str, str]:
+    """``kvfsm test ARGS`` in this process, from ``tests/`` (where buggy_drivers is importable): (exit, out, err)."""
+    monkeypatch.chdir(TESTS)
+    code = main(["test", *args])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
 
 
 LOOPBACK = (
@@ -147,20 +148,25 @@ LOOPBACK = (
 )
 
 
-def test_cli_a_system_file_replays_its_trace_set_on_the_drivers() -> None:
-    result = kvfsm_test(str(CORRECTED), *LOOPBACK)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "✓ pd_abort_corrected: every reachable role edge (27), message (5) and ignored delivery" in result.stdout
-    buggy = kvfsm_test(str(CORRECTED), "--driver", "decode=buggy_drivers:frees_only_on_ack", "--format", "json")
-    assert buggy.returncode == 1, buggy.stdout + buggy.stderr
-    doc = json.loads(buggy.stdout)
+def test_cli_a_system_file_replays_its_trace_set_on_the_drivers(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    code, out, err = kvfsm_test(capsys, monkeypatch, str(CORRECTED), *LOOPBACK)
+    assert code == 0, out + err
+    assert "✓ pd_abort_corrected: every reachable role edge (27), message (5) and ignored delivery" in out
+    args = (str(CORRECTED), "--driver", "decode=buggy_drivers:frees_only_on_ack", "--format", "json")
+    code, out, err = kvfsm_test(capsys, monkeypatch, *args)
+    assert code == 1, out + err
+    doc = json.loads(out)
     assert doc["drivers"]["prefill"] == "ledger (built in)" and not doc["passed"]
     assert "decode: aborting --abort_ack--> aborted" in {g["name"] for g in doc["coverage_verdict"]["not_reached"]}
     assert any(t["mismatch"] and t["mismatch"]["what"] == "observe" for t in doc["traces"])
 
 
-def test_cli_a_system_file_refuses_what_only_a_random_run_takes() -> None:
-    result = kvfsm_test(str(CORRECTED), "--seed", "3", *LOOPBACK)
-    assert result.returncode == 2 and "--seed does not apply to a system file" in result.stderr
-    unnamed = kvfsm_test(str(CORRECTED), "--driver", "kvfsm.drivers.pd_loopback:decode")
-    assert unnamed.returncode == 2 and "names no role; for a system file write ROLE=MODULE:FACTORY" in unnamed.stderr
+def test_cli_a_system_file_refuses_what_only_a_random_run_takes(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    code, _out, err = kvfsm_test(capsys, monkeypatch, str(CORRECTED), "--seed", "3", *LOOPBACK)
+    assert code == 2 and "--seed does not apply to a system file" in err
+    code, _out, err = kvfsm_test(capsys, monkeypatch, str(CORRECTED), "--driver", "kvfsm.drivers.pd_loopback:decode")
+    assert code == 2 and "names no role; for a system file write ROLE=MODULE:FACTORY" in err
