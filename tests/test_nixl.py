@@ -183,3 +183,65 @@ def test_embedded_soak_with_faults_leaks_nothing_and_hangs_nothing() -> None:
     result = soak(requests=300, concurrency=128, fault_rate=0.1, real=False, abort_timeout=0.3, read_timeout=1.0)
     assert result.ok, result
     assert sum(result.faults.values()) > 0 and result.blocks_verified > 0
+
+
+# -- seed 004 caught before it runs, and in the journals when it does ------------------------------------------------
+
+
+def test_kvfsm_test_fails_the_seed_reader_naming_the_id_and_both_spaces_and_passes_the_correct_one() -> None:
+    from kvfsm.drivers.nixl import decode_spec
+    from kvfsm.showcase.nixl_seed import correct_reader, seed_reader
+    from kvfsm.testing import run
+
+    caught = run(decode_spec(), seed_reader, seed=1, examples=20)
+    assert not caught.passed
+    assert caught.story[-1].endswith(
+        "sent read to nixl_prefill with 'req-1', the key (space request_id); "
+        "the spec says it carries remote_request_id, linked to 'p-1'"
+    ), "\n".join(caught.story)
+    report = run(decode_spec(), correct_reader, seed=1, examples=20)
+    assert report.passed, "\n".join(report.story) or report.error
+
+
+@pytest.mark.parametrize("reader", [BlockReader, LocalIdReader], ids=["correct", "seed"])
+def test_the_seed_readers_journals_fail_replay_limits_and_the_correct_ones_pass(tmp_path, reader) -> None:  # type: ignore[no-untyped-def]
+    from kvfsm.cli import main
+    from kvfsm.drivers.nixl import decode_spec, prefill_spec
+    from kvfsm.replay import JsonlJournal, Limit, check_log
+
+    topology = Topology(prefill_tp=2, decode_tp=1, mla=True, kv_bytes=64)
+    fabric, clock = Fabric(), Clock()
+    journals = [JsonlJournal(tmp_path / f"p{r}.jsonl", machine="nixl_prefill") for r in range(2)]
+    prefill = [
+        PrefillRank(r, topology, fabric.agent(f"p{r}"), 16, params={"abort_timeout": 5.0}, clock=clock,
+                    observer=journals[r], on_anomaly=journals[r].anomaly)
+        for r in range(2)
+    ]  # fmt: skip
+    djournal = JsonlJournal(tmp_path / "d0.jsonl", machine="nixl_decode")
+    decode = DecodeRank(0, topology, fabric.agent("d0"), 16, clock=clock, reader=reader,
+                        observer=djournal, on_anomaly=djournal.anomaly)  # fmt: skip
+    decode.handshake([PeerInfo("E", p.rank, p.agent.name, p.agent.metadata(), p.blocks.base, p.blocks.block_bytes)
+                      for p in prefill])  # fmt: skip
+    for i in range(4):
+        remote = [p.compute(f"p-{i}", 2) for p in prefill]
+        for p, blocks in zip(prefill, remote, strict=True):
+            p.request_finished(f"p-{i}", blocks)
+        decode.start_load(f"d-{i}", f"p-{i}", "E", decode.blocks.pool.allocate(f"d-{i}", 2), remote[0])
+    for now in (0.0, 6.0):  # the reads complete; the skipped ranks' expiry passes
+        clock.now = now
+        decode.step()
+        for p in prefill:
+            p.step()
+    assert decode.outcomes == {"loaded": 4}
+    for journal in (*journals, djournal):
+        journal.close()
+    zero = {"unknown": Limit.parse("0"), "misaddressed": Limit.parse("0")}
+    skipped = check_log(prefill_spec(), tmp_path / "p1.jsonl", limits=zero, params={"abort_timeout": 5.0})
+    sender = check_log(decode_spec(), tmp_path / "d0.jsonl", limits=zero)
+    replay = ["replay", prefill_spec().path, str(tmp_path / "p1.jsonl"), "--param", "abort_timeout=5"]
+    assert (main([*replay, "--max", "unknown=0"]) == 0) == (reader is BlockReader)  # kvfsm replay, as a CI runs it
+    if reader is BlockReader:
+        assert skipped.conforms and sender.conforms and prefill[1].outcomes == {"read": 4}
+    else:  # the skipped rank never heard its own id: unknown there, misaddressed where it was sent
+        assert not skipped.conforms and skipped.anomalies == {"unknown": 4} and prefill[1].outcomes == {"expired": 4}
+        assert not sender.conforms and sender.anomalies == {"misaddressed": 4}
