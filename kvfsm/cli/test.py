@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -218,14 +219,8 @@ def _replay(args: argparse.Namespace) -> int:
     from ..spec.system import is_system_file, load_system
     from ..testing.trace_replay import replay_trace
 
-    given = [
-        f"--{name.replace('_', '-')}"
-        for name in ("examples", "steps", "seed", "coverage_svg", "min_coverage", "exempt")
-        if getattr(args, name) is not None
-    ]
-    if given:
-        verb = "does" if len(given) == 1 else "do"
-        err.print(f"[red]kvfsm test: {', '.join(given)} {verb} not apply to --trace, which replays one fixed run[/]")
+    options = ("examples", "steps", "seed", "coverage_svg", "min_coverage", "exempt")
+    if _given(args, options, "--trace, which replays one fixed run"):
         return EXIT_USAGE
     if args.spec.is_file() and not is_system_file(args.spec):
         err.print(
@@ -239,15 +234,26 @@ def _replay(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     refs, factories = roles
     result = replay_trace(system, args.trace, factories)
-    drivers = {
-        role: f"{result.drivers[role]} ({refs[role]})" if role in refs else result.drivers[role]
-        for role in system.roles
-    }
+    drivers = _driven_by(system, result.drivers, refs)
     if args.format == "json":
         out.print_json(json.dumps({"trace": str(args.trace), **result.as_dict(), "drivers": drivers}))
     else:
         _render_replay(result, drivers)
     return EXIT_OK if result.passed else EXIT_FINDINGS
+
+
+def _given(args: argparse.Namespace, options: tuple[str, ...], mode: str) -> bool:
+    """Whether any of ``options`` was given, which ``mode`` has no use for; says so if one was."""
+    given = [f"--{name.replace('_', '-')}" for name in options if getattr(args, name) is not None]
+    if given:
+        verb = "does" if len(given) == 1 else "do"
+        err.print(f"[red]kvfsm test: {', '.join(given)} {verb} not apply to {mode}[/]")
+    return bool(given)
+
+
+def _driven_by(system: System, drove: Mapping[str, str], refs: Mapping[str, str]) -> dict[str, str]:
+    """role → what drove it, with the ``--driver`` reference it came from."""
+    return {role: f"{drove[role]} ({refs[role]})" if role in refs else drove[role] for role in system.roles}
 
 
 def _role_drivers(
@@ -322,15 +328,8 @@ def _cover_system(args: argparse.Namespace) -> int:
     from ..testing.bar import Bar, load_exemptions
     from ..testing.trace_set import cover_system
 
-    given = [
-        f"--{name.replace('_', '-')}" for name in ("examples", "steps", "seed", "coverage_svg") if getattr(args, name)
-    ]
-    if given:
-        verb = "does" if len(given) == 1 else "do"
-        err.print(
-            f"[red]kvfsm test: {', '.join(given)} {verb} not apply to a system file, whose trace set is fixed by "
-            "the system (no examples, no seed)[/]"
-        )
+    options = ("examples", "steps", "seed", "coverage_svg")
+    if _given(args, options, "a system file, whose trace set is fixed by the system (no examples, no seed)"):
         return EXIT_USAGE
     system = load_system(args.spec)
     roles = _role_drivers(args.driver, system, "for a system file")
@@ -340,10 +339,7 @@ def _cover_system(args: argparse.Namespace) -> int:
     exempt = load_exemptions(args.exempt).get(system.name, {}) if args.exempt is not None else {}
     bar = Bar(args.min_coverage if args.min_coverage is not None else 1.0, exempt)
     result = cover_system(system, factories, bar=bar)
-    drivers = {
-        role: f"{result.drivers[role]} ({refs[role]})" if role in refs else result.drivers[role]
-        for role in system.roles
-    }
+    drivers = _driven_by(system, result.drivers, refs)
     if args.format == "json":
         out.print_json(json.dumps({**result.as_dict(), "drivers": drivers}))
     else:
