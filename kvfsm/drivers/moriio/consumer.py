@@ -121,13 +121,15 @@ class BlockReader(BlockLoader):
     """Actions of ``moriio_read_consumer``: read the prefill's blocks, and send ``release`` however the load ends.
 
     ``_sources[key]`` is kept with the ``dst_blocks`` record, ``_batches[key]``
-    is the ``xfer`` one (:meth:`post_reads`, :meth:`release_reads`).
+    is the ``xfer`` one (:meth:`post_reads`, :meth:`release_reads`), ``_owed[key]``
+    the ``peer_release`` one (:meth:`owe_release`, :meth:`send_release`).
     """
 
     def __init__(self, blocks: KVBlocks, transport: Transport, peer: str, rank: int = 0, acks: int = 1) -> None:
         super().__init__(blocks, transport, peer, rank, acks)
         self._sources: dict[Hashable, Source] = {}
         self._batches: dict[Hashable, object] = {}
+        self._owed: dict[Hashable, tuple[str, str]] = {}
 
     def pin_dst(self, key: Hashable, /, transfer_id: str, block_ids: Sequence[int], remote_blocks: Source) -> None:
         if len(remote_blocks.blocks) < len(block_ids):
@@ -137,12 +139,13 @@ class BlockReader(BlockLoader):
         self._pin(key, transfer_id, block_ids)
         self._sources[key] = remote_blocks
 
-    def unpin_dst(self, key: Hashable, /) -> None:
-        """Release the prefill's blocks (on success and on failure), then let go of ours."""
-        source = self._sources.pop(key)
-        load = self._loads[key]
-        self.transport.notify(source.peer, Release(load.transfer_id, self.rank))
-        super().unpin_dst(key)
+    def owe_release(self, key: Hashable, /, transfer_id: str, block_ids: Sequence[int], remote_blocks: Source) -> None:
+        self._owed[key] = (remote_blocks.peer, transfer_id)
+
+    def send_release(self, key: Hashable, /) -> None:
+        """Tell the prefill side its blocks are free to go: on success and on failure alike."""
+        peer, transfer_id = self._owed.pop(key)
+        self.transport.notify(peer, Release(transfer_id, self.rank))
 
     def post_reads(self, key: Hashable, /) -> None:
         load = self._loads[key]
@@ -161,8 +164,17 @@ class BlockReader(BlockLoader):
         """The requests whose reads all succeeded, and those whose reads ended with a failure."""
         return split_statuses(self.transport, self._batches)
 
+    def unpin_dst(self, key: Hashable, /) -> None:
+        self._sources.pop(key, None)
+        super().unpin_dst(key)
+
     def observe(self, key: Hashable) -> set[str]:
-        return super().observe(key) | ({"xfer"} if key in self._batches else set())
+        held = super().observe(key)
+        if key in self._batches:
+            held.add("xfer")
+        if key in self._owed:
+            held.add("peer_release")
+        return held
 
 
 class DecodeEngine(Side):
@@ -181,7 +193,7 @@ class DecodeEngine(Side):
         params: dict[str, Any] | None = None,
         clock: Callable[[], float] = time.monotonic,
         spec: Spec | None = None,
-        driver: BlockLoader | None = None,
+        driver: type[WriteReceiver] | type[BlockReader] | None = None,
     ) -> None:
         if mode not in ("write", "read"):
             raise ValueError(f"mode must be 'write' or 'read', not {mode!r}")
@@ -190,12 +202,10 @@ class DecodeEngine(Side):
         self.transport = transport
         self.blocks = KVBlocks(num_blocks, block_bytes)
         transport.register(self.blocks.tensor)
-        if driver is None:
-            kind = WriteReceiver if mode == "write" else BlockReader
-            driver = kind(self.blocks, transport, peer, rank, acks)
-        self.driver = driver
+        kind = driver if driver is not None else WriteReceiver if mode == "write" else BlockReader
+        self.driver: BlockLoader = kind(self.blocks, transport, peer, rank, acks)
         spec = spec if spec is not None else moriio_spec(f"{mode}_consumer")
-        self.tracker = Tracker(spec, driver, params=params, clock=clock)
+        self.tracker = Tracker(spec, self.driver, params=params, clock=clock)
         self.counts: Counter[str] = Counter()
         self.sources: dict[str, Source] = {}
         """READ mode: where the prefill computed each transfer's blocks (its ``computed`` answers)."""

@@ -5,9 +5,12 @@ a transfer is hit (a fraction ``rate``) and by which fault (uniformly among
 ``kinds``). Both engines wrap their transport in a :class:`FaultyTransport`
 over the same plan and each applies the faults that happen on its side:
 
-- ``failed_write`` / ``failed_read``: the batch is posted to an address the
-  peer never registered, so the engine itself answers failed (Mooncake:
-  "WRITE rejected by server");
+- ``failed_write`` / ``failed_read``: the batch is posted where it cannot
+  succeed, so the engine itself answers failed: to addresses the peer never
+  registered, or (``unreachable`` given) to a peer nobody listens at. Mooncake
+  answers both with -1, but a write its server rejected also stalls the
+  other writes on that connection for about a second, so the Mooncake tests
+  use the unreachable peer;
 - ``raising_write`` / ``raising_read``: posting raises :class:`TransferError`;
 - ``lost_write_done``, ``lost_release``, ``lost_remote_blocks`` (a remote that
   never sends its blocks): the message is not sent;
@@ -66,9 +69,10 @@ class FaultPlan:
 class FaultyTransport:
     """``inner`` with the faults of ``plan`` applied to its own batches and messages; ``injected`` counts them."""
 
-    def __init__(self, inner: Transport, plan: FaultPlan) -> None:
+    def __init__(self, inner: Transport, plan: FaultPlan, unreachable: str | None = None) -> None:
         self.inner = inner
         self.plan = plan
+        self.unreachable = unreachable
         self.injected: Counter[str] = Counter()
 
     @property
@@ -79,10 +83,12 @@ class FaultyTransport:
         self.inner.register(tensor)
 
     def write(self, peer: str, local: Sequence[Extent], remote: Sequence[int], uid: str) -> object:
-        return self.inner.write(peer, local, self._posting("write", peer, remote, uid), uid)
+        target, where = self._posting("write", peer, remote, uid)
+        return self.inner.write(target, local, where, uid)
 
     def read(self, peer: str, local: Sequence[Extent], remote: Sequence[int], uid: str) -> object:
-        return self.inner.read(peer, local, self._posting("read", peer, remote, uid), uid)
+        target, where = self._posting("read", peer, remote, uid)
+        return self.inner.read(target, local, where, uid)
 
     def status(self, batch: object) -> Status:
         return self.inner.status(batch)
@@ -104,12 +110,15 @@ class FaultyTransport:
     def messages(self) -> list[Message]:
         return self.inner.messages()
 
-    def _posting(self, op: str, peer: str, remote: Sequence[int], uid: str) -> Sequence[int]:
+    def _posting(self, op: str, peer: str, remote: Sequence[int], uid: str) -> tuple[str, Sequence[int]]:
+        """Where the batch really goes: ``(peer, remote)``, or a place it fails; raises for a raising fault."""
         fault = self.plan.fault(uid)
         if fault == f"raising_{op}":
             self.injected[fault] += 1
             raise TransferError(f"batch_{op}", peer, "injected failure")
         if fault == f"failed_{op}":
             self.injected[fault] += 1
-            return [UNREGISTERED + i for i in range(len(remote))]
-        return remote
+            if self.unreachable is not None:
+                return self.unreachable, remote
+            return peer, [UNREGISTERED + i for i in range(len(remote))]
+        return peer, remote

@@ -22,6 +22,7 @@ from ...spec import Spec
 from ..block_pool import NoFreeBlocks
 from ..nixl.blocks import KVBlocks
 from ..report import Finished, Report
+from .faults import FaultyTransport
 from .messages import Computed, Message, Prefill, Release, RemoteBlocks, Stats, StatsQuery, WriteDone
 from .side import Side
 from .specs import moriio_spec
@@ -165,7 +166,7 @@ class PrefillEngine(Side):
         params: dict[str, Any] | None = None,
         clock: Callable[[], float] = time.monotonic,
         spec: Spec | None = None,
-        driver: BlockHolder | None = None,
+        driver: type[BlockWriter] | type[BlockLender] | None = None,
     ) -> None:
         if mode not in ("write", "read"):
             raise ValueError(f"mode must be 'write' or 'read', not {mode!r}")
@@ -173,14 +174,13 @@ class PrefillEngine(Side):
         self.transport = transport
         self.blocks = KVBlocks(num_blocks, block_bytes)
         transport.register(self.blocks.tensor)
-        if driver is None:
-            driver = BlockWriter(self.blocks, transport, rank) if mode == "write" else BlockLender(
-                self.blocks, transport, rank, acks
-            )  # fmt: skip
-        self.driver = driver
+        kind = driver if driver is not None else BlockWriter if mode == "write" else BlockLender
+        self.driver: BlockHolder = kind(self.blocks, transport, rank)
+        if isinstance(self.driver, BlockLender):
+            self.driver.acks = acks
         spec = spec if spec is not None else moriio_spec(f"{mode}_producer")
         super().__init__()
-        self.tracker = Tracker(spec, driver, params=params, clock=clock)
+        self.tracker = Tracker(spec, self.driver, params=params, clock=clock)
         self.counts: Counter[str] = Counter()
         self.queued: OrderedDict[str, Prefill] = OrderedDict()
         """Requests waiting for free blocks, in arrival order (vLLM's waiting queue)."""
@@ -252,6 +252,7 @@ class PrefillEngine(Side):
             "queued": len(self.queued),
             "held_blocks": sum(len(b) for b in self.blocks.pool.holdings().values()),
             "counts": dict(self.counts),
+            "faults": dict(self.transport.injected) if isinstance(self.transport, FaultyTransport) else {},
         }
 
     # -- internals ----------------------------------------------------------------------

@@ -1,0 +1,159 @@
+"""A MoRIIO prefill engine on the real Mooncake TransferEngine, in a process of its own.
+
+``python -m kvfsm.drivers.moriio.peer`` builds a :class:`~.producer.PrefillEngine`
+over a :class:`~.mooncake.MooncakeTransport` (behind a
+:class:`~.faults.FaultyTransport` when a fault rate is given), prints its
+transport name as one JSON line, and steps it until stdin closes. Requests
+(``prefill``), ``remote_blocks``, ``release`` and ``stats_query`` reach it
+over its ZMQ socket, like any other message. ``--pre-fix`` runs seed 001's
+shape instead (:mod:`kvfsm.showcase.moriio_seed`). :class:`PeerProcess`
+starts it, waits for its name with a deadline, and stops or kills it by pid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any
+
+
+class PeerError(RuntimeError):
+    """The peer process did not start in time or died."""
+
+
+class PeerProcess:
+    """A prefill engine in its own process; :attr:`name` is its transport's name (what the decode side posts to)."""
+
+    def __init__(
+        self,
+        *,
+        blocks: int,
+        block_bytes: int,
+        mode: str = "write",
+        params: dict[str, float] | None = None,
+        fault_rate: float = 0.0,
+        faults: tuple[str, ...] = (),
+        fault_seed: int = 0,
+        pre_fix: bool = False,
+        log: Path | None = None,
+        start_timeout: float = 60.0,
+    ) -> None:
+        args = [
+            sys.executable, "-m", "kvfsm.drivers.moriio.peer", "--mode", mode, "--blocks", str(blocks),
+            "--block-bytes", str(block_bytes), "--params", json.dumps(params or {}),
+            "--fault-rate", str(fault_rate), "--faults", ",".join(faults), "--fault-seed", str(fault_seed),
+        ]  # fmt: skip
+        if pre_fix:
+            args.append("--pre-fix")
+        self._log: IO[bytes] | int = open(log, "wb") if log is not None else subprocess.DEVNULL  # noqa: SIM115
+        env = {**os.environ, "MC_LOG_LEVEL": os.environ.get("MC_LOG_LEVEL", "ERROR")}
+        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=env)
+        try:
+            self.name = self._hello(start_timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def _hello(self, timeout: float) -> str:
+        out = self.proc.stdout
+        if out is None:
+            raise PeerError("the prefill peer has no stdout")
+        ready, _, _ = select.select([out], [], [], timeout)
+        line = out.readline() if ready else b""
+        if not line:
+            raise PeerError(f"the prefill peer (pid {self.pid}) did not start within {timeout} s")
+        name: str = json.loads(line)["name"]
+        return name
+
+    def kill(self) -> None:
+        """SIGKILL the peer: a dead prefill, mid-run."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        """Close stdin (the peer exits), wait, and kill it by pid if it does not."""
+        proc = self.proc
+        if proc.stdin is not None:
+            with contextlib.suppress(BrokenPipeError):
+                proc.stdin.close()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+        if proc.stdout is not None:
+            proc.stdout.close()
+        if not isinstance(self._log, int):
+            self._log.close()
+
+    def __enter__(self) -> PeerProcess:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()
+
+
+def _serve(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kvfsm.drivers.moriio.peer")
+    ap.add_argument("--mode", choices=["write", "read"], default="write")
+    ap.add_argument("--blocks", type=int, required=True)
+    ap.add_argument("--block-bytes", type=int, required=True)
+    ap.add_argument("--params", default="{}")
+    ap.add_argument("--fault-rate", type=float, default=0.0)
+    ap.add_argument("--faults", default="")
+    ap.add_argument("--fault-seed", type=int, default=0)
+    ap.add_argument("--pre-fix", action="store_true")
+    opts = ap.parse_args(argv)
+    from .faults import FaultPlan, FaultyTransport
+    from .mooncake import UNREACHABLE, MooncakeTransport
+    from .producer import PrefillEngine
+    from .transport import Transport
+
+    base = MooncakeTransport()
+    transport: Transport = base
+    kinds = tuple(k for k in opts.faults.split(",") if k)
+    if kinds:
+        transport = FaultyTransport(base, FaultPlan(opts.fault_rate, kinds, opts.fault_seed), UNREACHABLE)
+    extra: dict[str, Any] = {}
+    if opts.pre_fix:
+        from ...showcase.moriio_seed import PreFixWriter, pre_fix_spec
+
+        extra = {
+            "spec": pre_fix_spec(f"{opts.mode}_producer"),
+            "driver": PreFixWriter if opts.mode == "write" else None,
+        }
+    params = json.loads(opts.params) if not opts.pre_fix else None
+    engine = PrefillEngine(transport, opts.blocks, opts.block_bytes, mode=opts.mode, params=params, **extra)
+    sys.stdout.write(json.dumps({"name": base.name, "pid": os.getpid()}) + "\n")
+    sys.stdout.flush()
+    stdin = sys.stdin.buffer
+    while True:
+        ready, _, _ = select.select([stdin], [], [], 0)
+        if ready and not os.read(stdin.fileno(), 4096):
+            break
+        engine.step()
+        if engine.tracker.live() == 0 and not engine.queued:
+            base.mailbox.wait(0.005)
+        else:
+            time.sleep(0.001)
+    engine.tracker.close()
+    base.close()
+    os._exit(0)  # the TransferEngine's teardown at interpreter exit is not needed
+
+
+if __name__ == "__main__":
+    sys.exit(_serve(sys.argv[1:]))
