@@ -95,12 +95,12 @@ def items(system: System) -> list[Item]:
 
 
 def covered_by(step: Step) -> tuple[Item, ...]:
-    """What one step of a trace exercises."""
-    assert step.event is not None and step.source is not None  # only a begin step has neither
+    """What one step of a trace exercises (a begin step: nothing)."""
+    if step.event is None or step.source is None:
+        return ()
     found: list[Item] = []
     if step.cause == "message":
-        receiver = step.role
-        found.append(Item("message", receiver, "", step.event, ""))
+        found.append(Item("message", step.role, "", step.event, ""))
     if step.action == "fire":
         found.append(Item("edge", step.role, step.source, step.event, step.target))
     elif step.action == "ignore":
@@ -411,9 +411,8 @@ def cover_system(
         for done in replay:
             if done.mismatch is not None:
                 break
-            if done.step.action != "begin":
-                matched += 1
-                exercised.update(covered_by(done.step))
+            matched += done.step.action != "begin"
+            exercised.update(covered_by(done.step))
         mismatch = next((d.mismatch for d in replay.done if d.mismatch is not None), None)
         runs.append(TraceOutcome(goal, trace, matched, mismatch))
     gaps: list[tuple[Item, str]] = []
