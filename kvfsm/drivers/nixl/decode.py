@@ -286,11 +286,19 @@ class DecodeRank:
         self._fire(request_id, "abort")
 
     def step(self, now: float | None = None) -> Finished:
-        """Once per scheduler step: finish the READs that are done or failed, fire due deadlines, drain the report."""
+        """Once per scheduler step: finish the READs that are done or failed (one batch each), fire due deadlines,
+        drain the report."""
+        ended: dict[str, list[Hashable]] = {"DONE": [], "ERR": []}
         for key in self.driver.reading():
             state = self.driver.transfer_state(key)
             if state != "PROC":
-                self._fire(key, "complete" if state == "DONE" else "fail")
+                ended[state].append(key)
+        for state, event in (("DONE", "complete"), ("ERR", "fail")):
+            if ended[state]:
+                try:
+                    self.tracker.fire_many(event, ended[state])
+                except ActionError as exc:  # each key is already in a defined state (failed); keep the story
+                    self.errors.append(exc)
         self.tracker.poll(now)
         for _, final in self.tracker.finished():
             self.outcomes[final] += 1

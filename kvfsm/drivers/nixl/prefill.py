@@ -116,28 +116,43 @@ class PrefillRank:
 
     def request_finished(self, request_id: str, block_ids: Sequence[int]) -> None:
         """vLLM's request_finished with delay_free: the connector holds the blocks, the scheduler lets go of its own."""
-        self.tracker.begin(request_id, block_ids=list(block_ids))
+        self.hold(request_id, block_ids)
         self.blocks.pool.release(request_id)
+
+    def hold(self, request_id: str, block_ids: Sequence[int]) -> None:
+        """The connector becomes a holder of ``block_ids`` for the decode side's READ (the owner keeps its own hold)."""
+        self.tracker.begin(request_id, block_ids=list(block_ids))
 
     def abort(self, request_id: str) -> None:
         self.tracker.fire(request_id, "abort")
 
     def on_notif(self, raw: bytes) -> None:
         """Apply one notification; a malformed one is counted and dropped."""
-        notif = parse(raw)
-        if notif is None:
-            self.counts["malformed"] += 1
-            return
-        if self.driver.count_read(notif.request_id, self.topology.expected(notif.world_size)):
-            self.counts["read"] += 1
-            self.tracker.fire(notif.request_id, "read")  # an id this rank does not hold: counted as unknown
-        else:
-            self.counts["partial"] += 1
+        self.on_notifs([raw])
+
+    def on_notifs(self, raws: Sequence[bytes]) -> None:
+        """Apply a step's notifications as one batch: ``read`` for each request whose last expected one came.
+
+        The batch goes to ``deliver_many``, routed by the space the spec
+        declares for ``read`` (this rank's own request id): an id this rank
+        does not hold is counted as unknown, a repeated one as late or ignored.
+        """
+        ready = []
+        for raw in raws:
+            notif = parse(raw)
+            if notif is None:
+                self.counts["malformed"] += 1
+            elif self.driver.count_read(notif.request_id, self.topology.expected(notif.world_size)):
+                self.counts["read"] += 1
+                ready.append(notif.request_id)
+            else:
+                self.counts["partial"] += 1
+        if ready:
+            self.tracker.deliver_many("read", ready)
 
     def step(self, now: float | None = None) -> Finished:
         """Once per scheduler step: take the notifications, fire due expiries, drain finished_sending."""
-        for raw in self.agent.notifs():
-            self.on_notif(raw)
+        self.on_notifs(self.agent.notifs())
         self.tracker.poll(now)
         for _, final in self.tracker.finished():
             self.outcomes[final] += 1
