@@ -1,0 +1,166 @@
+"""Ready-made 1P1D runs of the MoRIIO drivers: in one process (embedded transport), or across two (Mooncake).
+
+What the tests, the soak benchmark and ``kvfsm demo --driver moriio`` run:
+:func:`embedded_run` and :func:`mooncake_run` build a prefill and a decode
+engine with a shared :class:`~.faults.FaultPlan`, optionally seed 001's
+pre-fix prefill, optionally a prefill that dies mid-run, and return the
+:class:`~.load.LoadResult`. Timeouts are scaled down from vLLM's 30 s / 60 s
+so a run takes seconds; their order is the one the specs ask for (the decode
+side waits longer than the prefill side may still write).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .consumer import DecodeEngine
+from .embedded import Fabric
+from .faults import READ_FAULTS, WRITE_FAULTS, FaultPlan, FaultyTransport
+from .load import LoadResult, run_load
+from .producer import PrefillEngine
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """The specs' params for a run: the producer's ``defer_timeout``/``transfer_timeout``, the consumer's wait."""
+
+    defer: float = 0.5
+    transfer: float = 0.5
+    recv: float = 1.2
+
+    def producer(self, mode: str) -> dict[str, float]:
+        if mode == "write":
+            return {"defer_timeout": self.defer, "transfer_timeout": self.transfer}
+        return {"defer_timeout": self.defer + self.transfer}
+
+    def consumer(self, mode: str) -> dict[str, float]:
+        return {"recv_timeout": self.recv} if mode == "write" else {"transfer_timeout": self.transfer}
+
+    def deadline(self, mode: str) -> float:
+        """How long a request may take on the decode side: its own timeout, plus a step's slack."""
+        return (self.recv if mode == "write" else self.transfer) + 0.1
+
+
+FAST = Timeouts()
+MOONCAKE = Timeouts(defer=1.0, transfer=2.0, recv=4.0)
+DEAD_PEER: dict[str, Any] = {
+    "live": 0, "queued": 0, "held_blocks": 0, "outcomes": {}, "anomalies": {}, "errors": 0,
+    "tracker_seconds": 0.0, "counts": {}, "faults": {}, "dead": True,
+}  # fmt: skip
+"""What a dead prefill can say about itself: nothing (a run with a killed peer judges the decode side)."""
+
+
+def default_faults(mode: str) -> tuple[str, ...]:
+    return WRITE_FAULTS if mode == "write" else READ_FAULTS
+
+
+def embedded_run(
+    mode: str = "write",
+    *,
+    requests: int = 600,
+    concurrency: int = 128,
+    blocks_per_request: int = 2,
+    block_bytes: int = 1024,
+    fault_rate: float = 0.1,
+    faults: Sequence[str] | None = None,
+    seed: int = 1,
+    timeouts: Timeouts = FAST,
+    pre_fix: bool = False,
+    prefill_headroom: float = 1.25,
+    kill_at: float | None = None,
+) -> LoadResult:
+    """One run in this process. ``pre_fix``: seed 001's prefill (WRITE mode);
+    ``kill_at``: the prefill dies that many seconds in."""
+    fabric = Fabric()
+    plan = FaultPlan(fault_rate, faults if faults is not None else default_faults(mode), seed)
+    pt = FaultyTransport(fabric.endpoint("prefill"), plan)
+    dt = FaultyTransport(fabric.endpoint("decode"), plan)
+    prefill_blocks = int(concurrency * blocks_per_request * prefill_headroom)
+    extra: dict[str, Any] = {}
+    params: dict[str, float] | None = timeouts.producer(mode)
+    if pre_fix:
+        from ...showcase.moriio_seed import PreFixWriter, pre_fix_spec
+
+        extra = {"spec": pre_fix_spec(f"{mode}_producer"), "driver": PreFixWriter if mode == "write" else None}
+        params = None
+    prefill = PrefillEngine(pt, prefill_blocks, block_bytes, mode=mode, params=params, **extra)
+    decode = DecodeEngine(
+        dt, concurrency * blocks_per_request, block_bytes, "prefill", mode=mode, params=timeouts.consumer(mode)
+    )
+    dead = False
+
+    def tick(elapsed: float) -> None:
+        nonlocal dead
+        if kill_at is not None and not dead and elapsed >= kill_at:
+            fabric.dead.add("prefill")
+            dead = True
+
+    def step_prefill() -> None:
+        if not dead:
+            prefill.step()
+
+    return run_load(
+        decode, "prefill", requests=requests, concurrency=concurrency, blocks_per_request=blocks_per_request,
+        deadline=timeouts.deadline(mode), settle=timeouts.defer + timeouts.transfer + 0.5, step_prefill=step_prefill,
+        prefill_stats=lambda: DEAD_PEER if dead else prefill.stats(), faults=lambda: _merge(pt, dt), tick=tick,
+    )  # fmt: skip
+
+
+def mooncake_run(
+    *,
+    requests: int = 600,
+    concurrency: int = 128,
+    blocks_per_request: int = 2,
+    block_bytes: int = 4096,
+    fault_rate: float = 0.1,
+    faults: Sequence[str] = WRITE_FAULTS,
+    seed: int = 1,
+    timeouts: Timeouts = MOONCAKE,
+    pre_fix: bool = False,
+    kill_at: float | None = None,
+) -> LoadResult:
+    """One WRITE-mode run on real TransferEngines: the prefill in a process of its own, the decode side here."""
+    from .mooncake import UNREACHABLE, MooncakeTransport
+    from .peer import PeerProcess
+
+    plan = FaultPlan(fault_rate, faults, seed)
+    with PeerProcess(
+        blocks=int(concurrency * blocks_per_request * 1.25), block_bytes=block_bytes,
+        params=timeouts.producer("write"), fault_rate=fault_rate, faults=tuple(faults), fault_seed=seed,
+        pre_fix=pre_fix,
+    ) as peer:  # fmt: skip
+        base = MooncakeTransport()
+        dt = FaultyTransport(base, plan, UNREACHABLE)
+        decode = DecodeEngine(
+            dt, concurrency * blocks_per_request, block_bytes, peer.name, params=timeouts.consumer("write")
+        )
+        dead = False
+
+        def tick(elapsed: float) -> None:
+            nonlocal dead
+            if kill_at is not None and not dead and elapsed >= kill_at:
+                peer.kill()
+                dead = True
+
+        try:
+            result = run_load(
+                decode, peer.name, requests=requests, concurrency=concurrency, blocks_per_request=blocks_per_request,
+                deadline=timeouts.deadline("write"), settle=timeouts.defer + timeouts.transfer + 0.5,
+                faults=lambda: dict(dt.injected), tick=tick,
+                prefill_stats=(lambda: DEAD_PEER) if kill_at is not None else None,
+            )  # fmt: skip
+        finally:
+            base.close()
+    prefill_faults = result.prefill.get("faults", {})
+    result.faults = {**result.faults, **prefill_faults}
+    return result
+
+
+def _merge(*transports: FaultyTransport) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for t in transports:
+        for k, v in t.injected.items():
+            out[k] = out.get(k, 0) + v
+    return out

@@ -1,0 +1,262 @@
+"""The MoRIIO drivers (seed 001) on the embedded transport: specs, model-based tests, ids, TP counting, faults, the hang.
+
+The specs are checked and explored; the drivers are model-tested against
+them (and the pre-fix copies must fail); the engines are run as a 1P1D pair
+under a closed-loop load with injected faults, and seed 001's pre-fix
+prefill is run at concurrency 512 with lost ``remote_blocks`` to show it hang.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+import kvfsm
+import kvfsm.testing
+from kvfsm.drivers.moriio import (
+    DecodeEngine,
+    Fabric,
+    FaultPlan,
+    PrefillEngine,
+    Release,
+    RemoteBlocks,
+    WriteDone,
+    decode,
+    encode,
+    expected_acks,
+    moriio_spec,
+)
+from kvfsm.drivers.moriio.cluster import embedded_run
+from kvfsm.drivers.moriio.model import FACTORIES
+from kvfsm.explore import explore
+from kvfsm.showcase.moriio_seed import PreFixModelReader, PreFixModelWriter, pre_fix_spec
+from kvfsm.spec.system.loader import read_system_file
+from kvfsm.testing import VirtualClock
+
+SPECS = Path(kvfsm.__file__).parent / "specs" / "moriio"
+
+
+# -- the specs ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["write_producer", "write_consumer", "read_producer", "read_consumer"])
+def test_the_correct_specs_are_clean(name: str) -> None:
+    assert kvfsm.spec.check(SPECS / f"{name}.yaml") == []
+
+
+@pytest.mark.parametrize("name", ["write_producer_pre_fix", "read_producer_pre_fix", "read_consumer_pre_fix"])
+def test_the_pre_fix_specs_are_rejected_for_waiting_without_a_deadline(name: str) -> None:
+    codes = {f.code for f in kvfsm.spec.check(SPECS / f"{name}.yaml") if f.severity == "error"}
+    assert codes == {"KVF107"}
+
+
+def test_transfer_id_is_a_declared_space_apart_from_the_request_id() -> None:
+    for name in ["write_producer", "write_consumer", "read_producer", "read_consumer"]:
+        spec = moriio_spec(name)
+        assert spec.key == "request_id"
+        assert "transfer_id" in spec.spaces
+        assert all(
+            spec.routed_by(e) == "transfer_id" for e in ("remote_blocks", "write_done", "release") if e in spec.events
+        )
+
+
+@pytest.mark.parametrize("system", ["write", "read"])
+def test_explore_verifies_the_correct_compositions(system: str) -> None:
+    result = explore(SPECS / f"{system}.yaml")
+    assert result.verdict == "verified", [p.name for p in result.violated]
+
+
+@pytest.mark.parametrize("system", ["write_pre_fix", "read_pre_fix"])
+def test_explore_finds_the_leak_of_the_pre_fix_compositions(system: str) -> None:
+    draft = read_system_file(SPECS / f"{system}.yaml")
+    assert {f.code for f in draft.findings if f.severity == "error"} == {"KVF107"}
+    result = explore(draft.system, first=True)
+    assert result.verdict == "violated"
+    trace = result.violated[0].as_dict()["trace"]
+    assert trace["property"] in ("deadlock", "leak")
+    assert "nothing can move producer" in trace["violation"]
+
+
+# -- model-based tests ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(FACTORIES))
+def test_the_drivers_pass_their_generated_model_tests(name: str) -> None:
+    report = kvfsm.testing.run(moriio_spec(name), FACTORIES[name], examples=15, seed=3)
+    assert report.passed, "\n".join(report.story) or report.error
+
+
+@pytest.mark.parametrize(
+    ("name", "factory", "held"),
+    [
+        ("write_producer", PreFixModelWriter, "src_blocks still held"),
+        ("read_consumer", PreFixModelReader, "peer_release still held"),
+    ],
+)
+def test_the_pre_fix_drivers_fail_their_model_tests(name: str, factory: type, held: str) -> None:
+    report = kvfsm.testing.run(moriio_spec(name), factory, examples=15, seed=3)
+    assert not report.passed
+    assert held in "\n".join(report.story)
+
+
+# -- ids, counting, messages ------------------------------------------------------------
+
+
+class Pair:
+    """One prefill and one decode engine on one fabric, stepped by hand on a virtual clock."""
+
+    def __init__(self, mode: str = "write", acks: int = 1, decode_acks: int = 1) -> None:
+        self.fabric = Fabric()
+        self.clock = VirtualClock()
+        self.p = PrefillEngine(
+            self.fabric.endpoint("prefill"), 16, 256, mode=mode, acks=acks, clock=self.clock,
+            params={"defer_timeout": 1.0, "transfer_timeout": 1.0} if mode == "write" else {"defer_timeout": 2.0},
+        )  # fmt: skip
+        self.d = DecodeEngine(
+            self.fabric.endpoint("decode"), 16, 256, "prefill", mode=mode, acks=decode_acks, clock=self.clock,
+            params={"recv_timeout": 3.0} if mode == "write" else {"transfer_timeout": 1.0},
+        )  # fmt: skip
+
+    def step(self) -> None:
+        self.p.step()
+        self.d.step()
+
+
+def test_expected_acks_follow_the_heterogeneous_tp_rule() -> None:
+    assert [expected_acks(c, p) for c, p in [(1, 1), (4, 2), (8, 1), (2, 4), (1, 8)]] == [1, 2, 8, 1, 1]
+    with pytest.raises(ValueError, match="not a multiple"):
+        expected_acks(6, 4)
+    with pytest.raises(ValueError, match="positive"):
+        expected_acks(0, 1)
+
+
+def test_a_write_is_deferred_until_remote_blocks_and_the_ids_stay_apart() -> None:
+    pair = Pair()
+    pair.p.compute("p-1", "t-1", 2)
+    assert pair.p.tracker.state("p-1") == "deferred"
+    pair.d.start("d-1", "t-1", 2)  # sends remote_blocks naming t-1, never d-1 or p-1
+    pair.step()
+    pair.step()
+    assert pair.d.outcomes == {"loaded": 1} and pair.p.outcomes == {"written": 1}
+    assert pair.d.stats()["verified_blocks"] == 2
+    assert pair.p.stats()["held_blocks"] == 0 and pair.d.stats()["held_blocks"] == 0
+
+
+def test_remote_blocks_before_the_forward_pass_is_kept_until_it() -> None:
+    pair = Pair()
+    pair.d.start("d-1", "t-1", 2)
+    pair.step()
+    assert pair.p.counts["remote_blocks"] == 1 and pair.p.tracker.live() == 0
+    pair.p.compute("p-1", "t-1", 2)
+    pair.step()
+    pair.step()
+    assert pair.d.outcomes == {"loaded": 1}
+
+
+def test_write_done_from_every_prefill_rank_is_counted_before_the_load_finishes() -> None:
+    pair = Pair(decode_acks=2)
+    pair.p.compute("p-1", "t-1", 2)
+    pair.d.start("d-1", "t-1", 2)
+    pair.step()
+    pair.step()
+    assert pair.d.tracker.state("d-1") == "waiting"  # one of two ranks said so
+    pair.d.on_message(WriteDone("t-1", rank=1))
+    assert pair.d.tracker.state("d-1") == "loaded"
+
+
+def test_read_mode_blocks_wait_for_every_release_and_are_reaped_without_it() -> None:
+    pair = Pair(mode="read", acks=2)
+    pair.p.compute("p-1", "t-1", 2)
+    message = decode(encode(Release("t-1")))
+    assert message is not None
+    pair.p.on_message(message)  # one of the two decode ranks
+    assert pair.p.tracker.state("p-1") == "held"
+    pair.p.compute("p-2", "t-2", 2)
+    pair.clock.advance(2.5)
+    pair.p.step()
+    assert pair.p.outcomes == {"expired": 2} and pair.p.stats()["held_blocks"] == 0
+
+
+def test_a_late_or_unknown_completion_is_an_anomaly_not_an_error() -> None:
+    pair = Pair()
+    pair.p.compute("p-1", "t-1", 2)
+    pair.d.start("d-1", "t-1", 2)
+    pair.step()
+    pair.step()
+    for tid in ("t-1", "t-unknown"):
+        pair.d.on_message(WriteDone(tid))
+        pair.p.on_message(RemoteBlocks(tid, "decode", pair.d.blocks.base, 256, [0, 1]))
+    pair.step()
+    assert pair.d.errors == [] and pair.p.errors == []
+    assert pair.d.anomalies and pair.p.anomalies
+
+
+def test_malformed_messages_are_dropped_and_counted() -> None:
+    pair = Pair()
+    for raw in [b"", b"\x00", b"\x81\xa4type\xa7nothing", encode(WriteDone("t"))[:-2]]:
+        assert decode(raw) is None
+        pair.fabric.endpoints["decode"].deliver_raw(raw)
+    pair.d.step()
+    assert pair.fabric.endpoints["decode"].dropped["malformed"] == 4
+
+
+def test_a_stopped_peer_is_bounded_by_transfer_timeout_and_frees_everything() -> None:
+    pair = Pair()
+    pair.p.compute("p-1", "t-1", 2)
+    pair.fabric.stopped.add("decode")
+    pair.p.on_message(RemoteBlocks("t-1", "decode", pair.d.blocks.base, 256, [0, 1]))
+    pair.p.step()
+    assert pair.p.tracker.state("p-1") == "writing"
+    pair.clock.advance(1.5)
+    pair.p.step()
+    assert pair.p.outcomes == {"expired": 1} and pair.p.stats()["held_blocks"] == 0
+    assert not pair.fabric.endpoints["prefill"].live
+
+
+# -- under load -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["write", "read"])
+def test_600_requests_at_concurrency_128_with_10_percent_faults_leak_and_hang_nothing(mode: str) -> None:
+    result = embedded_run(mode, requests=600, concurrency=128, fault_rate=0.1)
+    assert result.finished == 600
+    assert result.leaked_blocks == 0 and result.hung == 0 and result.late == 0
+    assert sum(result.faults.values()) >= 40
+    loaded = result.decode["outcomes"].get("loaded", 0)
+    assert result.decode["verified_blocks"] == 2 * loaded > 0
+
+
+def test_a_dead_prefill_mid_run_still_finishes_every_request_within_its_deadline() -> None:
+    result = embedded_run("write", requests=256, concurrency=128, fault_rate=0.0, kill_at=0.02)
+    assert result.finished == 256 and result.late == 0
+    assert result.decode["held_blocks"] == 0 and result.decode["live"] == 0
+    assert result.decode["outcomes"].get("expired", 0) > 0
+
+
+def test_seed_001_the_pre_fix_prefill_hangs_at_concurrency_512_and_the_fix_does_not() -> None:
+    lost = ["lost_remote_blocks"]
+    before = embedded_run("write", requests=2048, concurrency=512, fault_rate=0.1, faults=lost, pre_fix=True)
+    assert before.hung > 100 and before.leaked_blocks > 200  # stuck in `deferred` for good, blocks held
+    assert before.prefill["live"] == before.faults["lost_remote_blocks"]
+    after = embedded_run("write", requests=2048, concurrency=512, fault_rate=0.1, faults=lost)
+    assert after.hung == 0 and after.leaked_blocks == 0 and after.finished == 2048
+    assert after.prefill["outcomes"]["expired"] == after.faults["lost_remote_blocks"]
+
+
+def test_the_pre_fix_spec_is_well_formed_but_refused_by_load() -> None:
+    spec = pre_fix_spec("write_producer")
+    assert spec.states["deferred"].timeout is None
+    with pytest.raises(kvfsm.SpecError, match="KVF107"):
+        kvfsm.load(SPECS / "write_producer_pre_fix.yaml")
+
+
+def test_fault_plan_is_deterministic_and_one_fault_per_transfer() -> None:
+    plan = FaultPlan(0.1, ["lost_release", "failed_read"], seed=7)
+    ids = [f"t{i}" for i in range(2000)]
+    assert plan.count(ids) == FaultPlan(0.1, ["lost_release", "failed_read"], seed=7).count(ids)
+    assert 150 < sum(plan.count(ids).values()) < 250
+    with pytest.raises(ValueError, match="unknown faults"):
+        FaultPlan(0.1, ["typo"])
