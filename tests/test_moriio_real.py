@@ -1,0 +1,55 @@
+"""The MoRIIO drivers on real transfer engines: Mooncake's TransferEngine across two processes, and NIXL agents.
+
+The prefill engine runs in its own process (:mod:`kvfsm.drivers.moriio.peer`)
+with its own TransferEngine (tcp, P2PHANDSHAKE); the decode engine runs here
+with another. Writes are ``transfer_submit_write`` polled with
+``transfer_check_status``; ``remote_blocks`` / ``write_done`` go over ZMQ.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("zmq")
+
+from kvfsm.drivers.moriio.cluster import Timeouts, mooncake_run
+
+QUICK = Timeouts(defer=0.5, transfer=1.0, recv=2.0)
+
+
+@pytest.mark.mooncake_te
+def test_600_requests_at_concurrency_128_with_10_percent_faults_across_processes() -> None:
+    result = mooncake_run(requests=600, concurrency=128, fault_rate=0.1, timeouts=QUICK)
+    assert result.finished == 600
+    assert result.leaked_blocks == 0 and result.hung == 0 and result.late == 0, result.summary()
+    assert set(result.faults) >= {"failed_write", "raising_write", "lost_write_done", "lost_remote_blocks"}
+    assert result.prefill["outcomes"]["expired"] >= result.faults["lost_remote_blocks"]
+    loaded = result.decode["outcomes"]["loaded"]
+    assert result.decode["verified_blocks"] == 2 * loaded and loaded >= 480
+
+
+@pytest.mark.mooncake_te
+def test_a_killed_prefill_process_still_lets_every_decode_request_finish_in_time() -> None:
+    result = mooncake_run(requests=256, concurrency=128, fault_rate=0.0, timeouts=QUICK, kill_at=0.05)
+    assert result.finished == 256 and result.late == 0
+    assert result.decode["held_blocks"] == 0 and result.decode["live"] == 0
+    assert result.decode["outcomes"].get("expired", 0) > 0
+
+
+@pytest.mark.mooncake_te
+def test_the_pre_fix_prefill_process_holds_the_blocks_of_lost_remote_blocks_for_good() -> None:
+    result = mooncake_run(
+        requests=400, concurrency=128, fault_rate=0.1, faults=("lost_remote_blocks",), timeouts=QUICK, pre_fix=True
+    )
+    lost = result.faults["lost_remote_blocks"]
+    assert lost > 0 and result.prefill["live"] == lost and result.prefill["held_blocks"] == 2 * lost
+    assert result.hung == lost
+
+
+@pytest.mark.mooncake_te
+@pytest.mark.slow
+def test_soak_concurrency_512_with_10_percent_faults_across_processes() -> None:
+    result = mooncake_run(requests=4096, concurrency=512, fault_rate=0.1)
+    assert result.finished == 4096
+    assert result.leaked_blocks == 0 and result.hung == 0 and result.late == 0, result.summary()
