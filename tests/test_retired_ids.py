@@ -41,3 +41,21 @@ def test_an_unhashable_id_raises_type_error_as_a_dict_lookup_would() -> None:
     retired.add(["a"])
     with pytest.raises(TypeError):
         [] in retired  # noqa: B015
+
+
+def test_a_key_that_finished_twice_in_the_same_final_state_drains_as_two_instances() -> None:
+    from kvfsm import Tracker
+    from kvfsm.spec import read_text
+
+    spec = read_text(
+        "kvfsm: 1\nmachine: twice\nkey: k\nstates:\n  a: {initial: true, waits: local}\n  x: {final: failure}\n"
+        "transitions:\n  - {event: fail, from: a, to: x}\n",
+        "<twice>",
+    )
+    t = Tracker(spec, object())
+    for _ in range(2):
+        t.begin("k")
+        t.fire("k", "fail")
+    assert t.finished() == [("k", "x"), ("k", "x")]
+    assert t.state("k") is None and t.fire("k", "fail") is None
+    assert [a.kind for a in t.anomalies()] == ["late"]

@@ -1007,7 +1007,10 @@ class Tracker:
         keys = list(map(_first, done))
         if not gens and not linked and all(map(is_, map(live.get, keys), map(_second, done))):
             retired.add(keys)  # the usual drain: every key still in the final state it was drained in
-            return [(key, live.pop(key).name) for key in keys]
+            pop = live.pop
+            for key in keys:
+                pop(key, None)  # None: a key that finished twice in one final state (begun again) is named twice
+            return list(zip(keys, map(_name, map(_second, done)), strict=True))
         gone = []
         for key, state in done:
             current = live.get(key)
