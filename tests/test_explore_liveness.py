@@ -10,7 +10,7 @@ import pytest
 from test_explore_system import write_pingpong
 
 from kvfsm.explore import Trace, TraceError, check_trace, explore, format_trace
-from kvfsm.gen.promela import check_with_spin, to_promela
+from kvfsm.gen.promela import check_liveness_with_spin, to_promela
 from kvfsm.spec import SpecError
 from kvfsm.spec.system import System, load_system
 
@@ -100,14 +100,15 @@ def test_an_unknown_eventually_property_is_a_schema_error(tmp_path: Path) -> Non
         load_system(path)
 
 
-def _spin_verdicts(system: System, work: Path, requests: int = 1) -> dict[str, str]:
-    out = {}
-    text = to_promela(system, requests=requests)
-    for prop in system.eventually:
-        spin = check_with_spin(text, work / prop.name, claim=prop.name, optimise="-O0", hash_bits=18, depth=200_000)
-        assert "errors:" in spin.output, spin.output
-        out[prop.name] = "violated" if prop.name in spin.violated else "holds"
-    return out
+def spin_verdicts(system: System, work: Path, requests: int = 1) -> dict[str, str]:
+    """Each ``eventually`` property's verdict from SPIN on the export (one pan, one acceptance-cycle run each)."""
+    claims = [p.name for p in system.eventually]
+    runs = check_liveness_with_spin(
+        to_promela(system, requests=requests), work, claims, optimise="-O0", hash_bits=18, depth=200_000
+    )
+    for run in runs.values():
+        assert "errors:" in run.output, run.output
+    return {name: "violated" if name in run.violated else "holds" for name, run in runs.items()}
 
 
 @needs_spin
@@ -126,4 +127,4 @@ def test_spin_agrees_on_every_liveness_verdict(tmp_path: Path, make: object) -> 
     assert callable(make)
     system = load_system(make(tmp_path))
     ours = verdicts(system)
-    assert ours == _spin_verdicts(system, tmp_path / "spin")
+    assert ours == spin_verdicts(system, tmp_path / "spin")

@@ -37,7 +37,7 @@ class Clocks:
             spec = system.roles[name].spec
             self.param.append(
                 [
-                    (name, str(t.after)) if (t := spec.states[s].timeout) is not None and s in spec.states else None
+                    (name, str(t.after)) if s in spec.states and (t := spec.states[s].timeout) is not None else None
                     for s in order
                 ]
             )

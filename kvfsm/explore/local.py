@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 
 from ..spec.model import ABORT
 from ..spec.system import LastStep, Snapshot, System, violations
+from ..spec.system.model import CRASH, CRASHED
 from ..spec.system.channel import Flight
 from .clocks import Clocks
 
@@ -49,7 +50,7 @@ class Move:
 
     role: int
     cause: str
-    """``local`` | ``timeout`` | ``abort`` | ``error`` (the on_error event) | ``message``."""
+    """``local`` | ``timeout`` | ``abort`` | ``error`` (the on_error event) | ``crash`` | ``message``."""
     action: str
     """``fire`` (a transition) | ``ignore`` | ``reply`` (a finished instance's server answers) | ``reject``."""
     event: str
@@ -77,6 +78,10 @@ class _Role:
     """per state: (event, target, message ids sent, cause) for every event that needs no message."""
     on_message: dict[tuple[int, int], tuple[int, tuple[int, ...]] | None]
     """(state, message id) → (target, sends) for a transition, ``None`` if ignored; absent: rejected."""
+    crashed: int = -1
+    """The index of the ``crashed`` state of a role that may crash; -1 for one that may not."""
+    restart: bool = True
+    """A crashed role's process comes back: its server answers for the lost instance (``reply_if_finished``)."""
 
 
 class LocalSystem:
@@ -138,13 +143,27 @@ class LocalSystem:
         for state, event, _rule in spec.ignored():
             if event in inbox and state in sid:
                 on_message.setdefault((sid[state], msg_id[event]), None)
+        final = [spec.states[s].is_final for s in states]
+        holds = [spec.states[s].holds for s in states]
+        role = self.system.roles[name]
+        crashed = -1
+        if role.crash:  # a crash ends any live instance; the lost instance drops what reaches it
+            crashed = len(states)
+            for src in range(crashed):
+                if not final[src]:
+                    spontaneous[src].append((CRASH, crashed, (), "crash"))
+            on_message.update({(crashed, msg_id[m]): None for m in inbox})
+            states, final, holds = (*states, CRASHED), [*final, True], [*holds, ()]
+            spontaneous.append([])
         return _Role(
             name=name,
             states=states,
-            final=tuple(spec.states[s].is_final for s in states),
-            holds=tuple(spec.states[s].holds for s in states),
+            final=tuple(final),
+            holds=tuple(holds),
             spontaneous=tuple(tuple(x) for x in spontaneous),
             on_message=on_message,
+            crashed=crashed,
+            restart=role.restart,
         )
 
     # -- local states --------------------------------------------------------------
@@ -227,7 +246,7 @@ class LocalSystem:
             for left, keep in self.wire.deliveries(flight, pos):
                 known = (s, m) in role.on_message
                 how = role.on_message.get((s, m))
-                if role.final[s] and self.reply[m] >= 0:
+                if role.final[s] and self.reply[m] >= 0 and (s != role.crashed or role.restart):
                     for nxt, sent in self._sending(at, r, s, left, (self.reply[m],)):
                         yield nxt, Move(r, "message", "reply", event, s, s, sent, m, keep, len(nxt[1]))
                 elif known and how is None:

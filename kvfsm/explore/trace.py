@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 from ..errors import KvfsmError
 from ..spec.system import System
 from ..spec.system.channel import Traffic
+from ..spec.system.model import CRASH, CRASHED
 
 FORMAT = "kvfsm-trace/1"
 
@@ -28,7 +29,7 @@ ACTIONS = ("begin", "fire", "ignore", "reply", "reject")
 reply: a finished instance's server answers without moving it; reject: the
 event is neither handled nor ignored (the violating step of a message property)."""
 
-CAUSES = ("begin", "local", "timeout", "abort", "error", "message")
+CAUSES = ("begin", "local", "timeout", "abort", "error", "crash", "message")
 
 
 class TraceError(KvfsmError, ValueError):
@@ -326,7 +327,7 @@ def check_trace(trace: Trace, system: System) -> None:
         at = f"steps[{i}]"
         if step.action != "begin":
             if moves == trace.loop:
-                mark = (dict(where), dict(traffic.flights))
+                mark = (dict(where), {k: f for k, f in traffic.flights.items() if f})
             moves += 1
         where[(step.request, step.role)] = step.target
         role = system.roles.get(step.role)
@@ -334,7 +335,7 @@ def check_trace(trace: Trace, system: System) -> None:
             raise TraceError(f"{at}.role", f"{system.name} has no role {step.role!r} (its roles: {roles})")
         spec = role.spec
         for name, state in (("to", step.target), ("from", step.source)):
-            if state is not None and state not in spec.states:
+            if state is not None and state not in spec.states and not (role.crash and state == CRASHED):
                 raise TraceError(
                     f"{at}.{name}", f"{step.role} has no state {state!r} (its states: {', '.join(spec.states)})"
                 )
@@ -362,7 +363,7 @@ def check_trace(trace: Trace, system: System) -> None:
         raise TraceError("request", f"no step names {trace.request!r}")
     if trace.loop is not None and trace.loop < moves:
         assert mark is not None  # set when the move numbered ``loop`` was read
-        if mark != (where, traffic.flights):
+        if mark != (where, {k: f for k, f in traffic.flights.items() if f}):
             raise TraceError("loop", f"the cycle from move {trace.loop} does not end where it began")
 
 
@@ -395,6 +396,8 @@ def _check_move(system: System, step: Step, at: str, begun: set[tuple[str, str]]
     assert step.event is not None  # Step.from_dict: only a begin has no event
     inbox = system.inbox(step.role)
     known = set(spec.events) | {e for rule in spec.ignore for e in rule.events}
+    if system.roles[step.role].crash:
+        known.add(CRASH)
     if step.event not in known and step.event not in inbox:
         raise TraceError(
             f"{at}.event", f"{step.role} has no event {step.event!r} (its events: {', '.join(sorted(known))})"
@@ -439,9 +442,13 @@ def describe_step(step: Step) -> str:
     """What one step does, in words: ``abort: waiting → aborted``, ``metadata arrives: ignored in failed``."""
     moved = f"{step.source} → {step.target}" if step.source != step.target else f"stays in {step.target}"
     if step.action == "fire":
-        why = {"timeout": " (timeout)", "abort": "", "error": " (an action raised)", "message": " arrives"}.get(
-            step.cause, ""
-        )
+        why = {
+            "timeout": " (timeout)",
+            "abort": "",
+            "error": " (an action raised)",
+            "crash": " (the process died; what it held is lost)",
+            "message": " arrives",
+        }.get(step.cause, "")
         return f"{step.event}{why}: {moved}"
     if step.action == "ignore":
         return f"{step.event} arrives: ignored in {step.target}"

@@ -30,7 +30,7 @@ import select
 import shutil
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import product
 from pathlib import Path
@@ -38,6 +38,7 @@ from pathlib import Path
 from ..explore.clocks import Clocks
 from ..spec.model import ABORT, Spec
 from ..spec.system import System
+from ..spec.system.model import CRASHED
 
 
 class _Model:
@@ -56,7 +57,11 @@ class _Model:
         self.direction = {m.name: directions[(m.sender, m.receiver)] for m in system.messages.values()}
         self.directions = len(directions)
         self.props = list(system.names)
-        self.clocks = Clocks(system, [list(spec.states) for spec in self.specs.values()])
+        self.order: dict[str, list[str]] = {
+            name: [*r.spec.states, *([CRASHED] if r.crash else [])] for name, r in system.roles.items()
+        }
+        """Each role's states in value order: the spec's, then ``crashed`` for a role that may crash."""
+        self.clocks = Clocks(system, list(self.order.values()))
 
     # -- deadline order (the system's relations) -------------------------------------
 
@@ -65,14 +70,14 @@ class _Model:
         name = self.roles[role]
         return [
             s
-            for s, p in zip(self.specs[name].states, self.clocks.param[role], strict=True)
+            for s, p in zip(self.order[name], self.clocks.param[role], strict=True)
             if p is not None and (shorter_than is None or self.system.timing.outlasts(shorter_than, p))
         ]
 
     def blocked(self, role: str, state: str) -> list[str]:
         """Guards that keep ``role``'s timeout in ``state`` from firing: a shorter deadline armed no earlier."""
         r = self.roles.index(role)
-        mine = self.clocks.param[r][list(self.specs[role].states).index(state)]
+        mine = self.clocks.param[r][self.order[role].index(state)]
         out = []
         for e, bit in self.clocks.shorter[r]:
             shorter = self.timed(e, mine) if mine is not None else []
@@ -84,7 +89,7 @@ class _Model:
         """What ``role`` firing into ``target`` does to the deadline order bits."""
         r = self.roles.index(role)
         lines = [f"o_{k}[_pid] = 0" for k, (e, x) in enumerate(self.clocks.pairs) if r in (e, x)]
-        if self.specs[role].states[target].timeout is None:
+        if target not in self.specs[role].states or self.specs[role].states[target].timeout is None:
             return lines
         for e, bit in self.clocks.shorter[r]:
             k = bit.bit_length() - 1
@@ -102,7 +107,7 @@ class _Model:
 
     def retired(self, role: str) -> int:
         """The value a role's variable takes once its request retired: one past its last state."""
-        return len(self.specs[role].states)
+        return len(self.order[role])
 
     def is_state(self, role: str, states: list[str], who: str = "_pid") -> str:
         """``role`` is in one of ``states``: a bit test (short code, so pan.c compiles fast) where it fits an int."""
@@ -112,7 +117,7 @@ class _Model:
         if len(states) == 1:
             return f"({var} == {self.const(role, states[0])})"
         if self.retired(role) < 31:
-            order = list(self.specs[role].states)
+            order = self.order[role]
             mask = sum(1 << order.index(s) for s in states)
             return f"(((1 << {var}) & {mask}) != 0)"
         return "(" + " || ".join(f"{var} == {self.const(role, s)}" for s in states) + ")"
@@ -167,6 +172,8 @@ class _Model:
                     and set(c.holds) <= set(st.holds)
                     and not set(c.lacks) & set(st.holds)
                 ]
+                if self.system.roles[c.role].crash and not c.states and not c.holds:
+                    ok.append(CRASHED)  # a lost instance holds nothing
                 parts.append(self.is_state(c.role, ok))
             out.append((prop.name, " && ".join(parts)))
         return out
@@ -188,7 +195,8 @@ class _Model:
         return [s for s, st in self.specs[role].states.items() if not st.is_final and st.holds]
 
     def final(self, role: str) -> list[str]:
-        return [s for s, st in self.specs[role].states.items() if st.is_final]
+        crashed = [CRASHED] if self.system.roles[role].crash else []
+        return [s for s, st in self.specs[role].states.items() if st.is_final] + crashed
 
     def owed(self, role: str) -> list[str]:
         """States where the role owes local work or a timeout (weak fairness): live states that progress."""
@@ -267,6 +275,18 @@ def _spontaneous(m: _Model, role: str) -> Iterator[str]:
                 [f"{m.var(role)} = {m.const(role, e.target)}", *m.rearm(role, e.target)],
                 (m.roles.index(role) if owed else NOBODY, len(kept) < len(sends)),
             )
+    if m.system.roles[role].crash:
+        for state, st in spec.states.items():
+            if not st.is_final:
+                yield from _option(
+                    m,
+                    f"{role}: the process crashes in {state}; the instance and what it held are lost",
+                    [f"{m.var(role)} == {m.const(role, state)}"],
+                    0,
+                    (),
+                    [f"{m.var(role)} = {m.const(role, CRASHED)}", *m.rearm(role, CRASHED)],
+                    (NOBODY, False),
+                )
 
 
 def _deliveries(m: _Model, name: str) -> Iterator[str]:
@@ -276,27 +296,26 @@ def _deliveries(m: _Model, name: str) -> Iterator[str]:
     targets = {e.source: e for e in spec.edges() if e.event == name}
     ignored = {st for st, ev, _r in spec.ignored() if ev == name}
     keeps = (False, True) if m.system.channel.duplicate else (False,)
-    for state, st in spec.states.items():
+    crash = m.system.roles[role]
+    for state in m.order[role]:
         guard = [f"{m.var(role)} == {m.const(role, state)}", m.has(name)]
         what: str
         sends: tuple[str, ...]
-        target: str | None
-        if st.is_final and msg.reply_if_finished is not None:
-            what, sends, target = (
-                f"finished, its server answers {msg.reply_if_finished}",
-                (msg.reply_if_finished,),
-                None,
-            )
+        target: str | None = None
+        final = m.system.finished(role, state)
+        if state == CRASHED and not (crash.restart and msg.reply_if_finished is not None):
+            what, sends = "the instance was lost in a crash: dropped", ()
+        elif final and msg.reply_if_finished is not None:
+            what, sends = f"finished, its server answers {msg.reply_if_finished}", (msg.reply_if_finished,)
         elif state in ignored and state not in targets:
-            what, sends, target = "ignored", (), None
-        elif state in targets and not st.is_final:
+            what, sends = "ignored", ()
+        elif state in targets and not final:
             e = targets[state]
             what = f"-> {e.target}"
             sends = tuple(s.message for s in e.transition.sends if s.message in m.system.messages)
             target = e.target
         else:
-            kind = "late_message" if st.is_final else "unexpected_message"
-            what, sends, target = f"rejected ({kind})", (), None
+            what, sends = f"rejected ({'late_message' if final else 'unexpected_message'})", ()
         for keep in keeps:
             consume = [] if keep else m.consume(name)
             body = list(consume)
@@ -304,7 +323,7 @@ def _deliveries(m: _Model, name: str) -> Iterator[str]:
                 body.append(f"{m.var(role)} = {m.const(role, target)}")
                 body += m.rearm(role, target)
             if what.startswith("rejected"):
-                kind = "late_message" if st.is_final else "unexpected_message"
+                kind = "late_message" if final else "unexpected_message"
                 if kind in m.props:
                     body.insert(0, f"violated_{m.prop(kind)}()")
             for kept in _fates(m, sends):
@@ -465,7 +484,7 @@ def to_promela(system: System, *, requests: int | None = None) -> str:
     for role in m.roles:
         spec = m.specs[role]
         lines.append(f"/* role {role}: machine {spec.name} ({system.roles[role].path}) */")
-        for i, state in enumerate(spec.states):
+        for i, state in enumerate(m.order[role]):
             lines.append(f"#define {m.const(role, state)} {i}")
         lines.append(f"byte r_{role}[N] = {m.const(role, spec.initial.name)};")
         lines.append("")
@@ -555,7 +574,6 @@ def check_with_spin(
     depth: int = 5_000_000,
     hash_bits: int = 26,
     optimise: str = "-O2",
-    claim: str | None = None,
 ) -> SpinResult:
     """Run SPIN on an exported model in ``workdir``: ``spin -a``, ``gcc -DSAFETY -DNOREDUCE``, ``./pan``.
 
@@ -565,30 +583,65 @@ def check_with_spin(
     is ``complete=False``. ``hash_bits``: pan's hash table has 2**hash_bits slots
     (26: 512 MB, for millions of states). ``optimise``: gcc's -O level (``-O0``
     compiles pan ten times faster, for tests; pan then runs about half as fast).
-    ``claim``: check the ``eventually`` property of that name instead (``-DLIVE``,
-    the LTL claim, ``pan -a``: a fair acceptance cycle violates it; the
-    assertions are off). Raises ``OSError`` if spin or gcc is missing or fails.
+    Raises ``OSError`` if spin or gcc is missing or fails.
     """
+    defines = (["-DREPORT"] if report else []) + ([f"-DONLY={only}"] if only is not None else [])
+    work = _compile(text, workdir, [*defines, "-a"], ["-DSAFETY"], memory_mb, optimise)
+    ran = _run_pan(["./pan", f"-m{depth}", f"-w{hash_bits}"], work, timeout)
+    return _result(*ran, finished=lambda errors: report or errors == 0)
+
+
+def check_liveness_with_spin(
+    text: str,
+    workdir: str | Path,
+    claims: Sequence[str],
+    *,
+    timeout: float = 60.0,
+    memory_mb: int = 4096,
+    depth: int = 1_000_000,
+    hash_bits: int = 24,
+    optimise: str = "-O2",
+) -> dict[str, SpinResult]:
+    """Check each ``eventually`` property in ``claims`` with SPIN: one pan (``-DLIVE``), one ``pan -a -N`` per claim.
+
+    A fair acceptance cycle violates the claim: its result lists the claim in
+    ``violated``. The assertions are off. Other arguments as :func:`check_with_spin`.
+    """
+    work = _compile(text, workdir, ["-DLIVE", f"-DONLY={NOBODY}", "-a"], [], memory_mb, optimise)
+    out = {}
+    for claim in claims:
+        output, found_at, seconds, timed_out = _run_pan(
+            ["./pan", "-a", "-N", claim, f"-m{depth}", f"-w{hash_bits}"], work, timeout
+        )
+        if "acceptance cycle" in output:
+            output += f"\nkvfsm: violated {claim}\n"
+        out[claim] = _result(output, found_at, seconds, timed_out, finished=lambda _errors: True)
+    return out
+
+
+def _compile(
+    text: str, workdir: str | Path, spin: list[str], defines: list[str], memory_mb: int, optimise: str
+) -> Path:
+    """Write the model, ``spin`` it, and compile pan with ``defines``; the folder pan is in."""
     missing = [tool for tool in SPIN_TOOLS if shutil.which(tool) is None]
     if missing:
         raise OSError(f"{' and '.join(missing)} not found; install the Debian packages spin and gcc")
     work = Path(workdir)
     work.mkdir(parents=True, exist_ok=True)
     (work / "model.pml").write_text(text, encoding="utf-8")
-    if claim is not None:
-        defines, mode, search = ["-DLIVE", f"-DONLY={NOBODY}"], [], ["-a", "-N", claim]
-    else:
-        defines = (["-DREPORT"] if report else []) + ([f"-DONLY={only}"] if only is not None else [])
-        mode, search = ["-DSAFETY"], []
-    _tool(["spin", *defines, "-a", "model.pml"], work)
-    _tool(["gcc", optimise, *mode, "-DNOREDUCE", f"-DMEMLIM={memory_mb}", "-w", "-o", "pan", "pan.c"], work)
-    output, found_at, seconds, timed_out = _run_pan(["./pan", *search, f"-m{depth}", f"-w{hash_bits}"], work, timeout)
+    _tool(["spin", *spin, "model.pml"], work)
+    _tool(["gcc", optimise, *defines, "-DNOREDUCE", f"-DMEMLIM={memory_mb}", "-w", "-o", "pan", "pan.c"], work)
+    return work
+
+
+def _result(
+    output: str, found_at: dict[str, float], seconds: float, timed_out: bool, *, finished: Callable[[int], bool]
+) -> SpinResult:
+    """What pan's output says; ``finished(errors)``: whether that many errors still mean it explored everything."""
     stored = re.search(r"(\d+) states, stored", output)
     errors = re.search(r"errors: (\d+)", output)
     violated = re.findall(r"kvfsm: violated (\w+)", output)
     violated += re.findall(r"assertion violated \(holds_(\w+)\|\|", output)
-    if claim is not None and "acceptance cycle" in output:
-        violated.append(claim)
     cut = timed_out or "out of memory" in output or "max search depth too small" in output
     n_errors = int(errors.group(1)) if errors else 0
     progress = re.findall(r"States=\s*([0-9.e+]+)", output)  # pan's own progress lines, one per million
@@ -596,7 +649,7 @@ def check_with_spin(
         states=int(stored.group(1)) if stored else int(float(progress[-1])) if progress else 0,
         violated=tuple(dict.fromkeys(violated)),
         errors=n_errors,
-        complete=not cut and stored is not None and (report or n_errors == 0),
+        complete=not cut and stored is not None and finished(n_errors),
         seconds=seconds,
         found_at=found_at,
         output=output,

@@ -14,7 +14,7 @@ from collections.abc import Collection, Iterator
 
 from ..findings import Finding, Severity
 from ..model import ABORT, NOWHERE, Loc, Spec
-from .model import System
+from .model import CRASH, CRASHED, System
 
 
 def _finding(code: str, loc: Loc, message: str, fix: str, severity: Severity = "error") -> Finding:
@@ -292,8 +292,25 @@ def _check_relations(system: System, missing: Collection[str]) -> Iterator[Findi
         )
 
 
+def _check_crashes(system: System) -> Iterator[Finding]:
+    """KVF214: a role that may crash has no state or event of its own by the names a crash uses."""
+    for role in system.roles.values():
+        if not role.crash:
+            continue
+        clash = [f"state {CRASHED!r}"] * (CRASHED in role.spec.states) + [f"event {CRASH!r}"] * (
+            CRASH in role.spec.events
+        )
+        if clash:
+            yield _finding(
+                "KVF214",
+                role.loc,
+                f"role {role.name!r} may crash, but its spec has its own {' and '.join(clash)}",
+                f"Rename them in {role.path}: a crash is the event {CRASH!r} into the state {CRASHED!r}.",
+            )
+
+
 def run_system_checks(system: System, missing: Collection[str] = ()) -> list[Finding]:
-    """Every composition finding (KVF201–KVF213), grouped by file, in line order within each.
+    """Every composition finding (KVF201–KVF214), grouped by file, in line order within each.
 
     ``missing`` names roles whose spec could not be read: what they would
     have checked is left to the findings that say why.
@@ -304,6 +321,7 @@ def run_system_checks(system: System, missing: Collection[str] = ()) -> list[Fin
         *_check_waits(system),
         *_check_properties(system, missing),
         *_check_relations(system, missing),
+        *_check_crashes(system),
     ]
     if not missing and not any(f.severity == "error" for f in found):
         found += _check_armed(system)  # after an error, what it cuts off would only echo it

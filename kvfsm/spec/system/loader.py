@@ -34,7 +34,8 @@ TOP_KEYS = {
     "properties": "what must never happen, and what must eventually happen",
     "relations": "which timeouts outlast which: 'prefill.abort_timeout > decode.read_timeout'",
 }
-ROLE_KEYS = ("spec", "doc")
+ROLE_KEYS = ("spec", "doc", "crash")
+CRASH_KEYS = ("restart",)
 MESSAGE_KEYS = ("from", "to", "reply_if_finished", "doc")
 CHANNEL_KEYS = ("loss", "duplicate", "reorder", "capacity")
 PROPERTY_KEYS = ("never", "builtins", "eventually")
@@ -158,8 +159,18 @@ def _properties(s: Schema, node: Node) -> tuple[Property, ...]:
     return (*builtins, *never, *eventually)
 
 
+def _crash(s: Schema, node: Node, what: str) -> tuple[bool, bool]:
+    """``crash: true`` (it may crash, and restarts), ``crash: false``, or ``crash: {restart: false}``."""
+    if isinstance(node, MappingNode):
+        items = s.mapping(node, f"{what}: crash", CRASH_KEYS)
+        restart = s.boolean(items["restart"][1], f"{what}: crash: restart") if items and "restart" in items else True
+        return True, restart
+    return s.boolean(node, f"{what}: crash"), True
+
+
 def _read_role(s: Schema, base: Path, name: str, knode: Node, node: Node, out: list[Finding]) -> Role | None:
     what = f"role {name!r}"
+    crash, restart = False, True
     if isinstance(node, ScalarNode) and node.tag != NULL:
         spec_node: Node | None = node  # `prefill: prefill.yaml`
         doc = ""
@@ -169,6 +180,8 @@ def _read_role(s: Schema, base: Path, name: str, knode: Node, node: Node, out: l
             return None
         spec_node = s.require(items, "spec", knode, what, "Write '{spec: <machine spec file>}', relative to this file.")
         doc = s.text(items["doc"][1], f"{what}: doc") if "doc" in items else ""
+        if "crash" in items:
+            crash, restart = _crash(s, items["crash"][1], what)
     if spec_node is None:
         return None
     rel = s.scalar(spec_node, f"{what}: spec")
@@ -196,7 +209,7 @@ def _read_role(s: Schema, base: Path, name: str, knode: Node, node: Node, out: l
             out.extend(exc.findings)
         return None
     out.extend(run_checks(spec))
-    return Role(name, spec, shown, doc, s.loc(knode))
+    return Role(name, spec, shown, doc, s.loc(knode), crash, restart)
 
 
 def _roles(s: Schema, node: Node, base: Path, out: list[Finding]) -> tuple[dict[str, Role], frozenset[str]]:

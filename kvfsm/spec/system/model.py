@@ -41,15 +41,30 @@ ON_STEP: frozenset[str] = frozenset({"late_message", "unexpected_message", "over
 """Kinds broken by a step itself (a delivery, a send), not by the state a request is in."""
 
 
+CRASH = "crash"
+"""The event of a role whose process crashes: every instance it has is lost at once."""
+CRASHED = "crashed"
+"""Where a crashed role's instance is: finished, holding nothing; messages for it are dropped (or answered)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Role:
-    """One machine of the composition; every request has one instance of every role."""
+    """One machine of the composition; every request has one instance of every role.
+
+    ``crash``: the role's process may crash at any moment; its instances lose
+    their state and what they held (what the other roles hold stays held).
+    ``restart``: the process comes back, knowing none of the old requests:
+    its server answers a message that has a ``reply_if_finished`` as it
+    answers for a finished request. Without restart nothing answers.
+    """
 
     name: str
     spec: Spec
     path: str
     doc: str = ""
     loc: Loc = NOWHERE
+    crash: bool = False
+    restart: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,6 +272,10 @@ class System:
         for m in self.messages.values():
             out.setdefault(m.receiver, {})[m.name] = m
         return out
+
+    def finished(self, role: str, state: str) -> bool:
+        """Whether ``role``'s instance in ``state`` has ended: a final state, or lost in a crash."""
+        return state == CRASHED or self.roles[role].spec.states[state].is_final
 
     def environment(self, role: str) -> frozenset[str]:
         """Events of ``role`` that can always happen but are no progress: abort and the on_error event."""

@@ -72,7 +72,7 @@ def violation(system: System, prop: Property, snap: Snapshot) -> str | None:
         state = snap.states.get(last.role)
         if state is None:
             return None
-        finished = system.roles[last.role].spec.states[state].is_final
+        finished = system.finished(last.role, state)
         if kind == "late_message" and finished:
             return f"{last.event} reaches {last.role} after it finished in {state}, which does not ignore it"
         if kind == "unexpected_message" and not finished:
@@ -98,7 +98,7 @@ def _stuck(system: System, kind: str, snap: Snapshot) -> str | None:
             continue
         if system.moves_on(role, state):
             return None
-        if not system.roles[role].spec.states[state].is_final:
+        if not system.finished(role, state):
             live.append((role, state))
     if not live:
         return None
