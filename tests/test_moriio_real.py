@@ -8,6 +8,11 @@ with another. Writes are ``transfer_submit_write`` polled with
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 
 pytest.importorskip("torch")
@@ -53,3 +58,19 @@ def test_soak_concurrency_512_with_10_percent_faults_across_processes() -> None:
     result = mooncake_run(requests=4096, concurrency=512, fault_rate=0.1)
     assert result.finished == 4096
     assert result.leaked_blocks == 0 and result.hung == 0 and result.late == 0, result.summary()
+
+
+@pytest.mark.nixl
+def test_read_mode_on_real_nixl_agents_with_faults() -> None:
+    """Two NIXL agents in a child process (NIXL's teardown stays out of pytest); the run's summary comes back as JSON."""
+    pytest.importorskip("nixl")
+    code = (
+        "import json, os; from kvfsm.drivers.moriio.cluster import nixl_run; "
+        "print(json.dumps(nixl_run().summary()), flush=True); os._exit(0)"
+    )
+    env = {**os.environ, "UCX_MODULES": "^ib", "NIXL_LOG_LEVEL": "WARN"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120, env=env, check=True)
+    summary = json.loads(done.stdout.decode().strip().splitlines()[-1])
+    assert summary["finished"] == 300 and summary["leaked_blocks"] == 0 and summary["hung"] == 0
+    assert summary["late"] == 0 and sum(summary["faults"].values()) >= 15
+    assert summary["verified_blocks"] == 2 * summary["decode_outcomes"]["loaded"]

@@ -164,3 +164,38 @@ def _merge(*transports: FaultyTransport) -> dict[str, int]:
         for k, v in t.injected.items():
             out[k] = out.get(k, 0) + v
     return out
+
+
+def nixl_run(
+    *,
+    requests: int = 300,
+    concurrency: int = 64,
+    blocks_per_request: int = 2,
+    block_bytes: int = 1024,
+    fault_rate: float = 0.1,
+    seed: int = 1,
+    timeouts: Timeouts = Timeouts(defer=1.0, transfer=1.0),
+) -> LoadResult:
+    """One READ-mode run on two real NIXL agents (UCX, DRAM) in this process; imports ``nixl``.
+
+    Run it in a process of its own and leave with ``os._exit``: NIXL's UCX
+    teardown at interpreter exit is not needed and can fault.
+    """
+    from .nixl import NixlTransport
+
+    plan = FaultPlan(fault_rate, READ_FAULTS, seed)
+    p, d = NixlTransport("moriio-prefill"), NixlTransport("moriio-decode")
+    pt, dt = FaultyTransport(p, plan), FaultyTransport(d, plan)
+    prefill = PrefillEngine(
+        pt, int(concurrency * blocks_per_request * 1.25), block_bytes, mode="read", params=timeouts.producer("read")
+    )
+    decode = DecodeEngine(
+        dt, concurrency * blocks_per_request, block_bytes, p.name, mode="read", params=timeouts.consumer("read")
+    )
+    p.add_peer(d.metadata())
+    d.add_peer(p.metadata())
+    return run_load(
+        decode, p.name, requests=requests, concurrency=concurrency, blocks_per_request=blocks_per_request,
+        deadline=timeouts.deadline("read"), settle=timeouts.defer + timeouts.transfer + 0.5,
+        step_prefill=prefill.step, prefill_stats=prefill.stats, faults=lambda: _merge(pt, dt),
+    )  # fmt: skip
