@@ -1,0 +1,257 @@
+"""kvfsm's NixlConnector inside vLLM's real Scheduler: a prefill engine and a decode engine, P→D over NIXL READs.
+
+Each engine is vLLM's own ``Scheduler`` (CPU, prefix caching on) that builds
+the SCHEDULER role of ``kvfsm.adapters.vllm_nixl.NixlConnector`` from its
+config; the WORKER role is one connector per TP rank, stepped in the order of
+vLLM's ``KVConnectorModelRunnerMixin``, and the ranks' outputs are merged by
+vLLM's own ``KVOutputAggregator``. The prefill "forward pass" writes each
+request's KV bytes into every rank's blocks; the decode side byte-checks
+every block it READs. MLA, prefill TP 2, decode TP 1: decode READs rank 0
+and notifies rank 1 with ``send_notif`` (seed 004's path).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm.v1.core.sched.scheduler", reason="vLLM is not installed: ./dev.sh setup installs it")
+
+import torch
+from vllm.config import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import RequestStatus
+from vllm.v1.structured_output import StructuredOutputManager
+
+from kvfsm.adapters.vllm_nixl import VLLM, Directory, NixlConnector, NixlSettings
+from kvfsm.showcase.sim.real import EngineConfig, kv_cache_config, make_request, vllm_config
+
+pytestmark = pytest.mark.vllm
+
+CONFIG = EngineConfig(num_gpu_blocks=32, block_size=16)
+TOPOLOGY = {"prefill_tp": 2, "decode_tp": 1, "mla": True, "kv_bytes": 256}
+ABORT_TIMEOUT = 50.0
+"""In steps: the ranks' clock is the step count."""
+PROMPT = list(range(1, 3 * 16 + 6))  # 4 blocks, the last one partial
+_fabrics = itertools.count()
+
+
+class Engine:
+    """vLLM's Scheduler with kvfsm's NixlConnector, one connector WORKER per TP rank, and a step clock."""
+
+    def __init__(self, fabric: str, role: str, engine_id: str, tp: int, **extra: Any) -> None:
+        transfer = KVTransferConfig(
+            kv_connector="NixlConnector",
+            kv_connector_module_path="kvfsm.adapters.vllm_nixl",
+            kv_role=role,
+            engine_id=engine_id,
+            kv_connector_extra_config={"fabric": fabric, **TOPOLOGY, "abort_timeout": ABORT_TIMEOUT, **extra},
+        )  # the simulator's config (CPU, opt-125m's shape, prefix caching) with this connector instead of its own
+        self.vllm_config = dataclasses.replace(
+            vllm_config(CONFIG, "CpuOffloadConnector", {}), kv_transfer_config=transfer
+        )
+        self.vllm_config.cache_config.num_gpu_blocks = CONFIG.num_gpu_blocks
+        self.kv_cache_config = kv_cache_config(CONFIG)
+        self.scheduler = Scheduler(
+            vllm_config=self.vllm_config,
+            kv_cache_config=self.kv_cache_config,
+            log_stats=False,
+            structured_output_manager=StructuredOutputManager(self.vllm_config),
+            block_size=CONFIG.block_size,
+        )
+        assert isinstance(self.scheduler.connector, NixlConnector)
+        self.now = 0.0
+        self.workers = [self._worker(rank) for rank in range(tp)]
+        self.aggregator = KVOutputAggregator(tp)
+        self.params: dict[str, dict[str, Any]] = {}
+        """kv_transfer_params of the requests that finished, by request id."""
+
+    def _worker(self, rank: int) -> NixlConnector:
+        config = copy.deepcopy(self.vllm_config)
+        config.kv_transfer_config.kv_connector_extra_config["tp_rank"] = rank
+        worker = NixlConnector(config, KVConnectorRole.WORKER, self.kv_cache_config)
+        worker.clock = lambda: self.now
+        return worker
+
+    def add(self, request_id: str, params: dict[str, Any], max_tokens: int = 1) -> None:
+        request = make_request(request_id, PROMPT, max_tokens, CONFIG.block_size)
+        request.kv_transfer_params = params
+        self.scheduler.add_request(request)
+
+    def step(self) -> None:
+        """One scheduler step; every rank's worker calls; the prefill forward pass; one merged model output."""
+        self.now += 1
+        out = self.scheduler.schedule()
+        req_ids = list(out.num_scheduled_tokens)
+        for rid in req_ids:  # the forward pass writes the KV of what it computes, on every rank
+            blocks = self.scheduler.kv_cache_manager.get_block_ids(rid)[0]
+            for w in self.workers:
+                if w.prefill is not None:
+                    lo, _ = w.settings.topology.range(w.prefill.rank, w.settings.topology.prefill_tp)
+                    w.prefill.blocks.fill(blocks, rid, lo)
+        sampled = [
+            [7] if self.scheduler.requests[rid].num_computed_tokens >= self.scheduler.requests[rid].num_tokens else []
+            for rid in req_ids
+        ]
+        outputs: list[ModelRunnerOutput | None] = []
+        for w in self.workers:
+            w.bind_connector_metadata(out.kv_connector_metadata)
+            w.start_load_kv(None)
+            w.wait_for_save()
+            sending, recving = w.get_finished(set(out.finished_req_ids))
+            invalid = w.get_block_ids_with_load_errors()
+            w.clear_connector_metadata()
+            outputs.append(
+                ModelRunnerOutput(
+                    req_ids=req_ids,
+                    req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+                    sampled_token_ids=sampled,
+                    logprobs=None,
+                    prompt_logprobs_dict={},
+                    pooler_output=None,
+                    kv_connector_output=KVConnectorOutput(
+                        finished_sending=sending, finished_recving=recving, invalid_block_ids=invalid
+                    ),
+                )
+            )
+        merged = self.aggregator.aggregate(outputs)
+        for engine_outputs in self.scheduler.update_from_output(out, merged).values():
+            for o in engine_outputs.outputs:
+                if o.finish_reason is not None and o.kv_transfer_params is not None:
+                    self.params[o.request_id] = o.kv_transfer_params
+
+    def free_blocks(self) -> int:
+        return self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+
+    def connector_holders(self) -> dict[Any, tuple[int, ...]]:
+        """Every hold a rank's connector keeps on top of vLLM's own: empty once every request ended."""
+        out: dict[Any, tuple[int, ...]] = {}
+        for w in self.workers:
+            for rank in (w.prefill, w.decode):
+                if rank is not None:
+                    out.update({h: b for h, b in rank.blocks.pool.holdings().items() if h != VLLM})
+        return out
+
+
+class Pair:
+    """A prefill engine (TP 2) and a decode engine (TP 1) on one embedded NIXL fabric."""
+
+    def __init__(self, **decode_extra: Any) -> None:
+        self.name = f"pd-{next(_fabrics)}"
+        fabric = f"embedded:{self.name}"
+        self.prefill = Engine(fabric, "kv_producer", "prefill-engine", tp=2)
+        self.decode = Engine(fabric, "kv_consumer", "decode-engine", tp=1, **decode_extra)
+        self.idle = (self.prefill.free_blocks(), self.decode.free_blocks())
+
+    def prefill_one(self, rid: str) -> dict[str, Any]:
+        """Run a prefill request to its end; the params its request_finished handed back for the decode side."""
+        self.prefill.add(rid, {"do_remote_decode": True})
+        for _ in range(20):
+            self.prefill.step()
+            if rid in self.prefill.params:
+                return self.prefill.params[rid]
+        raise AssertionError(f"prefill of {rid} never finished")
+
+    def step(self, n: int = 1) -> None:
+        for _ in range(n):
+            self.decode.step()
+            self.prefill.step()
+
+    def close(self) -> None:
+        for engine in (self.prefill, self.decode):
+            for w in engine.workers:
+                w.shutdown()
+        Directory.forget(self.name)
+
+
+@pytest.fixture
+def pair() -> Any:
+    p = Pair()
+    yield p
+    p.close()
+
+
+def test_a_request_goes_from_prefill_to_decode_with_every_block_byte_checked(pair: Pair) -> None:
+    params = pair.prefill_one("p-1")
+    assert params["remote_request_id"] == "p-1" and params["do_remote_prefill"]
+    assert "p-1" in pair.prefill.scheduler.requests, "delay_free: vLLM keeps the blocks until finished_sending"
+    pair.decode.add("d-1", dict(params), max_tokens=3)
+    pair.step()
+    decode = pair.decode.workers[0].decode
+    assert decode is not None and decode.outcomes == {"loaded": 1}
+    local = pair.decode.scheduler.kv_cache_manager.get_block_ids("d-1")[0]
+    p0 = pair.prefill.workers[0].prefill
+    assert p0 is not None
+    remote = params["remote_block_ids"]
+    assert torch.equal(decode.blocks.tensor[local], p0.blocks.tensor[remote])  # the bytes came over
+    assert decode.driver.stats["blocks_verified"] == len(local) == 4
+    pair.step(5)
+    assert "p-1" not in pair.prefill.scheduler.requests and "d-1" not in pair.decode.scheduler.requests
+    for w in pair.prefill.workers:  # MLA: rank 0 was read, rank 1 told by send_notif; both let go at once
+        assert w.prefill is not None and w.prefill.outcomes == {"read": 1} and not w.prefill.anomalies
+    assert decode.driver.outbox.counts == {"sent": 2}
+    assert (pair.prefill.free_blocks(), pair.decode.free_blocks()) == pair.idle and not pair.prefill.connector_holders()
+    assert not pair.decode.connector_holders()
+
+
+def test_an_abort_mid_read_releases_the_handle_reports_the_blocks_and_the_expiry_frees_the_unread_rank(
+    pair: Pair,
+) -> None:
+    params = pair.prefill_one("p-1")
+    p0 = pair.prefill.workers[0].prefill
+    assert p0 is not None
+    pair.prefill.workers[0].directory.fabric.stop(p0.agent.name)  # the READ from rank 0 stays PROC
+    pair.decode.add("d-1", dict(params), max_tokens=3)
+    pair.step()
+    assert pair.decode.scheduler.requests["d-1"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    pair.decode.scheduler.finish_requests("d-1", RequestStatus.FINISHED_ABORTED)
+    pair.step(2)
+    decode = pair.decode.workers[0].decode
+    assert decode is not None and decode.outcomes == {"aborted": 1} and decode.agent.live_handles() == 0
+    assert pair.decode.free_blocks() == pair.idle[1], "finished_recving for the aborted request freed its blocks"
+    assert "p-1" in pair.prefill.scheduler.requests, "rank 0 was never told: vLLM must keep the blocks"
+    pair.prefill.now = pair.decode.now = ABORT_TIMEOUT + 10
+    pair.step()
+    outcomes = [w.prefill.outcomes for w in pair.prefill.workers if w.prefill is not None]
+    assert outcomes == [{"expired": 1}, {"read": 1}]
+    assert "p-1" not in pair.prefill.scheduler.requests and pair.prefill.free_blocks() == pair.idle[0]
+    assert not pair.prefill.connector_holders() and not pair.decode.connector_holders()
+
+
+def test_the_seed_shaped_reader_is_caught_where_it_sends_and_where_the_id_is_dropped() -> None:
+    pair = Pair(reader="kvfsm.showcase.nixl_seed:LocalIdReader")
+    try:
+        params = pair.prefill_one("p-1")
+        pair.decode.add("d-1", dict(params), max_tokens=1)
+        pair.step(5)
+        decode = pair.decode.workers[0].decode
+        assert decode is not None and decode.outcomes == {"loaded": 1}  # the READ itself was right
+        [found] = decode.driver.outbox.misaddressed()
+        assert str(found) == (
+            "sent read to nixl_prefill with 'd-1', the key (space request_id); "
+            "the spec says it carries remote_request_id, linked to 'p-1'"
+        )
+        ranks = [w.prefill for w in pair.prefill.workers if w.prefill is not None]
+        assert [r.outcomes for r in ranks] == [{"read": 1}, {}] and ranks[1].anomalies == {"unknown:request_id": 1}
+        assert "p-1" in pair.prefill.scheduler.requests, "the skipped rank holds the blocks until abort_timeout"
+        pair.prefill.now = pair.decode.now = ABORT_TIMEOUT + 10
+        pair.step()
+        assert ranks[1].outcomes == {"expired": 1} and "p-1" not in pair.prefill.scheduler.requests
+    finally:
+        pair.close()
+
+
+def test_settings_refuse_what_the_connector_does_not_read() -> None:
+    with pytest.raises(ValueError, match="'fabric': 'embedded:<name>'"):
+        NixlSettings.parse({"prefill_tp": 2})
+    with pytest.raises(ValueError, match=r"\['side_channel_port'\], which NixlConnector does not read"):
+        NixlSettings.parse({"fabric": "embedded:x", "side_channel_port": 5600})
+    with pytest.raises(ValueError, match="is not a BlockReader subclass"):
+        NixlSettings.parse({"fabric": "embedded:x", "reader": "kvfsm.drivers.nixl:Topology"})
