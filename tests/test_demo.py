@@ -63,7 +63,11 @@ def test_every_bundled_spec_is_checked_and_none_has_an_error(quick: tuple[int, d
     assert sorted(s["spec"] for s in specs) == bundled
     kinds = {s["spec"]: s["kind"] for s in specs}
     assert kinds["specs/pd_abort/merged_fix.yaml"] == "system" and kinds["specs/kv_request.yaml"] == "machine"
-    assert all(s["errors"] == 0 and s["verdict"] != "errors" for s in specs)
+    correct = [s for s in specs if not s["pre_fix"]]
+    assert all(s["errors"] == 0 and s["verdict"] != "errors" for s in correct)
+    pre_fix = {s["spec"]: s for s in specs if s["pre_fix"]}
+    assert "specs/moriio/write_producer_pre_fix.yaml" in pre_fix  # seed 001, kept to be rejected
+    assert all(s["verdict"] == "rejected" and "KVF107" in s["codes"] for s in pre_fix.values())
 
 
 def test_every_machine_spec_is_drawn_to_nonempty_files(quick: tuple[int, dict[str, Any], Path]) -> None:
@@ -201,5 +205,38 @@ def test_a_bad_fault_rate_is_a_usage_error_without_a_traceback(capsys: pytest.Ca
 def test_the_real_backend_demo_runs_over_the_mooncake_transfer_engine() -> None:
     pytest.importorskip("mooncake.engine", reason="Mooncake TransferEngine wheel cannot import here")
     code, text = demo("--backend", "real", "--requests", "200", "--concurrency", "16", "--format", "json")
+    doc = json.loads(text)
+    assert code == 0 and doc["backend"] == "real" and doc["clean"] is True, text[-2000:]
+
+
+# -- the MoRIIO job (--driver moriio, seed 001) ---------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["write", "read"])
+def test_the_moriio_demo_runs_a_clean_ledger_with_faults_injected(mode: str) -> None:
+    code, text = demo("--driver", "moriio", "--mode", mode, "--requests", "300", "--concurrency", "64",
+                      "--format", "json")  # fmt: skip
+    doc = json.loads(text)
+    assert code == 0 and doc["clean"] is True, text[-2000:]
+    assert doc["driver"] == "moriio" and doc["mode"] == mode and doc["finished"] == 300
+    assert doc["leaked_blocks"] == doc["hung"] == doc["late"] == doc["corrupted"] == 0
+    assert sum(doc["faults_injected"].values()) > 0 and doc["verified_blocks"] > 0
+
+
+def test_the_moriio_pre_fix_demo_hangs_and_exits_one() -> None:
+    code, text = demo("--driver", "moriio", "--pre-fix", "--requests", "1024", "--concurrency", "512")
+    assert code == 1
+    assert "requests hung" in text and "seed 001" in text and "KVF107" in text
+
+
+def test_moriio_read_mode_has_no_pre_fix_run(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _text = demo("--driver", "moriio", "--mode", "read", "--pre-fix")
+    assert code == 2 and "WRITE-mode" in capsys.readouterr().err
+
+
+@pytest.mark.mooncake_te
+def test_the_moriio_demo_on_the_real_transfer_engine_across_processes() -> None:
+    code, text = demo("--driver", "moriio", "--backend", "real", "--requests", "300", "--concurrency", "64",
+                      "--format", "json")  # fmt: skip
     doc = json.loads(text)
     assert code == 0 and doc["backend"] == "real" and doc["clean"] is True, text[-2000:]

@@ -6,7 +6,7 @@ import argparse
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rich import box
 from rich.markup import escape
@@ -52,7 +52,12 @@ def register(sub: Subparsers) -> None:
     p.add_argument(
         "--tour", action="store_true", help="the tour: check and draw every spec, replay seeds 003, 000, 002"
     )
-    p.add_argument("--driver", choices=("pd",), default="pd", help="the driver the job runs (pd)")
+    p.add_argument(
+        "--driver",
+        choices=("pd", "moriio"),
+        default="pd",
+        help="the driver the job runs: pd (SGLang PD abort), moriio (vLLM's MoRIIO connector, seed 001)",
+    )
     p.add_argument(
         "--backend",
         choices=("embedded", "real"),
@@ -64,6 +69,15 @@ def register(sub: Subparsers) -> None:
         choices=("corrected", "merged_fix"),
         default="corrected",
         help="which role specs run: the corrected protocol, or SGLang's merged fix (corrupts pages)",
+    )
+    moriio = p.add_argument_group("MoRIIO options (with --driver moriio)")
+    moriio.add_argument(
+        "--mode", choices=("write", "read"), default="write", help="WRITE (prefill pushes) or READ (decode pulls)"
+    )
+    moriio.add_argument(
+        "--pre-fix",
+        action="store_true",
+        help="run seed 001's prefill as before vLLM #40344 (no deferred-task deadline, failures never marked done)",
     )
     p.add_argument("--requests", type=int, default=2000, metavar="N", help="requests to run (default 2000)")
     p.add_argument("--concurrency", type=int, default=64, metavar="C", help="requests under way at once (default 64)")
@@ -98,7 +112,89 @@ def register(sub: Subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.tour or args.quick or args.only or args.specs is not None:
         return run_tour(args)
+    if args.driver == "moriio":
+        return run_moriio(args)
     return run_pd(args)
+
+
+def run_moriio(args: argparse.Namespace) -> int:
+    """The MoRIIO job: a 1P1D run (two processes on the real backend) and its ledger."""
+    try:
+        from ..drivers.moriio.cluster import embedded_run, mooncake_run
+    except ImportError as exc:
+        return missing_extra("demo", "showcase", exc)
+    if not 0.0 <= args.fault_rate <= 1.0:
+        err.print(f"[red]kvfsm demo: --fault-rate {args.fault_rate} is not a probability (0 to 1)[/]")
+        return EXIT_USAGE
+    if args.requests < 1 or args.concurrency < 1:
+        err.print("[red]kvfsm demo: --requests and --concurrency must be positive[/]")
+        return EXIT_USAGE
+    if args.pre_fix and args.mode != "write":
+        err.print("[red]kvfsm demo: --pre-fix runs seed 001's WRITE-mode prefill; drop --mode read[/]")
+        return EXIT_USAGE
+    sizes = {"requests": args.requests, "concurrency": args.concurrency, "fault_rate": args.fault_rate,
+             "seed": args.seed, "pre_fix": args.pre_fix}  # fmt: skip
+    try:
+        if args.backend == "real":
+            if args.mode != "write":
+                err.print("[red]kvfsm demo: the real backend (Mooncake TransferEngine) runs WRITE mode[/]")
+                return EXIT_USAGE
+            result = mooncake_run(**sizes)
+        else:
+            result = embedded_run(args.mode, **sizes)
+    except ImportError as exc:
+        err.print(f"[red]kvfsm demo: {escape(str(exc))}[/]")
+        return EXIT_USAGE
+    from ..showcase.demo.moriio import moriio_ledger
+
+    ledger = moriio_ledger(
+        result, mode=args.mode, backend=args.backend, pre_fix=args.pre_fix, seed=args.seed, fault_rate=args.fault_rate
+    )
+    if args.format == "json":
+        out.print_json(json.dumps(ledger))
+    else:
+        _render_moriio(ledger)
+    return EXIT_OK if ledger["clean"] else EXIT_FINDINGS
+
+
+def _render_moriio(ledger: dict[str, Any]) -> None:
+    how = "seed 001's pre-fix prefill" if ledger["pre_fix"] else "the MoRIIO driver"
+    out.print(
+        f"[bold]kvfsm demo[/]: {ledger['requests']:,} requests at concurrency {ledger['concurrency']} through {how} "
+        f"({ledger['mode'].upper()} mode, {ledger['backend']} transport, {ledger['fault_rate']:.0%} faults, "
+        f"seed {ledger['seed']})"
+    )
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, show_header=False)
+    table.add_column("what")
+    table.add_column("figure")
+
+    def must_be_zero(n: int) -> str:
+        return f"[green]{n}[/]" if n == 0 else f"[red]{n}[/]"
+
+    for side in ("decode", "prefill"):
+        outcomes = ", ".join(f"{k} {v:,}" for k, v in sorted(ledger[f"{side}_outcomes"].items())) or "none"
+        table.add_row(f"{side} outcomes", outcomes)
+    table.add_row("requests ended", f"{ledger['finished']:,} of {ledger['requests']:,}")
+    table.add_row("blocks leaked", must_be_zero(ledger["leaked_blocks"]))
+    table.add_row("requests hung", must_be_zero(ledger["hung"]))
+    table.add_row("past their deadline", must_be_zero(ledger["late"]))
+    table.add_row("blocks corrupted", must_be_zero(ledger["corrupted"]))
+    table.add_row("blocks byte-checked", f"{ledger['verified_blocks']:,}")
+    faults = ", ".join(f"{k} {v:,}" for k, v in sorted(ledger["faults_injected"].items())) or "none"
+    table.add_row("faults injected", f"{sum(ledger['faults_injected'].values()):,}  ({faults})")
+    lat = ledger["latency_ms"]
+    table.add_row("latency (ms)", f"p50 {lat['p50']:.1f}  p99 {lat['p99']:.1f}  max {lat['max']:.1f}")
+    table.add_row("kvfsm per request", f"{ledger['kvfsm_us_per_request']:.0f} µs in the two trackers")
+    out.print(Padding(table, (0, 0, 0, 2)))
+    if ledger["clean"]:
+        out.print(f"[bold green]✓ clean ledger: nothing leaked, hung or corrupted[/] ({ledger['seconds']:.1f} s)")
+    elif ledger["pre_fix"]:
+        out.print(
+            f"[bold red]✗ {ledger['hung']} requests hung holding {ledger['leaked_blocks']} blocks[/]: seed 001, the "
+            f"hang `kvfsm check specs/moriio/write_producer_pre_fix.yaml` rejects (KVF107) ({ledger['seconds']:.1f} s)"
+        )
+    else:
+        out.print(f"[bold red]✗ the ledger is not clean[/] ({ledger['seconds']:.1f} s)")
 
 
 def run_pd(args: argparse.Namespace) -> int:
@@ -307,7 +403,7 @@ def _check(part: CheckPart) -> None:
         table.add_column(
             column, justify="right" if column in ("errors", "warnings") else "left", no_wrap=column == "spec"
         )
-    colours = {"clean": "green", "warnings": "yellow", "errors": "red"}
+    colours = {"clean": "green", "warnings": "yellow", "errors": "red", "rejected": "cyan", "not rejected": "red"}
     for s in part.specs:
         row = [escape(s.spec), s.kind, f"[{colours[s.verdict]}]{s.verdict}[/]", str(s.errors), str(s.warnings)]
         table.add_row(*row, *([escape(" ".join(s.codes))] if codes else []))

@@ -266,4 +266,5 @@ class DecodeEngine(Side):
             "held_blocks": sum(len(b) for b in self.blocks.pool.holdings().values()),
             "counts": dict(self.counts),
             "verified_blocks": self.driver.stats["blocks_verified"],
+            "blocks_wrong": self.driver.stats["blocks_wrong"],
         }

@@ -42,6 +42,10 @@ FULL = Sizes(sim_requests=2000, soak_requests=5000, unfixed_seconds=1.0, explore
 QUICK = Sizes(sim_requests=200, soak_requests=300, unfixed_seconds=0.5, explore_requests=3)
 
 
+PRE_FIX_SUFFIX = "_pre_fix"
+"""Spec files named ``*_pre_fix.yaml`` are a seed's pre-fix shape: the check must reject them."""
+
+
 def spec_files(root: Path) -> list[Path]:
     """Every ``.yaml`` file under ``root`` (subfolders included), sorted; raises if there is none."""
     files = sorted(root.rglob("*.yaml"))
@@ -68,6 +72,7 @@ def check_specs(root: Path) -> CheckPart:
                 errors=errors,
                 warnings=len(findings) - errors,
                 codes=tuple(sorted({f.code for f in findings})),
+                pre_fix=path.stem.endswith(PRE_FIX_SUFFIX),
             )
         )
     return CheckPart(tuple(verdicts), time.perf_counter() - start)

@@ -37,15 +37,23 @@ class SpecVerdict:
     warnings: int
     codes: tuple[str, ...]
     """The distinct finding codes, sorted."""
+    pre_fix: bool = False
+    """A seed's pre-fix shape (``*_pre_fix.yaml``), kept to show that the check rejects it."""
 
     @property
     def verdict(self) -> str:
+        if self.pre_fix:
+            return "rejected" if self.errors else "not rejected"
         return "errors" if self.errors else "warnings" if self.warnings else "clean"
+
+    @property
+    def as_expected(self) -> bool:
+        return bool(self.errors) if self.pre_fix else not self.errors
 
 
 @dataclass(frozen=True)
 class CheckPart:
-    """Every spec checked: the part is as expected when there is at least one and none has an error."""
+    """Every spec checked: as expected when there is at least one, none has an error, and every pre-fix one is rejected."""
 
     specs: tuple[SpecVerdict, ...]
     seconds: float
@@ -53,7 +61,7 @@ class CheckPart:
 
     @property
     def ok(self) -> bool:
-        return bool(self.specs) and not any(s.errors for s in self.specs)
+        return bool(self.specs) and all(s.as_expected for s in self.specs)
 
     def as_dict(self) -> dict[str, Any]:
         return {"specs": [asdict(s) | {"verdict": s.verdict} for s in self.specs]}
