@@ -174,7 +174,7 @@ def _render_moriio(ledger: dict[str, Any]) -> None:
     for side in ("decode", "prefill"):
         outcomes = ", ".join(f"{k} {v:,}" for k, v in sorted(ledger[f"{side}_outcomes"].items())) or "none"
         table.add_row(f"{side} outcomes", outcomes)
-    table.add_row("requests ended", f"{ledger['finished']:,} of {ledger['requests']:,}")
+    table.add_row("ended on decode", f"{ledger['finished']:,} of {ledger['requests']:,}")
     table.add_row("blocks leaked", must_be_zero(ledger["leaked_blocks"]))
     table.add_row("requests hung", must_be_zero(ledger["hung"]))
     table.add_row("past their deadline", must_be_zero(ledger["late"]))
