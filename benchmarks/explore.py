@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Run the explorer benchmark: kvfsm against SPIN on the PD abort systems, 1 to 6 requests.
+"""Run the explorer benchmark: kvfsm against SPIN (plain and best settings) on the PD systems, 1 to 6 requests.
 
-Usage: python benchmarks/explore.py [--quick] [--requests N] [--time-limit S] [--no-spin] [--json]
+Usage: python benchmarks/explore.py [--quick] [--requests N] [--time-limit S] [--no-spin] [--json] [--systems ...]
 All logic lives in kvfsm.showcase.bench.explore; docs/pd_abort.md explains the figures.
 """
 

@@ -1,13 +1,19 @@
-"""The explorer against SPIN on the PD abort systems: states per second and time to verdict, 1..N requests.
+"""The explorer against SPIN on the PD systems: states per second, peak memory and time to verdict, 1..N requests.
 
-Four settings run on each system and request count, one after another in one
-process (SPIN's pan in a child process):
+Five settings run on each system and request count, one after another
+(each kvfsm run in a forked child, so that its peak memory is its own; SPIN's
+pan in a child process):
 
 - ``kvfsm``: the explorer as shipped, symmetry and merged look-alike states;
 - ``kvfsm symmetry``: symmetry only;
 - ``kvfsm plain``: no reduction, the very state space SPIN stores;
 - ``SPIN``: ``pan`` on the Promela export (``gcc -O2 -DSAFETY -DNOREDUCE``;
-  compiling is not timed), no symmetry reduction.
+  compiling is not timed), no symmetry reduction;
+- ``SPIN best``: SPIN's strongest exhaustive settings on the same export:
+  partial-order reduction on, ``-DCOLLAPSE -DHC4``.
+
+Peak memory is the child's maximum resident set for kvfsm (the interpreter
+and its imports included, about 60 MB) and pan's own total for SPIN.
 
 Every run is cut at ``time_limit`` seconds; a setting cut at N requests is
 not run for more. *Time to verdict* is the time to the first
@@ -23,21 +29,25 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import platform
+import resource
 import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from ...explore import explore
 from ...gen.promela import check_with_spin, to_promela
-from ...spec.bundled import PD_ABORT
+from ...spec.bundled import PD_ABORT, SPECS
 from ...spec.system import System, load_system
 
-SETTINGS = ("kvfsm", "kvfsm symmetry", "kvfsm plain", "SPIN")
+SETTINGS = ("kvfsm", "kvfsm symmetry", "kvfsm plain", "SPIN", "SPIN best")
+DEFAULT_SYSTEMS = ("merged_fix", "corrected", "pd_prefill_crash")
+"""The PD abort systems (specs/pd_abort) and the corrected one with prefill crashes (specs/explore)."""
 
 
 @dataclass(frozen=True)
@@ -57,10 +67,35 @@ class Run:
     """Seconds to the verdict; None if there was none in time."""
     complete: bool = True
     """The whole state space was searched (a violation may be found by a search cut at the limit)."""
+    memory_mb: float = 0.0
+    """Peak memory of the run (see the module docstring); 0 when not measured."""
 
     @property
     def rate(self) -> float:
         return self.states / self.seconds if self.seconds > 0 else 0.0
+
+
+def system_path(name: str) -> Path:
+    """A benchmark system by name: a PD abort system, or a composition bundled in specs/explore."""
+    pd = PD_ABORT / f"{name}.yaml"
+    return pd if pd.exists() else SPECS / "explore" / f"{name}.yaml"
+
+
+def _measured(system: System, name: str, n: int, setting: str, limit: float) -> Run:
+    """:func:`_kvfsm` in a forked child, with the child's peak resident memory."""
+    context = multiprocessing.get_context("fork")
+    parent, child = context.Pipe(duplex=False)
+
+    def work() -> None:
+        one = _kvfsm(system, name, n, setting, limit)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kB on Linux
+        child.send(replace(one, memory_mb=round(peak, 1)))
+
+    proc = context.Process(target=work)
+    proc.start()
+    got: Run = parent.recv()
+    proc.join()
+    return got
 
 
 def _kvfsm(system: System, name: str, n: int, setting: str, limit: float) -> Run:
@@ -75,20 +110,24 @@ def _kvfsm(system: System, name: str, n: int, setting: str, limit: float) -> Run
     return Run(name, n, setting, "verified", full.states, full.seconds, full.seconds)
 
 
-def _spin(system: System, name: str, n: int, limit: float, work: Path) -> Run:
+def _spin(system: System, name: str, n: int, limit: float, work: Path, setting: str = "SPIN") -> Run:
     bits = min(26, 16 + 2 * n)  # a table sized to the state space: pan's start-up is not spent zeroing 512 MB
-    result = check_with_spin(to_promela(system, requests=n), work / f"{name}-{n}", timeout=limit, hash_bits=bits)
+    best = setting == "SPIN best"
+    result = check_with_spin(
+        to_promela(system, requests=n), work / f"{name}-{n}-{best}", timeout=limit, hash_bits=bits, best=best
+    )
+    mb = result.memory_mb
     if result.violated:
         first = min(result.found_at.values(), default=None)
-        return Run(name, n, "SPIN", "violated", result.states, result.seconds, first, result.complete)
+        return Run(name, n, setting, "violated", result.states, result.seconds, first, result.complete, mb)
     if not result.complete:
-        return Run(name, n, "SPIN", "timeout", result.states, result.seconds, None, False)
-    return Run(name, n, "SPIN", "verified", result.states, result.seconds, result.seconds)
+        return Run(name, n, setting, "timeout", result.states, result.seconds, None, False, mb)
+    return Run(name, n, setting, "verified", result.states, result.seconds, result.seconds, True, mb)
 
 
 def run(
     *,
-    systems: Sequence[str] = ("merged_fix", "corrected"),
+    systems: Sequence[str] = DEFAULT_SYSTEMS,
     requests: Sequence[int] = (1, 2, 3, 4, 5, 6),
     time_limit: float = 60.0,
     spin: bool = True,
@@ -96,10 +135,10 @@ def run(
 ) -> list[Run]:
     """Every setting on every system and request count; see the module docstring."""
     runs: list[Run] = []
-    settings = SETTINGS if spin else SETTINGS[:-1]
+    settings = SETTINGS if spin else SETTINGS[:3]
     with tempfile.TemporaryDirectory(prefix="kvfsm-spin-") as tmp:
         for name in systems:
-            system = load_system(PD_ABORT / f"{name}.yaml")
+            system = load_system(system_path(name))
             for setting in settings:
                 gave_up = False
                 for n in requests:
@@ -108,10 +147,10 @@ def run(
                     if gave_up:
                         runs.append(Run(name, n, setting, "skipped", 0, 0.0, None, False))
                         continue
-                    if setting == "SPIN":
-                        one = _spin(system, name, n, time_limit, Path(tmp))
+                    if setting.startswith("SPIN"):
+                        one = _spin(system, name, n, time_limit, Path(tmp), setting)
                     else:
-                        one = _kvfsm(system, name, n, setting, time_limit)
+                        one = _measured(system, name, n, setting, time_limit)
                     runs.append(one)
                     gave_up = not one.complete
     return runs
@@ -133,7 +172,8 @@ def _cell(r: Run) -> str:
     if not r.complete:
         return f"cut at {r.seconds:.0f} s ({r.states:,} states)"
     rate = f"{r.rate / 1000:,.0f}k/s" if r.rate >= 10_000 else f"{r.rate:,.0f}/s"
-    return f"{r.states:,} · {r.seconds:.2f} s · {rate}"
+    memory = f" · {r.memory_mb:,.0f} MB" if r.memory_mb else ""
+    return f"{r.states:,} · {r.seconds:.2f} s · {rate}{memory}"
 
 
 def _verdict_time(r: Run | None) -> str:
@@ -151,7 +191,7 @@ def format_markdown(runs: Sequence[Run]) -> str:
         verdicts = {r.verdict for r in runs if r.system == name and r.verdict in ("verified", "violated")}
         out.append(f"**{name}** ({' / '.join(sorted(verdicts)) or 'no verdict'})")
         out.append("")
-        head = ["requests", *(f"{s}: states · time · rate" for s in settings), "to verdict: kvfsm / SPIN"]
+        head = ["requests", *(f"{s}: states · time · rate · peak" for s in settings), "to verdict: kvfsm / SPIN"]
         out.append("| " + " | ".join(head) + " |")
         out.append("|" + "|".join("---" for _ in head) + "|")
         for n in sorted({r.requests for r in runs if r.system == name}):
@@ -171,10 +211,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-spin", action="store_true", help="leave SPIN out")
     parser.add_argument("--quick", action="store_true", help="up to 3 requests, 10 s per run: a smoke run")
     parser.add_argument("--json", action="store_true", help="print the runs as JSON")
+    parser.add_argument(
+        "--systems", nargs="+", default=list(DEFAULT_SYSTEMS), help=f"which (default: {' '.join(DEFAULT_SYSTEMS)})"
+    )
     args = parser.parse_args(argv)
     top = 3 if args.quick else args.requests
     limit = 10.0 if args.quick else args.time_limit
     runs = run(
+        systems=args.systems,
         requests=range(1, top + 1),
         time_limit=limit,
         spin=not args.no_spin,
