@@ -518,9 +518,94 @@ def never_takes_pages() -> NeverTakesPages:
     return NeverTakesPages(PDLoopback())
 
 
-# -- ids crossing spaces (seed 004's class of bug) ---------------------------------------------------------------------
+# -- id spaces: a prefill that holds blocks for the peer's message, a decode that sends it -----------------------------
 
-from drivers import HeldBlocks, Notifier  # noqa: E402 - kept with the drivers it extends
+from kvfsm.engine.outbox import Outbox  # noqa: E402 - kept with the drivers that use it
+
+PREFILL_HOLD = """
+kvfsm: 1
+machine: prefill_hold
+key: request_id
+params: {expiry: 480.0}
+spaces:
+  remote_request_id: {linked_at: begin, doc: the id decode names in its notification}
+events:
+  read_done: {by: remote_request_id, remote: true}
+begin: {payload: [remote_request_id]}
+resources:
+  blocks: {release: free_blocks}
+states:
+  held:    {initial: true, holds: [blocks], timeout: {after: expiry, fire: expire}}
+  done:    {final: success}
+  expired: {final: failure}
+  aborted: {final: failure}
+transitions:
+  - {event: read_done, from: held, to: done}
+  - {event: expire,    from: held, to: expired}
+  - {event: abort,     from: "*",  to: aborted}
+ignore:
+  - {event: read_done, in: [done, expired, aborted]}
+"""
+"""Prefill holds a request's blocks until decode's message names it by the id decode was told (never decode's own)."""
+
+DECODE_READ = """
+kvfsm: 1
+machine: decode_read
+key: request_id
+spaces:
+  remote_request_id: {linked_at: begin}
+begin: {payload: [remote_request_id]}
+outgoing:
+  read_done: {to: prefill_hold, carries: remote_request_id}
+states:
+  loading: {initial: true, waits: local}
+  done:    {final: success}
+  aborted: {final: failure}
+transitions:
+  - {event: finish, from: loading, to: done, do: notify}
+  - {event: abort,  from: "*",     to: aborted}
+on_error: abort
+"""
+"""Decode tells the prefill it is done, with the prefill's id: its ``outgoing:`` says which space that is."""
+
+
+class HeldBlocks:
+    """prefill_hold's driver: the blocks are held by the caller before begin, freed by the key."""
+
+    def __init__(self) -> None:
+        self.held: set[Hashable] = set()
+
+    def before_begin(self, key: Hashable, resources: frozenset[str], /) -> None:
+        self.held.add(key)
+
+    def free_blocks(self, key: Hashable, /) -> None:
+        self.held.discard(key)
+
+    def observe(self, key: Hashable, /) -> set[str]:
+        return {"blocks"} if key in self.held else set()
+
+
+class Notifier:
+    """decode_read's driver: chooses the peer's id for each instance and tells the peer with it."""
+
+    def __init__(self) -> None:
+        self.outbox = Outbox(kvfsm.parse(DECODE_READ, "decode_read.yaml"))
+        self.remote: dict[Hashable, str] = {}
+        self.serial = 0
+
+    def before_begin(self, key: Hashable, resources: frozenset[str], /) -> dict[str, str]:
+        self.serial += 1
+        self.remote[key] = f"p-{self.serial}"
+        return {"remote_request_id": self.remote[key]}
+
+    def notify(self, key: Hashable, /) -> None:
+        self.outbox.sent(key, "read_done", self.remote[key])
+
+    def observe(self, key: Hashable, /) -> set[str]:
+        return set()
+
+
+# -- ids crossing spaces (seed 004's class of bug) ---------------------------------------------------------------------
 
 
 class FreesByTheKey(HeldBlocks):

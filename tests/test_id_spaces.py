@@ -13,7 +13,7 @@ from collections import Counter
 from collections.abc import Hashable
 
 import pytest
-from drivers import DECODE_READ, PREFILL_HOLD, HeldBlocks, Notifier
+from buggy_drivers import DECODE_READ, PREFILL_HOLD, HeldBlocks, Notifier
 
 import kvfsm
 from kvfsm import Tracker
