@@ -195,18 +195,11 @@ class DecodeEngine(Side):
         spec: Spec | None = None,
         driver: type[WriteReceiver] | type[BlockReader] | None = None,
     ) -> None:
-        if mode not in ("write", "read"):
-            raise ValueError(f"mode must be 'write' or 'read', not {mode!r}")
-        super().__init__()
-        self.mode = mode
-        self.transport = transport
-        self.blocks = KVBlocks(num_blocks, block_bytes)
-        transport.register(self.blocks.tensor)
+        super().__init__(transport, num_blocks, block_bytes, mode)
         kind = driver if driver is not None else WriteReceiver if mode == "write" else BlockReader
         self.driver: BlockLoader = kind(self.blocks, transport, peer, rank, acks)
         spec = spec if spec is not None else moriio_spec(f"{mode}_consumer")
         self.tracker = Tracker(spec, self.driver, params=params, clock=clock)
-        self.counts: Counter[str] = Counter()
         self.sources: dict[str, Source] = {}
         """READ mode: where the prefill computed each transfer's blocks (its ``computed`` answers)."""
         self.replies: list[Stats] = []
@@ -263,8 +256,6 @@ class DecodeEngine(Side):
     def stats(self) -> dict[str, object]:
         return {
             **self.side_stats(),
-            "held_blocks": sum(len(b) for b in self.blocks.pool.holdings().values()),
-            "counts": dict(self.counts),
             "verified_blocks": self.driver.stats["blocks_verified"],
             "blocks_wrong": self.driver.stats["blocks_wrong"],
         }

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .messages import Message, decode, encode
+from .messages import Message, decode_all, encode
 from .transport import Extent, Status, TransferError
 
 
@@ -104,14 +104,7 @@ class EmbeddedTransport:
 
     def messages(self) -> list[Message]:
         raw, self._inbox = self._inbox, []
-        out = []
-        for frame in raw:
-            message = decode(frame)
-            if message is None:
-                self.dropped["malformed"] += 1
-            else:
-                out.append(message)
-        return out
+        return decode_all(raw, self.dropped)
 
     def _post(self, batch: _Batch) -> _Batch:
         self.live.add(id(batch))

@@ -97,8 +97,11 @@ class FaultyTransport:
         self.inner.release(batch)
 
     def notify(self, peer: str, message: Message) -> None:
-        name = _MESSAGES.get(type(message))
-        fault = self.plan.fault(message.transfer_id) if name is not None else None  # type: ignore[union-attr]
+        if not isinstance(message, (WriteDone, Release, RemoteBlocks)):
+            self.inner.notify(peer, message)
+            return
+        name = _MESSAGES[type(message)]
+        fault = self.plan.fault(message.transfer_id)
         if fault == f"lost_{name}":
             self.injected[fault] += 1
             return

@@ -11,6 +11,9 @@ one of these, so a bad frame is counted, never raised.
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Iterable
+
 import msgspec
 
 
@@ -78,6 +81,18 @@ _decoder: msgspec.msgpack.Decoder[Message] = msgspec.msgpack.Decoder(Message)
 
 def encode(message: Message) -> bytes:
     return _encoder.encode(message)
+
+
+def decode_all(frames: Iterable[bytes], dropped: Counter[str]) -> list[Message]:
+    """The well-formed messages among ``frames``; each malformed one is counted in ``dropped``."""
+    out = []
+    for frame in frames:
+        message = decode(frame)
+        if message is None:
+            dropped["malformed"] += 1
+        else:
+            out.append(message)
+    return out
 
 
 def decode(raw: bytes) -> Message | None:

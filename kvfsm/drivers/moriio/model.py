@@ -16,7 +16,7 @@ From the command line::
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Collection, Hashable, Mapping
+from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from typing import Any
 
 from ..nixl.blocks import KVBlocks
@@ -72,16 +72,37 @@ class ModelRig:
         return f"xfer-{key}-{next(self._ids)}"
 
 
-class ModelWriter(BlockWriter):
+class Planned:
+    """What every model driver adds: a plan for a request begun without one, and faults on demand."""
+
+    rig: ModelRig
+
+    def before_begin(self, key: Hashable, resources: Collection[str]) -> Mapping[str, Any]:
+        tid = self.rig.transfer_id(key)
+        return {"transfer_id": tid, "block_ids": self.rig.allocate(key, tid)}
+
+    def inject_fault(self, action: str) -> bool:
+        self.rig.armed.add(action)
+        return True
+
+
+class HandsOver(Planned):
+    """The scheduler hands its blocks to the connector at begin (delay_free), and lets go of them either way."""
+
+    def hold_blocks(self, key: Hashable, /, transfer_id: str, block_ids: Sequence[int]) -> None:
+        try:
+            self.rig.trip("hold_blocks")
+            super().hold_blocks(key, transfer_id, block_ids)  # type: ignore[misc]
+        finally:
+            self.rig.let_go(key)
+
+
+class ModelWriter(HandsOver, BlockWriter):
     """:class:`BlockWriter` for ``write_producer.yaml`` under a generated test."""
 
     def __init__(self) -> None:
         self.rig = ModelRig()
         super().__init__(self.rig.blocks, self.rig.local)
-
-    def before_begin(self, key: Hashable, resources: Collection[str]) -> Mapping[str, Any]:
-        tid = self.rig.transfer_id(key)
-        return {"transfer_id": tid, "block_ids": self.rig.allocate(key, tid)}
 
     def before_fire(self, key: Hashable, event: str, taken: Collection[str]) -> Mapping[str, Any]:
         if event != "remote_blocks":
@@ -89,17 +110,6 @@ class ModelWriter(BlockWriter):
         p = self.rig.peer_blocks
         blocks = self.rig.peer_request(f"xfer-{key}")
         return {"remote_blocks": RemoteBlocks(f"xfer-{key}", self.rig.peer.name, p.base, p.block_bytes, blocks)}
-
-    def inject_fault(self, action: str) -> bool:
-        self.rig.armed.add(action)
-        return True
-
-    def hold_blocks(self, key: Hashable, /, transfer_id: str, block_ids: list[int]) -> None:  # type: ignore[override]
-        try:
-            self.rig.trip("hold_blocks")
-            super().hold_blocks(key, transfer_id, block_ids)
-        finally:
-            self.rig.let_go(key)
 
     def post_writes(self, key: Hashable, /, remote_blocks: RemoteBlocks) -> None:
         self.rig.trip("post_writes")
@@ -110,40 +120,22 @@ class ModelWriter(BlockWriter):
         super().notify_write_done(key)
 
 
-class ModelLender(BlockLender):
+class ModelLender(HandsOver, BlockLender):
     """:class:`BlockLender` for ``read_producer.yaml`` under a generated test."""
 
     def __init__(self) -> None:
         self.rig = ModelRig()
         super().__init__(self.rig.blocks, self.rig.local)
 
-    def before_begin(self, key: Hashable, resources: Collection[str]) -> Mapping[str, Any]:
-        tid = self.rig.transfer_id(key)
-        return {"transfer_id": tid, "block_ids": self.rig.allocate(key, tid)}
 
-    def hold_blocks(self, key: Hashable, /, transfer_id: str, block_ids: list[int]) -> None:  # type: ignore[override]
-        try:
-            super().hold_blocks(key, transfer_id, block_ids)
-        finally:
-            self.rig.let_go(key)
-
-
-class ModelReceiver(WriteReceiver):
+class ModelReceiver(Planned, WriteReceiver):
     """:class:`WriteReceiver` for ``write_consumer.yaml``: the peer's writes land as soon as the blocks are announced."""
 
     def __init__(self) -> None:
         self.rig = ModelRig()
         super().__init__(self.rig.blocks, self.rig.local, self.rig.peer.name)
 
-    def before_begin(self, key: Hashable, resources: Collection[str]) -> Mapping[str, Any]:
-        tid = self.rig.transfer_id(key)
-        return {"transfer_id": tid, "block_ids": self.rig.allocate(key, tid)}
-
-    def inject_fault(self, action: str) -> bool:
-        self.rig.armed.add(action)
-        return True
-
-    def pin_dst(self, key: Hashable, /, transfer_id: str, block_ids: list[int]) -> None:  # type: ignore[override]
+    def pin_dst(self, key: Hashable, /, transfer_id: str, block_ids: Sequence[int]) -> None:
         try:
             self.rig.trip("pin_dst")
             super().pin_dst(key, transfer_id, block_ids)
@@ -159,7 +151,7 @@ class ModelReceiver(WriteReceiver):
         super().verify_blocks(key)
 
 
-class ModelReader(BlockReader):
+class ModelReader(Planned, BlockReader):
     """:class:`BlockReader` for ``read_consumer.yaml``, reading from a peer endpoint that holds the KV."""
 
     def __init__(self) -> None:
@@ -173,18 +165,14 @@ class ModelReader(BlockReader):
         source = Source(self.rig.peer.name, p.base, p.block_bytes, tuple(self.rig.peer_request(tid)))
         return {"transfer_id": tid, "block_ids": blocks, "remote_blocks": source}
 
-    def inject_fault(self, action: str) -> bool:
-        self.rig.armed.add(action)
-        return True
-
-    def pin_dst(self, key: Hashable, /, transfer_id: str, block_ids: list[int], remote_blocks: Source) -> None:  # type: ignore[override]
+    def pin_dst(self, key: Hashable, /, transfer_id: str, block_ids: Sequence[int], remote_blocks: Source) -> None:
         try:
             self.rig.trip("pin_dst")
             super().pin_dst(key, transfer_id, block_ids, remote_blocks)
         finally:
             self.rig.let_go(key)
 
-    def owe_release(self, key: Hashable, /, transfer_id: str, block_ids: list[int], remote_blocks: Source) -> None:  # type: ignore[override]
+    def owe_release(self, key: Hashable, /, transfer_id: str, block_ids: Sequence[int], remote_blocks: Source) -> None:
         self.rig.trip("owe_release")
         super().owe_release(key, transfer_id, block_ids, remote_blocks)
 

@@ -25,7 +25,7 @@ import torch
 import zmq
 
 from ..pd.transport import mooncake_engine
-from .messages import Message, decode, encode
+from .messages import Message, decode_all, encode
 from .transport import Extent, Status, TransferError
 
 PENDING, DONE = 0, 1
@@ -136,14 +136,7 @@ class MooncakeTransport:
         self.mailbox.send(_endpoint(peer), encode(message))
 
     def messages(self) -> list[Message]:
-        out = []
-        for frame in self.mailbox.take():
-            message = decode(frame)
-            if message is None:
-                self.dropped["malformed"] += 1
-            else:
-                out.append(message)
-        return out
+        return decode_all(self.mailbox.take(), self.dropped)
 
     def close(self) -> None:
         self.mailbox.close()

@@ -17,7 +17,7 @@ import torch
 
 from ..nixl.agent import NixlAgent
 from ..nixl.transport import TransferError as NixlError
-from .messages import Message, decode, encode
+from .messages import Message, decode_all, encode
 from .transport import Extent, Status, TransferError
 
 
@@ -64,11 +64,4 @@ class NixlTransport:
             self.dropped["dead_peer"] += 1  # like a ZMQ PUSH to nobody: lost, never raised
 
     def messages(self) -> list[Message]:
-        out = []
-        for frame in self.agent.notifs():
-            message = decode(frame)
-            if message is None:
-                self.dropped["malformed"] += 1
-            else:
-                out.append(message)
-        return out
+        return decode_all(self.agent.notifs(), self.dropped)

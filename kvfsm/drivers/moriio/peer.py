@@ -21,9 +21,7 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
-from types import TracebackType
-from typing import IO, Any
+from typing import Any
 
 
 class PeerError(RuntimeError):
@@ -44,7 +42,6 @@ class PeerProcess:
         faults: tuple[str, ...] = (),
         fault_seed: int = 0,
         pre_fix: bool = False,
-        log: Path | None = None,
         start_timeout: float = 60.0,
     ) -> None:
         args = [
@@ -54,9 +51,10 @@ class PeerProcess:
         ]  # fmt: skip
         if pre_fix:
             args.append("--pre-fix")
-        self._log: IO[bytes] | int = open(log, "wb") if log is not None else subprocess.DEVNULL  # noqa: SIM115
         env = {**os.environ, "MC_LOG_LEVEL": os.environ.get("MC_LOG_LEVEL", "ERROR")}
-        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=env)
+        self.proc = subprocess.Popen(
+            args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env
+        )
         try:
             self.name = self._hello(start_timeout)
         except BaseException:
@@ -79,31 +77,26 @@ class PeerProcess:
         return name
 
     def kill(self) -> None:
-        """SIGKILL the peer: a dead prefill, mid-run."""
+        """SIGKILL the peer (a dead prefill, mid-run) and reap it."""
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, signal.SIGKILL)
         self.proc.wait(timeout=10)
 
     def stop(self) -> None:
-        """Close stdin (the peer exits), wait, and kill it by pid if it does not."""
-        proc = self.proc
-        if proc.stdin is not None:
-            with contextlib.suppress(BrokenPipeError):
-                proc.stdin.close()
+        """Close stdin, so the peer exits; kill it by pid if it has not within 10 s."""
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            if pipe is not None:
+                with contextlib.suppress(BrokenPipeError):
+                    pipe.close()
         try:
-            proc.wait(timeout=10)
+            self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-        if proc.stdout is not None:
-            proc.stdout.close()
-        if not isinstance(self._log, int):
-            self._log.close()
+            self.kill()
 
     def __enter__(self) -> PeerProcess:
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
 

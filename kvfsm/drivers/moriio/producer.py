@@ -168,20 +168,13 @@ class PrefillEngine(Side):
         spec: Spec | None = None,
         driver: type[BlockWriter] | type[BlockLender] | None = None,
     ) -> None:
-        if mode not in ("write", "read"):
-            raise ValueError(f"mode must be 'write' or 'read', not {mode!r}")
-        self.mode = mode
-        self.transport = transport
-        self.blocks = KVBlocks(num_blocks, block_bytes)
-        transport.register(self.blocks.tensor)
+        super().__init__(transport, num_blocks, block_bytes, mode)
         kind = driver if driver is not None else BlockWriter if mode == "write" else BlockLender
         self.driver: BlockHolder = kind(self.blocks, transport, rank)
         if isinstance(self.driver, BlockLender):
             self.driver.acks = acks
         spec = spec if spec is not None else moriio_spec(f"{mode}_producer")
-        super().__init__()
         self.tracker = Tracker(spec, self.driver, params=params, clock=clock)
-        self.counts: Counter[str] = Counter()
         self.queued: OrderedDict[str, Prefill] = OrderedDict()
         """Requests waiting for free blocks, in arrival order (vLLM's waiting queue)."""
         self._early: OrderedDict[str, RemoteBlocks] = OrderedDict()
@@ -250,8 +243,6 @@ class PrefillEngine(Side):
         return {
             **self.side_stats(),
             "queued": len(self.queued),
-            "held_blocks": sum(len(b) for b in self.blocks.pool.holdings().values()),
-            "counts": dict(self.counts),
             "faults": dict(self.transport.injected) if isinstance(self.transport, FaultyTransport) else {},
         }
 

@@ -1,4 +1,4 @@
-"""What a prefill and a decode engine share: a tracker driven once per step, and what it costs.
+"""What a prefill and a decode engine share: registered blocks, a tracker driven once per step, and what it costs.
 
 Every call into the tracker goes through :class:`Side`, which adds its time
 to :attr:`Side.seconds` (kvfsm's own cost per request, apart from the
@@ -16,6 +16,8 @@ from typing import Any
 
 from ...engine import Tracker
 from ...errors import ActionError
+from ..nixl.blocks import KVBlocks
+from .transport import Transport
 
 
 class Side:
@@ -23,7 +25,15 @@ class Side:
 
     tracker: Tracker
 
-    def __init__(self) -> None:
+    def __init__(self, transport: Transport, num_blocks: int, block_bytes: int, mode: str) -> None:
+        """The rank's blocks, registered with ``transport``; ``mode`` is ``write`` or ``read``."""
+        if mode not in ("write", "read"):
+            raise ValueError(f"mode must be 'write' or 'read', not {mode!r}")
+        self.mode = mode
+        self.transport = transport
+        self.blocks = KVBlocks(num_blocks, block_bytes)
+        transport.register(self.blocks.tensor)
+        self.counts: Counter[str] = Counter()
         self.outcomes: Counter[str] = Counter()
         self.anomalies: Counter[str] = Counter()
         self.errors: list[ActionError] = []
@@ -62,6 +72,8 @@ class Side:
     def side_stats(self) -> dict[str, object]:
         return {
             "live": self.tracker.live(),
+            "held_blocks": sum(len(b) for b in self.blocks.pool.holdings().values()),
+            "counts": dict(self.counts),
             "outcomes": dict(self.outcomes),
             "anomalies": dict(self.anomalies),
             "errors": len(self.errors),
