@@ -3,6 +3,7 @@
 
 Usage: python benchmarks/moriio_soak.py [--requests N] [--concurrency C] [--fault-rate F] [--backend real|embedded]
                                         [--mode write|read] [--pre-fix] [--kill-at S] [--json]
+       python benchmarks/moriio_soak.py --overhead
 
 The real backend runs the prefill engine in a process of its own on Mooncake's
 TransferEngine (tcp, P2PHANDSHAKE) and the decode engine here on another;
@@ -18,8 +19,51 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
+from collections.abc import Hashable, Sequence
 
+from kvfsm.drivers.moriio import moriio_spec
 from kvfsm.drivers.moriio.cluster import FAST, MOONCAKE, embedded_run, mooncake_run
+from kvfsm.engine import Tracker
+
+
+class Bare:
+    """Both WRITE-mode drivers with actions that do nothing: what is left is kvfsm's own bookkeeping."""
+
+    def hold_blocks(self, key: Hashable, /, transfer_id: str, block_ids: Sequence[int]) -> None: ...
+    def free_blocks(self, key: Hashable, /) -> None: ...
+    def post_writes(self, key: Hashable, /, remote_blocks: object) -> None: ...
+    def release_writes(self, key: Hashable, /) -> None: ...
+    def notify_write_done(self, key: Hashable, /) -> None: ...
+    def pin_dst(self, key: Hashable, /, transfer_id: str, block_ids: Sequence[int]) -> None: ...
+    def unpin_dst(self, key: Hashable, /) -> None: ...
+    def send_remote_blocks(self, key: Hashable, /) -> None: ...
+    def verify_blocks(self, key: Hashable, /) -> None: ...
+
+
+def overhead(requests: int = 20_000, batch: int = 64) -> float:
+    """Microseconds per request for the tracker calls of one WRITE-mode request on both sides, actions empty.
+
+    Per request: producer begin, remote_blocks delivered by transfer_id, complete (fire_many over a
+    step's batch); consumer begin, announce, write_done delivered; both trackers polled and drained.
+    """
+    producer = Tracker(moriio_spec("write_producer"), Bare())
+    consumer = Tracker(moriio_spec("write_consumer"), Bare())
+    start = time.perf_counter()
+    for first in range(0, requests, batch):
+        keys = [f"r{i}" for i in range(first, min(first + batch, requests))]
+        for k in keys:
+            producer.begin(k, transfer_id=f"t-{k}", block_ids=[0, 1])
+            consumer.begin(k, transfer_id=f"t-{k}", block_ids=[0, 1])
+            consumer.fire(k, "announce")
+            producer.deliver("remote_blocks", f"t-{k}", remote_blocks=None)
+        producer.fire_many("complete", keys)
+        for k in keys:
+            consumer.deliver("write_done", f"t-{k}")
+        for t in (producer, consumer):
+            t.poll()
+            t.finished()
+    return 1e6 * (time.perf_counter() - start) / requests
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,7 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kill-at", type=float, default=None, metavar="S")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--overhead", action="store_true", help="only the tracker cost per request, actions empty")
     opts = ap.parse_args(argv)
+    if opts.overhead:
+        print(json.dumps({"kvfsm_us_per_request_bare": round(overhead(), 1)}))
+        return 0
     sizes = {"requests": opts.requests, "concurrency": opts.concurrency, "fault_rate": opts.fault_rate,
              "seed": opts.seed, "pre_fix": opts.pre_fix, "kill_at": opts.kill_at}  # fmt: skip
     if opts.backend == "real":
