@@ -35,11 +35,14 @@ def test_600_requests_at_concurrency_128_with_10_percent_faults_across_processes
 
 
 @pytest.mark.mooncake_te
-def test_a_killed_prefill_process_still_lets_every_decode_request_finish_in_time() -> None:
-    result = mooncake_run(requests=256, concurrency=128, fault_rate=0.0, timeouts=QUICK, kill_at=0.05)
-    assert result.finished == 256 and result.late == 0
+def test_concurrency_512_with_faults_and_the_prefill_process_killed_mid_run() -> None:
+    """Every decode request ends within its deadline, nothing stays held on this side, loaded blocks are checked."""
+    result = mooncake_run(requests=1024, concurrency=512, fault_rate=0.1, timeouts=QUICK, kill_at=0.4)
+    assert result.finished == 1024 and result.late == 0, result.summary()
     assert result.decode["held_blocks"] == 0 and result.decode["live"] == 0
-    assert result.decode["outcomes"].get("expired", 0) > 0
+    outcomes = result.decode["outcomes"]
+    assert outcomes["expired"] > 200 and outcomes["loaded"] > 0  # faults alone expire about 65: the kill did the rest
+    assert result.decode["verified_blocks"] == 2 * outcomes["loaded"] and result.decode["blocks_wrong"] == 0
 
 
 @pytest.mark.mooncake_te
@@ -52,7 +55,6 @@ def test_the_pre_fix_prefill_process_holds_the_blocks_of_lost_remote_blocks_for_
     assert result.hung == lost
 
 
-@pytest.mark.mooncake_te
 @pytest.mark.slow
 def test_soak_concurrency_512_with_10_percent_faults_across_processes() -> None:
     result = mooncake_run(requests=4096, concurrency=512, fault_rate=0.1)
