@@ -387,27 +387,26 @@ def check_id_spaces(spec: Spec) -> Iterable[Finding]:
                 f"events declares {decl.name!r}, which no transition or ignore rule names",
                 "Declare only events the machine knows; remove it or fix the spelling.",
             )
-        if decl.by != spec.key and decl.by not in spec.spaces:
-            known = ", ".join([spec.key, *spec.spaces])
-            yield _finding(
-                "KVF106",
-                decl.loc,
-                f"event {decl.name!r} is routed by undeclared id space {decl.by!r}",
-                f"Declare it under 'spaces:' with where it is linked, or use one of: {known}.",
-            )
+        yield from _undeclared_space(spec, decl.by, decl.loc, f"event {decl.name!r} is routed by")
 
 
 def check_outgoing(spec: Spec) -> Iterable[Finding]:
     """KVF106 for outgoing messages: the id space each one carries is the key's or a declared one."""
     for message in spec.outgoing.values():
-        if message.carries != spec.key and message.carries not in spec.spaces:
-            known = ", ".join([spec.key, *spec.spaces])
-            yield _finding(
-                "KVF106",
-                message.loc,
-                f"outgoing message {message.name!r} carries an id from undeclared id space {message.carries!r}",
-                f"Declare it under 'spaces:' with where it is linked, or use one of: {known}.",
-            )
+        what = f"outgoing message {message.name!r} carries an id from"
+        yield from _undeclared_space(spec, message.carries, message.loc, what)
+
+
+def _undeclared_space(spec: Spec, space: str, loc: Loc, what: str) -> Iterable[Finding]:
+    """KVF106 when ``space`` is neither the key's nor declared under ``spaces:``; ``what`` says who names it."""
+    if space != spec.key and space not in spec.spaces:
+        known = ", ".join([spec.key, *spec.spaces])
+        yield _finding(
+            "KVF106",
+            loc,
+            f"{what} undeclared id space {space!r}",
+            f"Declare it under 'spaces:' with where it is linked, or use one of: {known}.",
+        )
 
 
 def check_remote_events(spec: Spec) -> Iterable[Finding]:
