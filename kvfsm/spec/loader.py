@@ -271,11 +271,9 @@ def _outgoing(s: Schema, name: str, knode: Node, node: Node) -> Outgoing | None:
     if items is None:
         return None
     example = f"'{name}: {{to: <peer machine>, carries: <id space>}}'"
-    to_node = s.require(items, "to", knode, what, f"Say which peer machine receives it: {example}.")
-    to = s.name(to_node, f"{what}: to") if to_node is not None else None
+    to = s.required_name(items, "to", knode, what, f"Say which peer machine receives it: {example}.", f"{what}: to")
     fix = f"Say which id space the id it carries comes from (the key's or one under 'spaces:'): {example}."
-    carries_node = s.require(items, "carries", knode, what, fix)
-    carries = s.name(carries_node, f"{what}: carries") if carries_node is not None else None
+    carries = s.required_name(items, "carries", knode, what, fix, f"{what}: carries")
     event = s.name(items["event"][1], f"{what}: event") if "event" in items else name
     doc = s.text(items["doc"][1], f"{what}: doc") if "doc" in items else ""
     if to is None or carries is None or event is None:
