@@ -245,3 +245,13 @@ def test_the_seed_readers_journals_fail_replay_limits_and_the_correct_ones_pass(
     else:  # the skipped rank never heard its own id: unknown there, misaddressed where it was sent
         assert not skipped.conforms and skipped.anomalies == {"unknown": 4} and prefill[1].outcomes == {"expired": 4}
         assert not sender.conforms and sender.anomalies == {"misaddressed": 4}
+
+
+def test_kvfsm_test_holds_the_prefill_holder_to_its_spec_with_notifications_naming_ids_of_every_kind() -> None:
+    from kvfsm.drivers.nixl import prefill_spec
+    from kvfsm.showcase.nixl_seed import holder
+    from kvfsm.testing import run
+
+    report = run(prefill_spec(), holder, seed=3, examples=20)
+    assert report.passed, "\n".join(report.story) or report.error
+    assert report.coverage.unknown > 0  # notifications for ids this rank never held, or no longer holds

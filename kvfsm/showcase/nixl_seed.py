@@ -13,9 +13,11 @@ an ``unknown`` id in its ``request_id`` space and holds the blocks until
 ``abort_timeout``.
 
 The factories :func:`correct_reader` and :func:`seed_reader` make each reader
-on an embedded fabric with two MLA prefill ranks, as ``kvfsm test`` needs it::
+on an embedded fabric with two MLA prefill ranks, as ``kvfsm test`` needs it,
+and :func:`holder` the prefill side's driver::
 
     kvfsm test kvfsm/specs/nixl_decode.yaml --driver kvfsm.showcase.nixl_seed:seed_reader
+    kvfsm test kvfsm/specs/nixl_prefill.yaml --driver kvfsm.showcase.nixl_seed:holder
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from ..drivers.nixl.blocks import KVBlocks
 from ..drivers.nixl.decode import BlockReader, Load, PeerInfo
 from ..drivers.nixl.embedded import Fabric
 from ..drivers.nixl.notif import encode
+from ..drivers.nixl.prefill import BlockHolder
 from ..drivers.nixl.topology import Topology
 
 ENGINE = "prefill-engine"
@@ -93,6 +96,23 @@ class FabricReader(BlockReader):
 
 class FabricLocalIdReader(LocalIdReader, FabricReader):
     """Seed 004's reader on the same fabric."""
+
+
+class PoolHolder(BlockHolder):
+    """A prefill rank's holder whose ``before_begin`` plays the scheduler: it allocates the request's blocks."""
+
+    def __init__(self) -> None:
+        super().__init__(KVBlocks(64, 64))
+
+    def before_begin(self, key: Hashable, resources: frozenset[str], /) -> dict[str, Any]:
+        if self.pool.held_by(key):
+            self.pool.release(key)  # the scheduler's allocation for an earlier instance of the key
+        return {"block_ids": self.pool.allocate(key, BLOCKS_PER_REQUEST)}
+
+
+def holder() -> PoolHolder:
+    """``--driver`` factory: the prefill side's driver (the decode side's notifications are ``read`` deliveries)."""
+    return PoolHolder()
 
 
 def correct_reader() -> FabricReader:
