@@ -2,14 +2,14 @@
 """Soak of the MoRIIO drivers (seed 001): 1P1D at high concurrency with injected faults; leaks, hangs, latency.
 
 Usage: python benchmarks/moriio_soak.py [--requests N] [--concurrency C] [--fault-rate F] [--backend real|embedded]
-                                        [--mode write|read] [--pre-fix] [--kill-at S] [--json]
+                                        [--mode write|read] [--pre-fix] [--kill-after N] [--json]
        python benchmarks/moriio_soak.py --overhead
 
 The real backend runs the prefill engine in a process of its own on Mooncake's
 TransferEngine (tcp, P2PHANDSHAKE) and the decode engine here on another;
 faults: failed and raising writes, lost and duplicated write_done and
-remote_blocks (a remote that never sends its blocks); ``--kill-at`` SIGKILLs the
-prefill that many seconds in. ``--pre-fix`` runs seed 001's prefill instead.
+remote_blocks (a remote that never sends its blocks); ``--kill-after`` SIGKILLs the
+prefill once that many requests have ended. ``--pre-fix`` runs seed 001's prefill instead.
 Exit 0 only when nothing leaked or hung and every request finished within its
 deadline. docs/moriio.md explains the figures.
 """
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", choices=("real", "embedded"), default="real")
     ap.add_argument("--mode", choices=("write", "read"), default="write")
     ap.add_argument("--pre-fix", action="store_true")
-    ap.add_argument("--kill-at", type=float, default=None, metavar="S")
+    ap.add_argument("--kill-after", type=int, default=None, metavar="N")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--overhead", action="store_true", help="only the tracker cost per request, actions empty")
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"kvfsm_us_per_request_bare": round(overhead(), 1)}))
         return 0
     sizes = {"requests": opts.requests, "concurrency": opts.concurrency, "fault_rate": opts.fault_rate,
-             "seed": opts.seed, "pre_fix": opts.pre_fix, "kill_at": opts.kill_at}  # fmt: skip
+             "seed": opts.seed, "pre_fix": opts.pre_fix, "kill_after": opts.kill_after}  # fmt: skip
     if opts.backend == "real":
         if opts.mode != "write":
             ap.error("the real backend (Mooncake TransferEngine) runs WRITE mode")

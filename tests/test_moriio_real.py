@@ -37,11 +37,11 @@ def test_600_requests_at_concurrency_128_with_10_percent_faults_across_processes
 @pytest.mark.mooncake_te
 def test_concurrency_512_with_faults_and_the_prefill_process_killed_mid_run() -> None:
     """Every decode request ends within its deadline, nothing stays held on this side, loaded blocks are checked."""
-    result = mooncake_run(requests=1024, concurrency=512, fault_rate=0.1, timeouts=QUICK, kill_at=0.4)
+    result = mooncake_run(requests=1024, concurrency=512, fault_rate=0.1, timeouts=QUICK, kill_after=300)
     assert result.finished == 1024 and result.late == 0, result.summary()
     assert result.decode["held_blocks"] == 0 and result.decode["live"] == 0
     outcomes = result.decode["outcomes"]
-    assert outcomes["expired"] > 200 and outcomes["loaded"] > 0  # faults alone expire about 65: the kill did the rest
+    assert outcomes["expired"] > 200 and outcomes["loaded"] > 0  # faults alone expire about 65
     assert result.decode["verified_blocks"] == 2 * outcomes["loaded"] and result.decode["blocks_wrong"] == 0
 
 

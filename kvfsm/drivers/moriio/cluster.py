@@ -69,10 +69,10 @@ def embedded_run(
     timeouts: Timeouts = FAST,
     pre_fix: bool = False,
     prefill_headroom: float = 1.25,
-    kill_at: float | None = None,
+    kill_after: int | None = None,
 ) -> LoadResult:
     """One run in this process. ``pre_fix``: seed 001's prefill (WRITE mode);
-    ``kill_at``: the prefill dies that many seconds in."""
+    ``kill_after``: the prefill dies once that many requests have ended."""
     fabric = Fabric()
     plan = FaultPlan(fault_rate, faults if faults is not None else default_faults(mode), seed)
     pt = FaultyTransport(fabric.endpoint("prefill"), plan)
@@ -91,9 +91,9 @@ def embedded_run(
     )
     dead = False
 
-    def tick(elapsed: float) -> None:
+    def tick(ended: int) -> None:
         nonlocal dead
-        if kill_at is not None and not dead and elapsed >= kill_at:
+        if kill_after is not None and not dead and ended >= kill_after:
             fabric.dead.add("prefill")
             dead = True
 
@@ -119,7 +119,7 @@ def mooncake_run(
     seed: int = 1,
     timeouts: Timeouts = MOONCAKE,
     pre_fix: bool = False,
-    kill_at: float | None = None,
+    kill_after: int | None = None,
 ) -> LoadResult:
     """One WRITE-mode run on real TransferEngines: the prefill in a process of its own, the decode side here."""
     from .mooncake import UNREACHABLE, MooncakeTransport
@@ -138,9 +138,9 @@ def mooncake_run(
         )
         dead = False
 
-        def tick(elapsed: float) -> None:
+        def tick(ended: int) -> None:
             nonlocal dead
-            if kill_at is not None and not dead and elapsed >= kill_at:
+            if kill_after is not None and not dead and ended >= kill_after:
                 peer.kill()
                 dead = True
 
@@ -149,7 +149,7 @@ def mooncake_run(
                 decode, peer.name, requests=requests, concurrency=concurrency, blocks_per_request=blocks_per_request,
                 deadline=timeouts.deadline("write"), settle=timeouts.defer + timeouts.transfer + 0.5,
                 faults=lambda: dict(dt.injected), tick=tick,
-                prefill_stats=(lambda: DEAD_PEER) if kill_at is not None else None,
+                prefill_stats=(lambda: DEAD_PEER) if kill_after is not None else None,
             )  # fmt: skip
         finally:
             base.close()

@@ -92,7 +92,7 @@ def run_load(
     prefill_stats: Callable[[], dict[str, Any]] | None = None,
     faults: Callable[[], dict[str, int]] = dict,
     prefix: str = "r",
-    tick: Callable[[float], object] | None = None,
+    tick: Callable[[int], object] | None = None,
 ) -> LoadResult:
     """Run ``requests`` requests at ``concurrency`` through ``decode`` and the prefill engine named ``prefill``.
 
@@ -101,7 +101,7 @@ def run_load(
     side may take to finish too (its own deadlines). ``step_prefill`` steps
     an in-process prefill engine; ``prefill_stats`` reads its counters
     (default: ask it with a ``stats_query``). ``tick`` is called with the
-    seconds since the start on every loop (to kill a peer mid-run).
+    number of requests ended so far on every loop (to kill a peer mid-run).
     """
     if requests < 1 or concurrency < 1 or blocks_per_request < 1:
         raise ValueError("requests, concurrency and blocks_per_request must be positive")
@@ -116,7 +116,7 @@ def run_load(
     while time.monotonic() < hard_stop:
         busy = False
         if tick is not None:
-            tick(time.monotonic() - t0)
+            tick(n_finished)
         if step_prefill is not None:
             step_prefill()
         for key in decode.step().recving:
