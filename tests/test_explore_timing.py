@@ -28,25 +28,25 @@ def status(system: System | Path, name: str) -> str:
 
 def without_relations(folder: Path) -> Path:
     """The NIXL expiry composition with its relation taken out: any timeout may fire at any time."""
-    source = BUNDLED / "nixl_expiry.yaml"
+    source = BUNDLED / "nixl_mla.yaml"
     text = source.read_text().replace("{spec: ", f"{{spec: {BUNDLED}/")
     start = text.index("relations:\n")
     end = text.index("\n\n", start)
-    path = folder / "nixl_expiry_untimed.yaml"
+    path = folder / "nixl_mla_untimed.yaml"
     path.write_text(text[:start] + text[end + 2 :])
     return path
 
 
 def test_the_expiry_that_outlasts_the_read_never_frees_under_it() -> None:
-    result = explore(BUNDLED / "nixl_expiry.yaml")
+    result = explore(BUNDLED / "nixl_mla.yaml")
     assert result.verdict == "verified"
 
 
 def test_the_reversed_relation_frees_under_a_read_in_one_step() -> None:
-    result = explore(BUNDLED / "nixl_expiry_reversed.yaml")
+    result = explore(BUNDLED / "nixl_mla_reversed.yaml")
     (broken,) = result.violated
     assert broken.name == "read_after_free" and broken.trace is not None
-    assert [(s.role, s.cause, s.event) for s in broken.trace.moves] == [("prefill", "timeout", "expire")]
+    assert [(s.role, s.cause, s.event) for s in broken.trace.moves] == [("prefill#0", "timeout", "expire")]
 
 
 def test_without_relations_any_timeout_fires_at_any_time(tmp_path: Path) -> None:
@@ -112,7 +112,7 @@ def test_timing_is_transitive_and_reads_a_sum_through_its_terms() -> None:
 
 @needs_spin
 @pytest.mark.spin
-@pytest.mark.parametrize("name", ["nixl_expiry", "nixl_expiry_reversed"])
+@pytest.mark.parametrize("name", ["nixl_mla", "nixl_mla_reversed"])
 def test_spin_agrees_on_the_timed_compositions(tmp_path: Path, name: str) -> None:
     system = load_system(BUNDLED / f"{name}.yaml")
     ours = explore(system, requests=2, symmetry=False, merge=False)

@@ -35,9 +35,10 @@ class Clocks:
         self.param: list[list[tuple[str, str] | None]] = []
         for name, order in zip(names, states, strict=True):
             spec = system.roles[name].spec
+            base = system.base_of(name)  # relations name declared roles; every rank's deadline is as long
             self.param.append(
                 [
-                    (name, str(t.after)) if s in spec.states and (t := spec.states[s].timeout) is not None else None
+                    (base, str(t.after)) if s in spec.states and (t := spec.states[s].timeout) is not None else None
                     for s in order
                 ]
             )

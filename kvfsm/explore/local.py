@@ -31,8 +31,8 @@ from dataclasses import dataclass, replace
 
 from ..spec.model import ABORT
 from ..spec.system import LastStep, Snapshot, System, violations
-from ..spec.system.model import CRASH, CRASHED
 from ..spec.system.channel import Flight
+from ..spec.system.model import CRASH, CRASHED
 from .clocks import Clocks
 
 LocalState = tuple[tuple[int, ...], tuple[int, ...], int]
@@ -52,7 +52,7 @@ class Move:
     cause: str
     """``local`` | ``timeout`` | ``abort`` | ``error`` (the on_error event) | ``crash`` | ``message``."""
     action: str
-    """``fire`` (a transition) | ``ignore`` | ``reply`` (a finished instance's server answers) | ``reject``."""
+    """``fire`` (a transition) | ``ignore`` | ``count`` (a counted copy, remembered) | ``reply`` | ``reject``."""
     event: str
     source: int
     target: int
@@ -98,6 +98,8 @@ class LocalSystem:
         self.receiver = tuple(role_id[system.messages[m].receiver] for m in self.message_names)
         self.reply = tuple(msg_id[r] if (r := system.messages[m].reply_if_finished) else -1 for m in self.message_names)
         self.roles = tuple(self._compile(name, msg_id) for name in role_names)
+        self.clocks = Clocks(system, [role.states for role in self.roles])
+        self._counting(role_id)
         self.properties = system.names
         self.states: list[LocalState] = []
         self.index: dict[LocalState, int] = {}
@@ -109,26 +111,48 @@ class LocalSystem:
         """per local id: (property, what is wrong) for every property the local state breaks."""
         self.nmsg: list[int] = []
         start = tuple(role.states.index(system.roles[role.name].spec.initial.name) for role in self.roles)
-        self.clocks = Clocks(system, [role.states for role in self.roles])
         self.initial = self._intern(self._normal((start, (), self.clocks.initial(start))))
         self._build()
 
     # -- compiling the roles -----------------------------------------------------
 
+    def _counting(self, role_id: dict[str, int]) -> None:
+        """Where each counted message's sender ranks are remembered: bits above the deadline order's, per receiver."""
+        messages = [self.system.messages[m] for m in self.message_names]
+        self.count = tuple(m.count for m in messages)
+        offsets: dict[tuple[str, str], int] = {}
+        width = len(self.clocks.pairs)
+        for m in messages:
+            if m.count and (m.receiver, m.event) not in offsets:
+                offsets[(m.receiver, m.event)] = width
+                width += self.system.roles[m.sender].ranks
+        self.heard_bit = tuple(1 << (offsets[(m.receiver, m.event)] + m.rank) if m.count else 0 for m in messages)
+        self.heard_mask = [0] * len(self.roles)
+        for m in messages:
+            self.heard_mask[role_id[m.receiver]] |= self.heard_bit[self.wire.ids[m.name]]
+        self.heard_of = tuple(
+            sum(self.heard_bit[j] for j, o in enumerate(messages) if (o.receiver, o.event) == (m.receiver, m.event))
+            for m in messages
+        )
+
     def _compile(self, name: str, msg_id: dict[str, int]) -> _Role:
         spec = self.system.roles[name].spec
         states = tuple(spec.states)
         sid = {s: i for i, s in enumerate(states)}
-        inbox = set(self.system.inbox(name))
+        inbox = self.system.inbox(name)
+        by_event: dict[str, list[int]] = {}
+        for msg in inbox.values():
+            by_event.setdefault(msg.event, []).append(msg_id[msg.name])
         spontaneous: list[list[tuple[str, int, tuple[int, ...], str]]] = [[] for _ in states]
         on_message: dict[tuple[int, int], tuple[int, tuple[int, ...]] | None] = {}
         for e in spec.edges():
             if e.source not in sid or e.target not in sid:
                 continue
             src, dst = sid[e.source], sid[e.target]
-            sends = tuple(msg_id[s.message] for s in e.transition.sends if s.message in msg_id)
-            if e.event in inbox:
-                on_message.setdefault((src, msg_id[e.event]), (dst, sends))
+            sends = tuple(msg_id[x] for s in e.transition.sends for x in self.system.outgoing(name, s.message))
+            if e.event in by_event:
+                for mid in by_event[e.event]:
+                    on_message.setdefault((src, mid), (dst, sends))
                 continue
             timeout = spec.states[e.source].timeout
             if timeout is not None and timeout.fire == e.event:
@@ -141,8 +165,9 @@ class LocalSystem:
                 cause = "local"
             spontaneous[src].append((e.event, dst, sends, cause))
         for state, event, _rule in spec.ignored():
-            if event in inbox and state in sid:
-                on_message.setdefault((sid[state], msg_id[event]), None)
+            if state in sid:
+                for mid in by_event.get(event, ()):
+                    on_message.setdefault((sid[state], mid), None)
         final = [spec.states[s].is_final for s in states]
         holds = [spec.states[s].holds for s in states]
         role = self.system.roles[name]
@@ -152,7 +177,7 @@ class LocalSystem:
             for src in range(crashed):
                 if not final[src]:
                     spontaneous[src].append((CRASH, crashed, (), "crash"))
-            on_message.update({(crashed, msg_id[m]): None for m in inbox})
+            on_message.update({(crashed, msg_id[m]): None for m in inbox})  # by name: every copy
             states, final, holds = (*states, CRASHED), [*final, True], [*holds, ()]
             spontaneous.append([])
         return _Role(
@@ -251,12 +276,30 @@ class LocalSystem:
                         yield nxt, Move(r, "message", "reply", event, s, s, sent, m, keep, len(nxt[1]))
                 elif known and how is None:
                     yield (at, left), Move(r, "message", "ignore", event, s, s, (), m, keep, len(left))
+                elif how is not None and not role.final[s] and self._counts_only(bits, m):
+                    yield (at, left), Move(r, "message", "count", event, s, s, (), m, keep, len(left))
                 elif how is not None and not role.final[s]:
                     target, sends = how
                     for nxt, sent in self._sending(at, r, target, left, sends):
                         yield nxt, Move(r, "message", "fire", event, s, target, sent, m, keep, len(nxt[1]))
                 else:
                     yield (at, left), Move(r, "message", "reject", event, s, s, (), m, keep, len(left))
+
+    def _counts_only(self, bits: int, m: int) -> bool:
+        """A counted message whose sender is not yet the ``count``-th distinct one: it is remembered, nothing fires."""
+        if not self.count[m]:
+            return False
+        heard = (bits | self.heard_bit[m]) & self.heard_of[m]
+        return heard.bit_count() < self.count[m]
+
+    def _after(self, bits: int, move: Move, at: tuple[int, ...]) -> int:
+        """The deadline order and counts after ``move``: a fired transition re-arms and forgets its counts."""
+        if move.action == "count":
+            return bits | self.heard_bit[move.message]
+        if move.action != "fire":
+            return bits
+        bits &= ~self.heard_mask[move.role]
+        return self.clocks.fired(bits, move.role, at) if self.clocks else bits
 
     def _build(self) -> None:
         """Every local state one request can reach with at most ``capacity`` messages in flight."""
@@ -273,10 +316,7 @@ class LocalSystem:
                     if broken is not None:  # overflow: the request's own sends do not fit
                         out.append((-1, move))
                     continue
-                if found.action == "fire" and self.clocks:
-                    state = self._normal((nxt_at, nxt_flight, self.clocks.fired(bits, found.role, nxt_at)))
-                else:
-                    state = self._normal((nxt_at, nxt_flight, bits))
+                state = self._normal((nxt_at, nxt_flight, self._after(bits, found, nxt_at)))
                 known = state in self.index
                 j = self._intern(state)
                 if j == i:

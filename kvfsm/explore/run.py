@@ -122,6 +122,7 @@ def explore(
     """
     if not isinstance(system, System):
         system = load_system(system)
+    system = system.expanded()
     n = requests if requests is not None else system.requests
     if n < 1:
         raise ValueError(f"requests must be at least 1, not {n}")

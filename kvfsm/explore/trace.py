@@ -24,8 +24,9 @@ from ..spec.system.model import CRASH, CRASHED
 
 FORMAT = "kvfsm-trace/1"
 
-ACTIONS = ("begin", "fire", "ignore", "reply", "reject")
-"""begin: the instance starts; fire: a transition; ignore: a legal no-op;
+ACTIONS = ("begin", "fire", "ignore", "count", "reply", "reject")
+"""begin: the instance starts; fire: a transition; ignore: a legal no-op; count: a
+counted message remembered until the last sender rank's copy fires the transition;
 reply: a finished instance's server answers without moving it; reject: the
 event is neither handled nor ignored (the violating step of a message property)."""
 
@@ -310,6 +311,7 @@ def check_trace(trace: Trace, system: System) -> None:
     where the channel may do so, and the channel never holds more than its
     capacity (except in the very step an ``overflow`` trace ends with).
     """
+    system = system.expanded()
     roles = ", ".join(system.roles)
     for r in trace.roles:
         if r.name not in system.roles:
@@ -452,6 +454,8 @@ def describe_step(step: Step) -> str:
         return f"{step.event}{why}: {moved}"
     if step.action == "ignore":
         return f"{step.event} arrives: ignored in {step.target}"
+    if step.action == "count":
+        return f"{step.event} arrives: counted in {step.target}, not yet every sender"
     if step.action == "reply":
         return f"{step.event} arrives: finished, the server answers"
     return f"{step.event} arrives: REJECTED in {step.target}"

@@ -36,15 +36,21 @@ from itertools import product
 from pathlib import Path
 
 from ..explore.clocks import Clocks
-from ..spec.model import ABORT, Spec
-from ..spec.system import System
+from ..spec.model import ABORT, Send, Spec
+from ..spec.system import Message, System
 from ..spec.system.model import CRASHED
+
+
+def _ident(name: str) -> str:
+    """A name as a Promela identifier: an instance's ``#`` and a copy's ``@`` and ``>`` become ``_``."""
+    return re.sub(r"\W", "_", name)
 
 
 class _Model:
     """Names and expressions shared by every part of the generated model."""
 
     def __init__(self, system: System, requests: int) -> None:
+        system = system.expanded()
         self.system = system
         self.n = requests
         self.cap = system.channel.capacity
@@ -62,6 +68,12 @@ class _Model:
         }
         """Each role's states in value order: the spec's, then ``crashed`` for a role that may crash."""
         self.clocks = Clocks(system, list(self.order.values()))
+        heard: dict[tuple[str, str], int] = {}
+        for msg in system.messages.values():
+            if msg.count:
+                heard.setdefault((msg.receiver, msg.event), len(heard))
+        self.heard = heard
+        """(receiver instance, counted event) → the index of the variable remembering which sender ranks it heard."""
 
     # -- deadline order (the system's relations) -------------------------------------
 
@@ -85,10 +97,19 @@ class _Model:
                 out.append(f"!(o_{bit.bit_length() - 1}[_pid] && {self.is_state(self.roles[e], shorter)})")
         return out
 
+    def counted(self, msg: Message) -> tuple[str, str]:
+        """For a counted message: (the ranks heard once it arrives, the guard that this copy is the last one owed)."""
+        var = f"h_{self.heard[(msg.receiver, msg.event)]}[_pid]"
+        heard = f"({var} | {1 << msg.rank})"
+        width = len(self.system.instances_of(self.system.base_of(msg.sender)))
+        enough = [x for x in range(1 << width) if x.bit_count() >= msg.count]
+        return heard, "(" + " || ".join(f"{heard} == {x}" for x in enough) + ")"
+
     def rearm(self, role: str, target: str) -> list[str]:
-        """What ``role`` firing into ``target`` does to the deadline order bits."""
+        """What ``role`` firing into ``target`` does to the deadline order bits and to the counts it kept."""
         r = self.roles.index(role)
-        lines = [f"o_{k}[_pid] = 0" for k, (e, x) in enumerate(self.clocks.pairs) if r in (e, x)]
+        lines = [f"h_{k}[_pid] = 0" for (receiver, _e), k in self.heard.items() if receiver == role]
+        lines += [f"o_{k}[_pid] = 0" for k, (e, x) in enumerate(self.clocks.pairs) if r in (e, x)]
         if target not in self.specs[role].states or self.specs[role].states[target].timeout is None:
             return lines
         for e, bit in self.clocks.shorter[r]:
@@ -97,10 +118,10 @@ class _Model:
         return lines
 
     def var(self, role: str, who: str = "_pid") -> str:
-        return f"r_{role}[{who}]"
+        return f"r_{_ident(role)}[{who}]"
 
     def const(self, role: str, state: str) -> str:
-        return f"s_{role}_{state}"
+        return f"s_{_ident(role)}_{state}"
 
     def prop(self, name: str) -> int:
         return self.props.index(name) + 1
@@ -127,7 +148,7 @@ class _Model:
     def in_flight(self) -> str:
         """This request's messages in flight."""
         if self.system.channel.reorder:
-            parts = [f"m_{m}[_pid]" for m in self.messages]
+            parts = [f"m_{_ident(m)}[_pid]" for m in self.messages]
         else:
             parts = [f"n_{d}[_pid]" for d in range(self.directions)]
         return "(" + " + ".join(parts or ["0"]) + ")"
@@ -135,20 +156,20 @@ class _Model:
     def has(self, message: str, who: str = "_pid") -> str:
         """``message`` of request ``who`` may arrive now (in flight; the oldest of its direction without reorder)."""
         if self.system.channel.reorder:
-            return f"m_{message}[{who}] > 0"
+            return f"m_{_ident(message)}[{who}] > 0"
         d = self.direction[message]
         return f"n_{d}[{who}] > 0 && q_{d}[{who} * CAP] == {self.messages.index(message) + 1}"
 
     def consume(self, message: str) -> list[str]:
         if self.system.channel.reorder:
-            return [f"m_{message}[_pid]--", "inflight--"]
+            return [f"m_{_ident(message)}[_pid]--", "inflight--"]
         d = self.direction[message]
         shift = [f"q_{d}[_pid * CAP + {i}] = q_{d}[_pid * CAP + {i + 1}]" for i in range(self.cap - 1)]
         return [*shift, f"q_{d}[_pid * CAP + {self.cap - 1}] = 0", f"n_{d}[_pid]--", "inflight--"]
 
     def add(self, message: str) -> list[str]:
         if self.system.channel.reorder:
-            return [f"m_{message}[_pid]++", "inflight++"]
+            return [f"m_{_ident(message)}[_pid]++", "inflight++"]
         d = self.direction[message]
         return [
             f"q_{d}[_pid * CAP + n_{d}[_pid]] = {self.messages.index(message) + 1}",
@@ -164,7 +185,7 @@ class _Model:
         for prop in self.system.never:
             parts = []
             for c in prop.when:
-                spec = self.specs[c.role]
+                spec = self.specs[self.system.instances_of(c.role)[0]]
                 ok = [
                     s
                     for s, st in spec.states.items()
@@ -172,16 +193,16 @@ class _Model:
                     and set(c.holds) <= set(st.holds)
                     and not set(c.lacks) & set(st.holds)
                 ]
-                if self.system.roles[c.role].crash and not c.states and not c.holds:
+                if self.system.roles[self.system.instances_of(c.role)[0]].crash and not c.states and not c.holds:
                     ok.append(CRASHED)  # a lost instance holds nothing
-                parts.append(self.is_state(c.role, ok))
+                parts.append("(" + " || ".join(self.is_state(i, ok) for i in self.system.instances_of(c.role)) + ")")
             out.append((prop.name, " && ".join(parts)))
         return out
 
     def progress(self, role: str) -> list[str]:
         """States where some local event other than abort / on_error can happen."""
         spec = self.specs[role]
-        inbox = set(self.system.inbox(role))
+        inbox = {m.event for m in self.system.inbox(role).values()}
         env = {ABORT} | ({spec.on_error} if spec.on_error else set())
         return sorted(
             {e.source for e in spec.edges() if e.event not in inbox and e.event not in env},
@@ -253,13 +274,13 @@ def _option(
 
 def _spontaneous(m: _Model, role: str) -> Iterator[str]:
     spec = m.specs[role]
-    inbox = set(m.system.inbox(role))
+    inbox = {msg.event for msg in m.system.inbox(role).values()}
     for e in spec.edges():
         if e.event in inbox or e.source not in spec.states or e.target not in spec.states:
             continue
         if spec.states[e.source].is_final:
             continue
-        sends = tuple(s.message for s in e.transition.sends if s.message in m.system.messages)
+        sends = _sends(m, role, e.transition.sends)
         timeout = spec.states[e.source].timeout
         owed = (timeout is not None and timeout.fire == e.event) or e.event not in m.system.environment(role)
         for kept in _fates(m, sends):
@@ -289,12 +310,17 @@ def _spontaneous(m: _Model, role: str) -> Iterator[str]:
                 )
 
 
+def _sends(m: _Model, role: str, sends: tuple[Send, ...]) -> tuple[str, ...]:
+    """The wire messages a transition's sends put in flight from instance ``role``: one per receiving instance."""
+    return tuple(x for send in sends for x in m.system.outgoing(role, send.message))
+
+
 def _deliveries(m: _Model, name: str) -> Iterator[str]:
     msg = m.system.messages[name]
     role = msg.receiver
     spec = m.specs[role]
-    targets = {e.source: e for e in spec.edges() if e.event == name}
-    ignored = {st for st, ev, _r in spec.ignored() if ev == name}
+    targets = {e.source: e for e in spec.edges() if e.event == msg.event}
+    ignored = {st for st, ev, _r in spec.ignored() if ev == msg.event}
     keeps = (False, True) if m.system.channel.duplicate else (False,)
     crash = m.system.roles[role]
     for state in m.order[role]:
@@ -312,10 +338,14 @@ def _deliveries(m: _Model, name: str) -> Iterator[str]:
         elif state in targets and not final:
             e = targets[state]
             what = f"-> {e.target}"
-            sends = tuple(s.message for s in e.transition.sends if s.message in m.system.messages)
+            sends = _sends(m, role, e.transition.sends)
             target = e.target
         else:
             what, sends = f"rejected ({'late_message' if final else 'unexpected_message'})", ()
+        if target is not None and msg.count:
+            heard, last = m.counted(msg)
+            yield from _counting(m, msg, state, [*guard, f"!{last}"], keeps, heard)
+            guard = [*guard, last]
         for keep in keeps:
             consume = [] if keep else m.consume(name)
             body = list(consume)
@@ -336,6 +366,22 @@ def _deliveries(m: _Model, name: str) -> Iterator[str]:
                     body or ["skip"],
                     (len(m.roles) + m.messages.index(name), keep or len(kept) < len(sends)),
                 )
+
+
+def _counting(
+    m: _Model, msg: Message, state: str, guard: list[str], keeps: tuple[bool, ...], heard: str
+) -> Iterator[str]:
+    """A counted copy from a sender rank not yet the ``count``-th: remembered in ``h``, the instance stays."""
+    for keep in keeps:
+        yield from _option(
+            m,
+            f"{msg.name} reaches {msg.receiver} in {state}: counted{'; a copy stays' if keep else ''}",
+            guard,
+            0 if keep else 1,
+            (),
+            [*([] if keep else m.consume(msg.name)), f"h_{m.heard[(msg.receiver, msg.event)]}[_pid] = {heard}"],
+            (len(m.roles) + m.messages.index(msg.name), keep),
+        )
 
 
 def _after(m: _Model) -> list[str]:
@@ -436,11 +482,12 @@ def _initial_violations(m: _Model) -> list[str]:
     """Properties the initial state itself breaks (checked before the loop; rare enough to cost one extra state)."""
     out = []
     init = {r: m.specs[r].initial.name for r in m.roles}
+    first = {c.role: m.system.instances_of(c.role)[0] for p in m.system.never for c in p.when}
     for prop in m.system.never:
         if all(
-            (not c.states or init[c.role] in c.states)
-            and set(c.holds) <= set(m.specs[c.role].states[init[c.role]].holds)
-            and not set(c.lacks) & set(m.specs[c.role].states[init[c.role]].holds)
+            (not c.states or init[first[c.role]] in c.states)
+            and set(c.holds) <= set(m.specs[first[c.role]].states[init[first[c.role]]].holds)
+            and not set(c.lacks) & set(m.specs[first[c.role]].states[init[first[c.role]]].holds)
             for c in prop.when
         ):
             out.append(prop.name)
@@ -483,21 +530,24 @@ def to_promela(system: System, *, requests: int | None = None) -> str:
     ]
     for role in m.roles:
         spec = m.specs[role]
-        lines.append(f"/* role {role}: machine {spec.name} ({system.roles[role].path}) */")
+        lines.append(f"/* role {role}: machine {spec.name} ({m.system.roles[role].path}) */")
         for i, state in enumerate(m.order[role]):
             lines.append(f"#define {m.const(role, state)} {i}")
-        lines.append(f"byte r_{role}[N] = {m.const(role, spec.initial.name)};")
+        lines.append(f"byte {m.var(role, '').removesuffix('[]')}[N] = {m.const(role, spec.initial.name)};")
         lines.append("")
     lines.append("/* messages in flight, per request */")
     if c.reorder:
         for name in m.messages:
-            lines.append(f"byte m_{name}[N];  /* {system.messages[name].sender} -> {system.messages[name].receiver} */")
+            sent = m.system.messages[name]
+            lines.append(f"byte m_{_ident(name)}[N];  /* {name}: {sent.sender} -> {sent.receiver} */")
     else:
         for d in range(m.directions):
             names = [x for x in m.messages if m.direction[x] == d]
             lines.append(f"byte q_{d}[N * CAP];  /* FIFO per request: {', '.join(names)} (message id + 1) */")
             lines.append(f"byte n_{d}[N];")
     lines.append("byte inflight;  /* all requests together: what CAP bounds */")
+    for (receiver, event), k in m.heard.items():
+        lines.append(f"byte h_{k}[N];  /* the sender ranks {receiver} has heard {event} from */")
     start = [list(m.specs[r].states).index(m.specs[r].initial.name) for r in m.roles]
     begun = m.clocks.initial(start)
     for k, (e, r) in enumerate(m.clocks.pairs):

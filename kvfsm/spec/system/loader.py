@@ -34,9 +34,9 @@ TOP_KEYS = {
     "properties": "what must never happen, and what must eventually happen",
     "relations": "which timeouts outlast which: 'prefill.abort_timeout > decode.read_timeout'",
 }
-ROLE_KEYS = ("spec", "doc", "crash")
+ROLE_KEYS = ("spec", "doc", "crash", "ranks")
 CRASH_KEYS = ("restart",)
-MESSAGE_KEYS = ("from", "to", "reply_if_finished", "doc")
+MESSAGE_KEYS = ("from", "to", "reply_if_finished", "count", "doc")
 CHANNEL_KEYS = ("loss", "duplicate", "reorder", "capacity")
 PROPERTY_KEYS = ("never", "builtins", "eventually")
 NEVER_KEYS = ("name", "when", "doc")
@@ -170,7 +170,7 @@ def _crash(s: Schema, node: Node, what: str) -> tuple[bool, bool]:
 
 def _read_role(s: Schema, base: Path, name: str, knode: Node, node: Node, out: list[Finding]) -> Role | None:
     what = f"role {name!r}"
-    crash, restart = False, True
+    crash, restart, ranks = False, True, 1
     if isinstance(node, ScalarNode) and node.tag != NULL:
         spec_node: Node | None = node  # `prefill: prefill.yaml`
         doc = ""
@@ -182,6 +182,8 @@ def _read_role(s: Schema, base: Path, name: str, knode: Node, node: Node, out: l
         doc = s.text(items["doc"][1], f"{what}: doc") if "doc" in items else ""
         if "crash" in items:
             crash, restart = _crash(s, items["crash"][1], what)
+        if "ranks" in items:
+            ranks = s.count(items["ranks"][1], f"{what}: ranks", "Write how many instances (TP ranks), e.g. 2.") or 1
     if spec_node is None:
         return None
     rel = s.scalar(spec_node, f"{what}: spec")
@@ -209,7 +211,7 @@ def _read_role(s: Schema, base: Path, name: str, knode: Node, node: Node, out: l
             out.extend(exc.findings)
         return None
     out.extend(run_checks(spec))
-    return Role(name, spec, shown, doc, s.loc(knode), crash, restart)
+    return Role(name, spec, shown, doc, s.loc(knode), crash, restart, ranks)
 
 
 def _roles(s: Schema, node: Node, base: Path, out: list[Finding]) -> tuple[dict[str, Role], frozenset[str]]:
@@ -242,8 +244,9 @@ def _messages(s: Schema, node: Node) -> dict[str, Message]:
             else None
         )
         mdoc = s.text(items["doc"][1], f"{what}: doc") if "doc" in items else ""
+        count = _count(s, items["count"][1], what) if "count" in items else 0
         if sender is not None and receiver is not None:
-            messages[mname] = Message(mname, sender, receiver, reply, mdoc, s.loc(mknode))
+            messages[mname] = Message(mname, sender, receiver, reply, mdoc, s.loc(mknode), count)
     return messages
 
 
@@ -272,6 +275,13 @@ def _relation(s: Schema, node: Node) -> TimeRelation | None:
         s.error(node, f"relation {text!r} has a sum on its longer side", fix)
         return None
     return TimeRelation(left[0], right, text.strip(), s.loc(node))  # type: ignore[arg-type]  # pairs by the regex
+
+
+def _count(s: Schema, node: Node, what: str) -> int:
+    """``count: all`` (-1: every sender rank) or ``count: K``: the receiver fires on the K-th distinct sender."""
+    if isinstance(node, ScalarNode) and node.value == "all":
+        return -1
+    return s.count(node, f"{what}: count", "Write 'all', or how many sender ranks must be heard, e.g. 2.") or 0
 
 
 def _channel(s: Schema, knode: Node, node: Node) -> Channel:

@@ -11,7 +11,7 @@ move on) are computed here once, for the checks, the explorer and trace replay.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Literal
 
@@ -65,6 +65,8 @@ class Role:
     loc: Loc = NOWHERE
     crash: bool = False
     restart: bool = True
+    ranks: int = 1
+    """Instances of this role per request (one per TP rank); a message to the role goes to each of them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +84,19 @@ class Message:
     reply_if_finished: str | None = None
     doc: str = ""
     loc: Loc = NOWHERE
+    count: int = 0
+    """With ranks: the receiver's transition fires on the copy from the ``count``-th distinct sender rank; the
+    copies before it are only counted. 0: every copy fires it; -1 (``count: all``): every sender rank."""
+    base: str = ""
+    """The declared message this one is a copy of, one per (sender instance, receiver instance); its name is the
+    receiver's event. Empty for a declared message (the event is its name)."""
+    rank: int = 0
+    """The sender instance's rank (what a count tells apart)."""
+
+    @property
+    def event(self) -> str:
+        """The receiver's event this message fires."""
+        return self.base or self.name
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,6 +239,70 @@ class System:
     locs: Mapping[str, Loc] = field(default_factory=dict)
     relations: tuple[TimeRelation, ...] = ()
     """Declared orders between the roles' timeouts; none: any timeout may fire at any time."""
+    instances: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    """Once ranks are expanded (:meth:`expanded`): declared role → its instances (``prefill#0``, ...)."""
+
+    def base_of(self, role: str) -> str:
+        """The declared role an instance belongs to (itself when ranks are not expanded or it has one)."""
+        return self._base.get(role, role)
+
+    @cached_property
+    def _base(self) -> Mapping[str, str]:
+        return {inst: base for base, insts in self.instances.items() for inst in insts}
+
+    def instances_of(self, role: str) -> tuple[str, ...]:
+        """The instances of a declared role (the role itself when it has one)."""
+        return self.instances.get(role, (role,))
+
+    def outgoing(self, role: str, message: str) -> tuple[str, ...]:
+        """The messages a send of declared ``message`` by instance ``role`` puts on the wire: one per receiver."""
+        return self._outgoing.get((role, message), ())
+
+    @cached_property
+    def _outgoing(self) -> Mapping[tuple[str, str], tuple[str, ...]]:
+        out: dict[tuple[str, str], list[str]] = {}
+        for m in self.messages.values():
+            out.setdefault((m.sender, m.event), []).append(m.name)
+        return {k: tuple(v) for k, v in out.items()}
+
+    def expanded(self) -> System:
+        """The system with one role per instance and one message per (sender instance, receiver instance).
+
+        A role with ``ranks: n`` becomes ``role#0`` .. ``role#n-1``; a declared
+        message ``m`` becomes ``m@sender#k>receiver#j`` (each part only where
+        that side has ranks), so a send reaches every instance of the receiving
+        role: a broadcast. Properties keep naming declared roles (a condition
+        on a role with ranks holds when one of its instances meets it). A
+        system without ranks is returned as it is.
+        """
+        if all(r.ranks == 1 for r in self.roles.values()):
+            return self
+        insts = {
+            name: tuple(f"{name}#{k}" for k in range(r.ranks)) if r.ranks > 1 else (name,)
+            for name, r in self.roles.items()
+        }
+        roles = {inst: replace(r, name=inst) for name, r in self.roles.items() for inst in insts[name]}
+
+        def copy(base: str, sender: str, receiver: str) -> str:
+            msg = self.messages[base]
+            return (
+                base
+                + (f"@{sender}" if self.roles[msg.sender].ranks > 1 else "")
+                + (f">{receiver}" if self.roles[msg.receiver].ranks > 1 else "")
+            )
+
+        messages: dict[str, Message] = {}
+        for m in self.messages.values():
+            for k, si in enumerate(insts[m.sender]):
+                for ri in insts[m.receiver]:
+                    answer = m.reply_if_finished
+                    reply = copy(answer, ri, si) if answer is not None and answer in self.messages else None
+                    name = copy(m.name, si, ri)
+                    count = self.roles[m.sender].ranks if m.count < 0 else m.count
+                    messages[name] = replace(
+                        m, name=name, sender=si, receiver=ri, reply_if_finished=reply, base=m.name, rank=k, count=count
+                    )
+        return replace(self, roles=roles, messages=messages, instances=insts)
 
     @cached_property
     def timing(self) -> Timing:
@@ -290,7 +369,7 @@ class System:
     def _progress(self) -> Mapping[str, frozenset[str]]:
         out: dict[str, frozenset[str]] = {}
         for name, role in self.roles.items():
-            passive = self.environment(name) | set(self.inbox(name))
+            passive = self.environment(name) | {m.event for m in self.inbox(name).values()}
             out[name] = frozenset(
                 e.source
                 for e in role.spec.edges()

@@ -60,10 +60,13 @@ def violation(system: System, prop: Property, snap: Snapshot) -> str | None:
     if kind == "never":
         met = []
         for c in prop.when:
-            state = snap.states.get(c.role)
-            if state is None or not c.matches(state, snap.held.get(c.role, ())):
+            for inst in system.instances_of(c.role):  # with ranks: one instance meeting it is enough
+                state = snap.states.get(inst)
+                if state is not None and c.matches(state, snap.held.get(inst, ())):
+                    met.append(c.describe(state).replace(c.role, inst, 1))
+                    break
+            else:
                 return None
-            met.append(c.describe(state))
         return " while ".join(met)
     last = snap.last
     if kind in ("late_message", "unexpected_message"):
