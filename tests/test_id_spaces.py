@@ -202,3 +202,27 @@ def test_the_outbox_refuses_an_undeclared_message_and_a_tracker_of_another_machi
         outbox.sent("d-1", "notify", "p-1")
     with pytest.raises(kvfsm.KvfsmError, match="cannot check sends against a tracker of 'prefill_hold'"):
         outbox.bind(tracker()[0])
+
+
+class OneIdForAll(HeldBlocks):
+    """Tells the tracker the same peer id for every request: the second live one cannot be linked."""
+
+    def before_begin(self, key: Hashable, resources: frozenset[str], /) -> dict[str, str]:
+        super().before_begin(key, resources)
+        return {"remote_request_id": "p-1"}
+
+
+def test_the_model_predicts_a_link_refused_because_the_id_names_another_live_instance() -> None:
+    from kvfsm.testing import run
+    from kvfsm.testing.machine import spec_machine
+    from kvfsm.testing.runner import play
+
+    report = run(kvfsm.parse(SPEC, "prefill_hold.yaml"), OneIdForAll, seed=2, examples=20)
+    assert report.passed, "\n".join(report.story) or report.error
+    assert report.coverage.faults["<link remote_request_id>"] > 0  # each one held to the Tracker's ActionError
+    machine = spec_machine(kvfsm.parse(SPEC, "prefill_hold.yaml"), OneIdForAll)
+    m = machine()
+    m.begin("req-1")
+    m.begin("req-2")
+    assert m.story[-1] == "t=0.0 begin req-2 → held; its remote_request_id names another live instance (not linked)"
+    assert play(machine, [("begin", ("req-1",)), ("begin", ("req-2",))]) is None

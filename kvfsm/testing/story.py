@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .oracle import Move, Outcome
+from .oracle import ExpectedFailure, Move, Outcome
 
 
 def clock(now: float) -> str:
@@ -23,10 +23,22 @@ def _move(move: Move) -> str:
     return f"{move.event} {move.key}: {move.source} → {move.target}"
 
 
+def _raised(failures: Sequence[ExpectedFailure]) -> str:
+    """``alloc() raised (injected fault)``; a link that failed: ``its remote_request_id names another live instance``."""
+    return ", ".join(
+        f"its {f.action.removeprefix('<link ').removesuffix('>')} names another live instance (not linked)"
+        if f.phase == "link"
+        else f"{f.action}() raised (injected fault)"
+        for f in failures
+    )
+
+
 def _after_faults(outcome: Outcome) -> str:
-    """The failures (injected faults that fired) and the transitions that handled them."""
-    raised = ", ".join(f"{f.action}() raised (injected fault)" for f in outcome.failures)
+    """The failures (injected faults that fired, links refused) and the transitions that handled them."""
+    raised = _raised(outcome.failures)
     moved = "; ".join(_move(m) for m in outcome.moves)
+    if moved and all(f.phase == "link" for f in outcome.failures):
+        return f"{moved}; {raised}"
     if moved:
         return f"{raised}, so {moved}"
     return f"{raised}; no on_error transition, state unchanged"
@@ -40,9 +52,10 @@ def begin_line(key: str, outcome: Outcome) -> str:
         return f"begin {key}: {CLOSED}"
     if outcome.refused == "duplicate":
         return f"begin {key}: already live in {outcome.state} (DuplicateKey, nothing may change)"
+    if outcome.failures and outcome.moves:
+        return f"begin {key} → {outcome.moves[0].target}; {_raised(outcome.failures)}"
     if outcome.failures:
-        raised = ", ".join(f"{f.action}() raised (injected fault)" for f in outcome.failures)
-        return f"begin {key}: {raised}; not begun"
+        return f"begin {key}: {_raised(outcome.failures)}; not begun"
     return f"begin {key} → {outcome.moves[0].target}"
 
 
@@ -95,11 +108,11 @@ def _moves_and_faults(outcome: Outcome) -> list[str]:
         caused = [f for f in pending if f.key == move.key] if move.how == "on_error" else []
         if caused:
             pending = [f for f in pending if f not in caused]
-            raised = ", ".join(f"{f.action}() raised (injected fault)" for f in caused)
+            raised = _raised(caused)
             parts.append(f"{caused[0].event} {move.key}: {raised}, so {_move(move)}")
         else:
             parts.append(_move(move))
-    parts += [f"{f.event} {f.key}: {f.action}() raised (injected fault); state unchanged" for f in pending]
+    parts += [f"{f.event} {f.key}: {_raised([f])}; state unchanged" for f in pending]
     return parts
 
 

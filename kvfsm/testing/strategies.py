@@ -14,17 +14,34 @@ actions shared between transitions; timeouts after a param or a literal (zero
 included) firing any event their state handles; ``waits: local`` states;
 ``"*"`` sources; aborts into final states and into later live states (which
 ``close()`` must then release by force); an ``on_error`` event into a final
-or a live state; ignore rules in live and final states, ``"*"`` included.
-Shrinking goes towards one live state, no resources and few transitions.
+or a live state; ignore rules in live and final states, ``"*"`` included;
+id spaces linked at ``begin`` and at an event, and events routed by them
+(so the model-based tests deliver messages naming ids of every space).
+Shrinking goes towards one live state, no resources, no id spaces and few
+transitions.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from hypothesis import strategies as st
 
-from ..spec.model import ABORT, WILDCARD, FinalKind, IgnoreRule, Resource, Spec, State, Timeout, Transition
+from ..spec.model import (
+    ABORT,
+    BEGIN,
+    WILDCARD,
+    EventDecl,
+    FinalKind,
+    IgnoreRule,
+    Resource,
+    Space,
+    Spec,
+    State,
+    Timeout,
+    Transition,
+)
 
 ON_ERROR = "fail"
 """The on_error event of generated specs (never used for anything else)."""
@@ -39,6 +56,12 @@ PARAMS = {"t_short": (0.5, 1.0), "t_long": (1.5, 2.0, 3.0)}
 
 LITERAL_AFTERS = (0.0, 1.0, 2.5)
 """Seconds a timeout may give directly; 0.0 makes a deadline due at once."""
+
+PEER_ID = "peer_id"
+"""An id space linked at ``begin`` (a peer's request id)."""
+
+XFER_ID = "xfer_id"
+"""An id space linked at an event (a transfer id the event's payload carries)."""
 
 
 def specs(
@@ -119,17 +142,42 @@ def _specs(
     states.update({f: State(f, final=kind) for f, kind in FINALS.items() if f in targets})
     used_params = {t.after for t in timed.values() if t is not None and isinstance(t.after, str)}
     params = {p: draw(st.sampled_from(PARAMS[p])) for p in sorted(used_params)}
+    transitions = _transitions(draw, edges, live)
+    spaces, decls, transitions = _id_spaces(draw, transitions, on_error)
     return Spec(
         name="random",
         key="request_id",
         states=states,
-        transitions=_transitions(draw, edges, live),
+        transitions=transitions,
         resources=spec_resources,
         params=params,
         ignore=_ignore_rules(draw, edges, list(states)),
         on_error=on_error,
         path="<kvfsm.testing.strategies.specs>",
+        begin_payload=(PEER_ID,) if PEER_ID in spaces else (),
+        spaces=spaces,
+        event_decls=decls,
     )
+
+
+def _id_spaces(
+    draw: st.DrawFn, transitions: tuple[Transition, ...], on_error: str | None
+) -> tuple[dict[str, Space], dict[str, EventDecl], tuple[Transition, ...]]:
+    """Sometimes a space linked at begin and one linked at an event (whose transitions then carry it), and events
+    routed by the key or by either space (never abort or on_error: what the engine fires stays the key's)."""
+    if not draw(st.booleans(), label="id spaces"):
+        return {}, {}, transitions
+    spaces = {PEER_ID: Space(PEER_ID, BEGIN)}
+    events = sorted({t.event for t in transitions} - {ABORT, on_error or ABORT})
+    linked: bool = bool(events) and draw(st.booleans(), label="a space linked at an event")
+    if linked:
+        at = draw(st.sampled_from(events))
+        spaces[XFER_ID] = Space(XFER_ID, at)
+        transitions = tuple(dataclasses.replace(t, payload=(XFER_ID,)) if t.event == at else t for t in transitions)
+    routed = draw(st.lists(st.sampled_from(events), unique=True), label="routed events") if events else []
+    by = st.sampled_from(["request_id", *spaces])
+    decls = {e: EventDecl(e, draw(by)) for e in routed}
+    return spaces, decls, transitions
 
 
 def _resources(draw: st.DrawFn, most: int, shared: bool) -> dict[str, Resource]:
@@ -247,9 +295,19 @@ def _ignore_rules(draw: st.DrawFn, edges: Edges, states: Sequence[str]) -> tuple
 def as_yaml(spec: Spec) -> str:
     """``spec`` as spec-file text, to read or paste into a file when a property fails on a generated spec.
 
-    Covers what :func:`specs` generates (no docs, sends or payloads); ``kvfsm.parse`` reads it back unchanged.
+    Covers what :func:`specs` generates (no docs or sends); ``kvfsm.parse`` reads it back unchanged.
     """
     lines = ["kvfsm: 1", f"machine: {spec.name}", f"key: {spec.key}"]
+    if spec.spaces:
+        lines.append("spaces:")
+        lines += [f"  {sp.name}: {{linked_at: {sp.linked_at}}}" for sp in spec.spaces.values()]
+    if spec.event_decls:
+        lines.append("events:")
+        lines += [
+            f"  {d.name}: {{by: {d.by}{', remote: true' if d.remote else ''}}}" for d in spec.event_decls.values()
+        ]
+    if spec.begin_payload:
+        lines.append(f"begin: {{payload: [{', '.join(spec.begin_payload)}]}}")
     if spec.params:
         lines.append("params: {" + ", ".join(f"{k}: {v}" for k, v in spec.params.items()) + "}")
     if spec.resources:
@@ -270,7 +328,8 @@ def as_yaml(spec: Spec) -> str:
     for t in spec.transitions:
         sources = ", ".join(f'"{s}"' if s == WILDCARD else s for s in t.sources)
         do = f", do: {t.do}" if t.do else ""
-        lines.append(f"  - {{event: {t.event}, from: [{sources}], to: {t.target}{do}}}")
+        payload = f", payload: [{', '.join(t.payload)}]" if t.payload else ""
+        lines.append(f"  - {{event: {t.event}, from: [{sources}], to: {t.target}{do}{payload}}}")
     if spec.ignore:
         lines.append("ignore:")
         for rule in spec.ignore:
