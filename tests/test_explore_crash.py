@@ -1,28 +1,23 @@
-"""Crash and restart: a role's process may die at any moment; the properties must still hold, here and in SPIN."""
+"""Crash and restart: a role's process may die at any moment; the properties must still hold.
+
+SPIN's agreement on the bundled crash compositions is in test_promela.py."""
 
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from pathlib import Path
 
 import pytest
-from test_explore_liveness import spin_verdicts
 from test_explore_system import write_pingpong
 
 from kvfsm.explore import Trace, check_trace, explore, format_trace
 from kvfsm.explore.local import LocalSystem
-from kvfsm.gen.promela import check_with_spin, to_promela
 from kvfsm.spec import SpecError
 from kvfsm.spec.system import check_system, load_system
 
 ROOT = Path(__file__).resolve().parent.parent
 BUNDLED = ROOT / "specs" / "explore"
-
-needs_spin = pytest.mark.skipif(
-    shutil.which("spin") is None or shutil.which("gcc") is None, reason="needs Debian spin and gcc"
-)
 
 
 def decode_crashes(folder: Path) -> Path:
@@ -96,17 +91,3 @@ def test_a_role_with_its_own_crashed_state_cannot_crash(tmp_path: Path) -> None:
     )
     found = [f for f in check_system(path) if f.code == "KVF214"]
     assert found and "its own state 'crashed'" in found[0].message
-
-
-@needs_spin
-@pytest.mark.spin
-@pytest.mark.parametrize("name", ["pd_prefill_crash", "pd_prefill_crash_no_restart"])
-def test_spin_agrees_on_the_crash_compositions(tmp_path: Path, name: str) -> None:
-    system = load_system(BUNDLED / f"{name}.yaml")
-    ours = explore(system, requests=1, symmetry=False, merge=False)
-    text = to_promela(system, requests=1)
-    spin = check_with_spin(text, tmp_path / "safety", optimise="-O0", hash_bits=18, depth=100_000)
-    assert spin.complete and spin.states == ours.states and spin.violated == ()
-    assert spin_verdicts(system, tmp_path / "live") == {
-        p.name: p.status for p in explore(system, requests=1).properties if p.kind == "eventually"
-    }

@@ -116,9 +116,6 @@ def spin_verdicts(system: System, work: Path, requests: int = 1) -> dict[str, st
 @pytest.mark.parametrize(
     "make",
     [
-        pytest.param(lambda _t: BUNDLED / "moriio_write_no_defer_deadline.yaml", id="moriio-no-deadline"),
-        pytest.param(lambda _t: BUNDLED / "moriio_write.yaml", id="moriio-fixed"),
-        pytest.param(lambda _t: BUNDLED / "nixl_mla.yaml", id="nixl-expiry-timed"),
         pytest.param(lambda t: with_liveness(PD / "corrected.yaml", t), id="pd-corrected"),
         pytest.param(pingpong_without_answer, id="pingpong-stays-put"),
     ],

@@ -1,25 +1,21 @@
-"""Timeout relations: which deadline outlasts which, read from the system file, honoured by the explorer and SPIN."""
+"""Timeout relations: which deadline outlasts which, read from the system file and honoured by the explorer.
+
+SPIN's agreement on the bundled timed compositions is in test_promela.py."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 from test_explore_system import write_pingpong
 
 from kvfsm.explore import explore
-from kvfsm.gen.promela import check_with_spin, to_promela
 from kvfsm.spec import SpecError
 from kvfsm.spec.system import System, check_system, load_system
 from kvfsm.spec.system.model import TimeRelation, Timing
 
 ROOT = Path(__file__).resolve().parent.parent
 BUNDLED = ROOT / "specs" / "explore"
-
-needs_spin = pytest.mark.skipif(
-    shutil.which("spin") is None or shutil.which("gcc") is None, reason="needs Debian spin and gcc"
-)
 
 
 def status(system: System | Path, name: str) -> str:
@@ -108,14 +104,3 @@ def test_timing_is_transitive_and_reads_a_sum_through_its_terms() -> None:
     assert timing.outlasts(a, b) and timing.outlasts(a, c) and timing.outlasts(a, d)
     assert not timing.outlasts(b, a) and not timing.outlasts(b, d)
     assert timing.cycles() == []
-
-
-@needs_spin
-@pytest.mark.spin
-@pytest.mark.parametrize("name", ["nixl_mla", "nixl_mla_reversed"])
-def test_spin_agrees_on_the_timed_compositions(tmp_path: Path, name: str) -> None:
-    system = load_system(BUNDLED / f"{name}.yaml")
-    ours = explore(system, requests=2, symmetry=False, merge=False)
-    spin = check_with_spin(to_promela(system, requests=2), tmp_path, optimise="-O0", hash_bits=18, depth=100_000)
-    assert spin.complete and spin.states == ours.states
-    assert set(spin.violated) == {p.name for p in ours.violated if p.kind != "eventually"}
