@@ -39,8 +39,8 @@ class Timeouts:
         return {"recv_timeout": self.recv} if mode == "write" else {"transfer_timeout": self.transfer}
 
     def deadline(self, mode: str) -> float:
-        """How long a request may take on the decode side: its own timeout, plus a step's slack."""
-        return (self.recv if mode == "write" else self.transfer) + 0.1
+        """How long a request may take on the decode side: its own timeout, plus 0.25 s for the step that notices it."""
+        return (self.recv if mode == "write" else self.transfer) + 0.25
 
 
 FAST = Timeouts()
