@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from test_explore_system import write_pingpong
 
-from kvfsm.explore import explore
+from kvfsm.explore import TraceError, check_trace, explore
 from kvfsm.spec import SpecError
 from kvfsm.spec.system import System, check_system, load_system
 from kvfsm.spec.system.model import TimeRelation, Timing
@@ -43,6 +43,14 @@ def test_the_reversed_relation_frees_under_a_read_in_one_step() -> None:
     (broken,) = result.violated
     assert broken.name == "read_after_free" and broken.trace is not None
     assert [(s.role, s.cause, s.event) for s in broken.trace.moves] == [("prefill#0", "timeout", "expire")]
+
+
+def test_a_trace_whose_timeout_the_relations_forbid_does_not_check() -> None:
+    reversed_trace = explore(BUNDLED / "nixl_mla_reversed.yaml").violated[0].trace
+    assert reversed_trace is not None
+    check_trace(reversed_trace, load_system(BUNDLED / "nixl_mla_reversed.yaml"))
+    with pytest.raises(TraceError, match="timeout cannot fire yet"):
+        check_trace(reversed_trace, load_system(BUNDLED / "nixl_mla.yaml"))
 
 
 def test_without_relations_any_timeout_fires_at_any_time(tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ from ..errors import KvfsmError
 from ..spec.system import System
 from ..spec.system.channel import Traffic
 from ..spec.system.model import CRASH, CRASHED
+from .clocks import Clocks
 
 FORMAT = "kvfsm-trace/1"
 
@@ -309,7 +310,9 @@ def check_trace(trace: Trace, system: System) -> None:
     receiver), resources, and the channel (:mod:`kvfsm.spec.system.channel`):
     a message is delivered only while it may arrive, lost or duplicated only
     where the channel may do so, and the channel never holds more than its
-    capacity (except in the very step an ``overflow`` trace ends with).
+    capacity (except in the very step an ``overflow`` trace ends with); a
+    timeout fires only in an order the system's relations allow; a lasso's
+    cycle ends where it began.
     """
     system = system.expanded()
     roles = ", ".join(system.roles)
@@ -322,6 +325,7 @@ def check_trace(trace: Trace, system: System) -> None:
         )
     begun: set[tuple[str, str]] = set()
     traffic = Traffic(system.wire)
+    timing = _Timing(system)
     where: dict[tuple[str, str], str] = {}
     moves = 0
     mark: tuple[dict[tuple[str, str], str], dict[str, tuple[int, ...]]] | None = None
@@ -353,6 +357,7 @@ def check_trace(trace: Trace, system: System) -> None:
             begun.add((step.request, step.role))
         else:
             _check_move(system, step, at, begun)
+            timing.step(step, at)
         carry(traffic, step, at)
         last = i == len(trace.steps) - 1
         if traffic.total() > system.channel.capacity and not (last and trace.prop == "overflow"):
@@ -367,6 +372,34 @@ def check_trace(trace: Trace, system: System) -> None:
         assert mark is not None  # set when the move numbered ``loop`` was read
         if mark != (where, {k: f for k, f in traffic.flights.items() if f}):
             raise TraceError("loop", f"the cycle from move {trace.loop} does not end where it began")
+
+
+class _Timing:
+    """The system's timeout relations over a trace: a timeout step only when no shorter deadline is due first."""
+
+    def __init__(self, system: System) -> None:
+        self.names = list(system.roles)
+        self.order = [[*r.spec.states, *([CRASHED] if r.crash else [])] for r in system.roles.values()]
+        self.start = [list(r.spec.states).index(r.spec.initial.name) for r in system.roles.values()]
+        self.clocks = Clocks(system, self.order)
+        self.at: dict[str, tuple[list[int], int]] = {}
+        """request → (state index per role, deadline order bits)."""
+
+    def step(self, step: Step, at: str) -> None:
+        """Check ``step`` against the deadline order, then apply it (see :mod:`kvfsm.explore.clocks`)."""
+        if not self.clocks:
+            return
+        states, bits = self.at.get(step.request, (list(self.start), self.clocks.initial(self.start)))
+        r = self.names.index(step.role)
+        if step.cause == "timeout" and self.clocks.blocked(bits, states, r):
+            raise TraceError(
+                f"{at}.cause",
+                f"{step.role}'s timeout cannot fire yet: the relations make a deadline armed no later fall due first",
+            )
+        if step.action == "fire":
+            states = [*states[:r], self.order[r].index(step.target), *states[r + 1 :]]
+            bits = self.clocks.fired(bits, r, states)
+        self.at[step.request] = (states, bits)
 
 
 def carry(traffic: Traffic, step: Step, at: str = "step") -> None:
