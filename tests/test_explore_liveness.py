@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -125,3 +127,19 @@ def test_spin_agrees_on_every_liveness_verdict(tmp_path: Path, make: object) -> 
     system = load_system(make(tmp_path))
     ours = verdicts(system)
     assert ours == spin_verdicts(system, tmp_path / "spin")
+
+
+def test_the_cli_prints_the_lasso_and_writes_it_with_its_loop(tmp_path: Path) -> None:
+    out = tmp_path / "lasso.json"
+    system = str(BUNDLED / "moriio_write_no_defer_deadline.yaml")
+    result = subprocess.run(
+        [sys.executable, "-m", "kvfsm.cli", "explore", system, "-n", "1", "--trace", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 1, result.stderr
+    assert "lasso: 1 steps, then 1 steps repeated forever" in result.stdout
+    assert "from here on, forever" in result.stdout
+    doc = json.loads(out.read_text())
+    assert doc["loop"] == 1 and doc["property"] in ("final", "released")
