@@ -14,7 +14,7 @@ from kvfsm.explore import Trace, check_trace, explore
 from kvfsm.explore.local import LocalSystem
 from kvfsm.gen.promela import check_with_spin, to_promela
 from kvfsm.spec import SpecError
-from kvfsm.spec.system import load_system
+from kvfsm.spec.system import check_system, load_system
 
 ROOT = Path(__file__).resolve().parent.parent
 BUNDLED = ROOT / "specs" / "explore"
@@ -104,6 +104,14 @@ def test_a_malformed_count_is_a_schema_error(tmp_path: Path) -> None:
     )
     with pytest.raises(SpecError, match="count must be a whole number"):
         load_system(path)
+
+
+def test_a_count_beyond_the_sender_ranks_is_a_finding(tmp_path: Path) -> None:
+    path = write_pingpong(
+        tmp_path, edits={"ping: {from: client, to: server}": "ping: {from: client, to: server, count: 2}"}
+    )
+    found = [f for f in check_system(path) if f.code == "KVF215"]
+    assert found and "counted to 2, but 'client' has 1 rank(s)" in found[0].message
 
 
 @needs_spin

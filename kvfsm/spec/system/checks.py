@@ -309,8 +309,22 @@ def _check_crashes(system: System) -> Iterator[Finding]:
             )
 
 
+def _check_counts(system: System) -> Iterator[Finding]:
+    """KVF215: a message counted to K comes from a role with at least K ranks, or its transition never fires."""
+    for msg in system.messages.values():
+        sender = system.roles.get(msg.sender)
+        if sender is not None and msg.count > sender.ranks:
+            yield _finding(
+                "KVF215",
+                msg.loc,
+                f"message {msg.name!r} is counted to {msg.count}, but {msg.sender!r} has {sender.ranks} rank(s):"
+                f" {msg.receiver} would wait forever",
+                f"Write 'count: all', or give {msg.sender!r} 'ranks: {msg.count}'.",
+            )
+
+
 def run_system_checks(system: System, missing: Collection[str] = ()) -> list[Finding]:
-    """Every composition finding (KVF201–KVF214), grouped by file, in line order within each.
+    """Every composition finding (KVF201–KVF215), grouped by file, in line order within each.
 
     ``missing`` names roles whose spec could not be read: what they would
     have checked is left to the findings that say why.
@@ -322,6 +336,7 @@ def run_system_checks(system: System, missing: Collection[str] = ()) -> list[Fin
         *_check_properties(system, missing),
         *_check_relations(system, missing),
         *_check_crashes(system),
+        *_check_counts(system),
     ]
     if not missing and not any(f.severity == "error" for f in found):
         found += _check_armed(system)  # after an error, what it cuts off would only echo it
