@@ -24,6 +24,10 @@ from .consumer import DecodeEngine
 from .messages import Prefill, StatsQuery
 
 
+STARTS_PER_STEP = 64
+"""Requests started per loop at most: a wave of 512 starts would delay the next poll, and with it every deadline."""
+
+
 @dataclass
 class LoadResult:
     """What a run did: requests, outcomes on both sides, faults, leaks, hangs, latencies and kvfsm's cost."""
@@ -124,7 +128,8 @@ def run_load(
             n_finished += 1
             last_finish = time.monotonic()
             busy = True
-        while n_started < requests and len(begun) + len(pending) < concurrency:
+        room = min(concurrency - len(begun) - len(pending), STARTS_PER_STEP)
+        for _ in range(max(0, min(room, requests - n_started))):
             rid = f"{prefix}{n_started}"
             tid = f"{rid}-xfer"
             decode.transport.notify(prefill, Prefill(f"p-{rid}", tid, blocks_per_request, decode.transport.name))
