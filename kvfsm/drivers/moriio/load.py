@@ -23,7 +23,6 @@ from ..block_pool import NoFreeBlocks
 from .consumer import DecodeEngine
 from .messages import Prefill, StatsQuery
 
-
 STARTS_PER_STEP = 64
 """Requests started per loop at most: a wave of 512 starts would delay the next poll, and with it every deadline."""
 
