@@ -106,6 +106,7 @@ def test_nixl_real_mla_broadcast_frees_every_prefill_rank_at_once(real: list[Rea
     r.request("p-1")
     r.settle()
     assert r.decode[0].outcomes == {"loaded": 1} and r.decode[0].driver.stats["blocks_verified"] == 3
+    assert r.decode[0].driver.outbox.counts == {"sent": 2}  # the READ's notification and one send_notif, both right
     assert r.held() == [0, 0]
     assert r.stats_once(lambda s: sum(s["outcomes"].values()) == 2)["outcomes"] == {"read": 2}
     assert r.leaked() == 0
@@ -117,6 +118,8 @@ def test_nixl_real_seed_004_local_id_holds_the_skipped_rank_until_expiry(real: l
     r.request("p-1")
     r.settle()
     assert r.decode[0].outcomes == {"loaded": 1}
+    [sent] = r.decode[0].driver.outbox.misaddressed()  # caught where it left, over real agents
+    assert (sent.sent, sent.carries, sent.expected) == ("d0-p-1", "remote_request_id", "p-1")
     assert r.held(until=0.5, want=1) == [0, 1], "the rank that was read frees; the skipped one cannot match the id"
     stats = r.stats_once(lambda s: bool(s["anomalies"]))
     assert stats["anomalies"] == {"unknown:request_id": 1} and stats["anomaly_ids"] == ["d0-p-1"]
