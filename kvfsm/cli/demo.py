@@ -184,7 +184,9 @@ def _render_moriio(ledger: dict[str, Any]) -> None:
     table.add_row("faults injected", f"{sum(ledger['faults_injected'].values()):,}  ({faults})")
     lat = ledger["latency_ms"]
     table.add_row("latency (ms)", f"p50 {lat['p50']:.1f}  p99 {lat['p99']:.1f}  max {lat['max']:.1f}")
-    table.add_row("kvfsm per request", f"{ledger['kvfsm_us_per_request']:.0f} µs in the two trackers")
+    table.add_row(
+        "kvfsm per request", f"{ledger['kvfsm_us_per_request']:.0f} µs in the two trackers' calls, actions included"
+    )
     out.print(Padding(table, (0, 0, 0, 2)))
     if ledger["clean"]:
         out.print(f"[bold green]✓ clean ledger: nothing leaked, hung or corrupted[/] ({ledger['seconds']:.1f} s)")
