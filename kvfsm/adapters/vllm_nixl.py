@@ -24,9 +24,10 @@ rank is the table in docs/nixl.md §3. vLLM's batched calls drive the
 trackers in batches: a step's notifications go to ``deliver_many`` and its
 finished READs to ``fire_many``.
 
-The transport is the embedded fabric (``fabric: "embedded:<name>"``, every
-engine in one process: what tests and the simulator use); the handshake is
-the fabric's directory of prefill ranks, standing in for vLLM's ZMQ side
+The transport is the embedded fabric (``fabric: "embedded:<name>"``) or real
+NIXL agents, UCX over DRAM (``fabric: "nixl:<name>"``, needs ``kvfsm[nixl]``);
+either way every engine runs in one process, and the handshake is a
+directory of prefill ranks by engine, standing in for vLLM's ZMQ side
 channel. The rank's KV blocks are its own registered tensor, the stand-in for
 vLLM's KV cache (a real deployment registers ``register_kv_caches``'
 tensors instead, which this connector does not do yet).
@@ -55,13 +56,15 @@ VLLM = "vllm"
 """The ranks' pool holder of every block: vLLM's allocator owns them; the connector's holds sit on top."""
 
 EMBEDDED = "embedded:"
+REAL = "nixl:"
 REMOTE_KEYS = ("remote_engine_id", "remote_request_id", "remote_block_ids")
 """What a decode request's kv_transfer_params must carry (vLLM's connector also needs host and port)."""
 
 
 @dataclass
 class Directory:
-    """One embedded fabric and its prefill ranks by engine: the handshake vLLM does over its side channel."""
+    """The prefill ranks of each engine, and the embedded fabric if agents are not real: the handshake vLLM does
+    over its side channel."""
 
     fabric: Fabric = field(default_factory=Fabric)
     peers: dict[str, dict[int, PeerInfo]] = field(default_factory=dict)
@@ -70,7 +73,7 @@ class Directory:
 
     @classmethod
     def named(cls, name: str) -> Directory:
-        """The directory called ``name`` (``embedded:<name>``), made on first use."""
+        """The directory called ``name`` (the ``fabric`` setting), made on first use."""
         return cls.REGISTRY.setdefault(name, cls())
 
     @classmethod
@@ -105,10 +108,10 @@ class NixlSettings:
                 f"kv_connector_extra_config has {unknown}, which NixlConnector does not read; it reads {sorted(cls.KNOWN)}"
             )
         fabric = str(extra.get("fabric", ""))
-        if not fabric.startswith(EMBEDDED) or fabric == EMBEDDED:
+        if not any(fabric.startswith(kind) and fabric != kind for kind in (EMBEDDED, REAL)):
             raise ValueError(
-                f"NixlConnector needs kv_connector_extra_config 'fabric': 'embedded:<name>' (every engine in this "
-                f"process on kvfsm's embedded NIXL stand-in), not {fabric!r}"
+                f"NixlConnector needs kv_connector_extra_config 'fabric': 'embedded:<name>' (kvfsm's in-process "
+                f"NIXL stand-in) or 'nixl:<name>' (real NIXL agents), every engine in this process; not {fabric!r}"
             )
         topology = Topology(
             prefill_tp=int(extra.get("prefill_tp", 1)),
@@ -174,7 +177,7 @@ class NixlConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.engine_id = str(config.engine_id)
         self.kv_role = str(config.kv_role)
         self.block_size = int(vllm_config.cache_config.block_size)
-        self.directory = Directory.named(self.settings.fabric.removeprefix(EMBEDDED))
+        self.directory = Directory.named(self.settings.fabric)
         self.clock: Callable[[], float] = time.monotonic
         """What the ranks' deadlines read; a test may set it before the first request."""
         # scheduler side: this step's plan
@@ -186,13 +189,21 @@ class NixlConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if role == KVConnectorRole.WORKER:
             self._make_ranks(int(kv_cache_config.num_blocks))
 
+    def _agent(self, name: str) -> Transport:
+        """A real NIXL agent (``nixl:`` fabrics) or one on the directory's embedded fabric."""
+        if self.settings.fabric.startswith(REAL):
+            from ..drivers.nixl.agent import NixlAgent
+
+            return NixlAgent(name)
+        return self.directory.fabric.agent(name)
+
     def _make_ranks(self, num_blocks: int) -> None:
-        s, fabric = self.settings, self.directory.fabric
+        s = self.settings
         rank = s.tp_rank if s.tp_rank is not None else _tp_rank()
         params = dict(s.params)
         if self.kv_role in ("kv_producer", "kv_both"):
             prefill_params = {k: v for k, v in params.items() if k == "abort_timeout"}
-            agent: Transport = fabric.agent(f"{self.engine_id}/prefill-{rank}")
+            agent = self._agent(f"{self.engine_id}/prefill-{rank}")
             self.prefill = PrefillRank(rank, s.topology, agent, num_blocks, params=prefill_params, clock=self._now)
             self.prefill.blocks.pool.allocate(VLLM, num_blocks)
             b = self.prefill.blocks
@@ -201,7 +212,7 @@ class NixlConnector(KVConnectorBase_V1):  # type: ignore[misc]
             )
         if self.kv_role in ("kv_consumer", "kv_both"):
             decode_params = {k: v for k, v in params.items() if k == "read_timeout"}
-            agent = fabric.agent(f"{self.engine_id}/decode-{rank}")
+            agent = self._agent(f"{self.engine_id}/decode-{rank}")
             self.decode = DecodeRank(
                 rank, s.topology, agent, num_blocks, params=decode_params, clock=self._now, reader=s.reader
             )
