@@ -226,3 +226,41 @@ def test_the_model_predicts_a_link_refused_because_the_id_names_another_live_ins
     m.begin("req-2")
     assert m.story[-1] == "t=0.0 begin req-2 → held; its remote_request_id names another live instance (not linked)"
     assert play(machine, [("begin", ("req-1",)), ("begin", ("req-2",))]) is None
+
+
+def test_the_model_reads_late_stale_and_unknown_as_the_tracker_records_them() -> None:
+    from kvfsm.testing.oracle import SpecModel
+
+    spec = kvfsm.parse(SPEC, "prefill_hold.yaml")
+    model = SpecModel(spec)
+    t, blocks = tracker()
+    script: list[tuple[str, tuple[str, ...]]] = [
+        ("begin", ("p-1", "r-1")),
+        ("finish", ("p-1",)),  # abort: final, not drained: r-1 still names it
+        ("begin", ("p-1", "r-2")),  # a new generation: r-1 names the old one now
+        ("deliver", ("r-1",)),  # stale
+        ("deliver", ("p-1",)),  # the key, where a remote_request_id belongs: unknown
+        ("drain", ()),  # the old generation retires: r-1 is late from now on
+        ("deliver", ("r-1",)),  # late
+        ("deliver", ("r-2",)),  # the live generation: applied
+        ("drain", ()),
+        ("deliver", ("r-2",)),  # late
+        ("deliver", ("r-9",)),  # unknown
+    ]
+    for step, args in script:
+        if step == "begin":
+            blocks.held.add(args[0])
+            model.begin(args[0], {"remote_request_id": args[1]})
+            t.begin(args[0], remote_request_id=args[1])
+        elif step == "finish":
+            model.fire(args[0], "abort")
+            t.fire(args[0], "abort")
+        elif step == "drain":
+            model.drain()
+            t.finished()
+        else:
+            assert model.deliver("read_done", args[0]).state == t.deliver("read_done", args[0])
+        assert model.ids("p-1") == t.ids("p-1")
+    kinds = [(a.kind, a.id) for a in t.anomalies()]
+    assert kinds == [(kind, ident) for kind, _space, ident, _event in model.anomalies]
+    assert kinds == [("stale", "r-1"), ("unknown", "p-1"), ("late", "r-1"), ("late", "r-2"), ("unknown", "r-9")]
