@@ -21,7 +21,7 @@ wrap it unchanged.
 from __future__ import annotations
 
 import logging
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
@@ -31,7 +31,10 @@ from .tracker import Tracker
 
 LOGGER = logging.getLogger("kvfsm.anomalies")
 
-__all__ = ["Misaddressed", "Outbox"]
+__all__ = ["KEEP", "Misaddressed", "Outbox"]
+
+KEEP = 1024
+"""Misaddressed records kept until drained (the newest): a process that never drains them stays bounded."""
 
 
 @dataclass(frozen=True)
@@ -76,7 +79,7 @@ class Outbox:
         self.tracker: Tracker | None = None
         self.counts: Counter[str] = Counter()
         """``sent`` and ``misaddressed`` messages, by kind."""
-        self._found: list[Misaddressed] = []
+        self._found: deque[Misaddressed] = deque(maxlen=KEEP)
 
     def bind(self, tracker: Tracker, on_anomaly: Callable[[Anomaly], None] | None = None) -> None:
         """Check what is sent from now on against ``tracker``'s links (its spec must be this outbox's)."""
@@ -116,8 +119,9 @@ class Outbox:
         return False
 
     def misaddressed(self) -> list[Misaddressed]:
-        """Drain the misaddressed messages found since the last call."""
-        found, self._found = self._found, []
+        """Drain the misaddressed messages found since the last call (the newest :data:`KEEP` of them)."""
+        found = list(self._found)
+        self._found.clear()
         return found
 
     def _belongs(self, tracker: Tracker, key: Hashable, ident: Hashable) -> str:
