@@ -20,6 +20,14 @@ Properties are assertions; ``spin -DONLY=k`` keeps only property k (numbered
 in the header). ``-DREPORT`` replaces the assertions by a line
 ``kvfsm: violated <name>`` printed once per property, so one full run gives
 every verdict and the state count.
+
+What the system file adds is encoded too: the deadline order of its
+``relations`` (one bit per ordered pair of roles, guarding each timeout), one
+role variable per rank and one message per (sender, receiver) instance, a
+byte per counted message remembering the sender ranks heard, the ``crashed``
+state of a role that may crash, and, under ``-DLIVE``, the fairness
+bookkeeping and one LTL formula per ``eventually`` property (``pan -a -N
+<name>``).
 """
 
 from __future__ import annotations
@@ -466,6 +474,17 @@ def _liveness(m: _Model) -> list[str]:
     return lines
 
 
+def _liveness_hint(system: System) -> list[str]:
+    """The header line that says how to check the ``eventually`` properties, if there are any."""
+    if not system.eventually:
+        return []
+    names = ", ".join(p.name for p in system.eventually)
+    return [
+        f" * Liveness ({names}): spin -DLIVE -DONLY={NOBODY} -a model.pml"
+        " && gcc -O2 -DNOREDUCE -o pan pan.c && ./pan -a -N <name>"
+    ]
+
+
 def _stutter(m: _Model) -> list[str]:
     """With ``-DLIVE``: a live request that owes nothing may stay as it is forever (abort is never owed)."""
     owes = " || ".join(m.enabled(k, "_pid") for k in range(m.obligations))
@@ -516,6 +535,7 @@ def to_promela(system: System, *, requests: int | None = None) -> str:
         lines.append(f" *   {k} {prop}: {system.property_named(prop).describe()}")
     lines += [
         " * Run: spin -a model.pml && gcc -O2 -DSAFETY -DNOREDUCE -o pan pan.c && ./pan -m5000000",
+        *_liveness_hint(system),
         " */",
         f"#define N {n}",
         f"#define CAP {c.capacity}",
