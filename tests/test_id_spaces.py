@@ -264,3 +264,10 @@ def test_the_model_reads_late_stale_and_unknown_as_the_tracker_records_them() ->
     kinds = [(a.kind, a.id) for a in t.anomalies()]
     assert kinds == [(kind, ident) for kind, _space, ident, _event in model.anomalies]
     assert kinds == [("stale", "r-1"), ("unknown", "p-1"), ("late", "r-1"), ("late", "r-2"), ("unknown", "r-9")]
+
+
+def test_a_driver_whose_outbox_is_of_another_machine_is_refused_before_any_example() -> None:
+    from kvfsm.testing import run
+
+    with pytest.raises(kvfsm.BindingError, match="outbox checks messages of machine 'decode_read', not 'renamed'"):
+        run(kvfsm.parse(DECODE_READ.replace("machine: decode_read", "machine: renamed"), "r.yaml"), Notifier)

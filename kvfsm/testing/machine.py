@@ -84,6 +84,12 @@ def check_driver(spec: Spec, driver: object) -> None:
             f"with what spec {spec.name!r} says, so add observe(key) returning the names of the resources held "
             f"for key ({', '.join(spec.resources) or 'none declared'}), read from the real system"
         )
+    outbox = getattr(driver, "outbox", None)
+    if isinstance(outbox, Outbox) and outbox.spec.name != spec.name:
+        raise BindingError(
+            f"driver {name}'s outbox checks messages of machine {outbox.spec.name!r}, not {spec.name!r}; make it "
+            "with the spec under test (Outbox(spec)), so the ids it sends are held to that spec's 'outgoing:'"
+        )
     given = begin_resources(spec)
     if given and not callable(getattr(driver, "before_begin", None)):
         raise BindingError(
