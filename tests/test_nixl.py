@@ -255,3 +255,14 @@ def test_kvfsm_test_holds_the_prefill_holder_to_its_spec_with_notifications_nami
     report = run(prefill_spec(), holder, seed=3, examples=20)
     assert report.passed, "\n".join(report.story) or report.error
     assert report.coverage.unknown > 0  # notifications for ids this rank never held, or no longer holds
+
+
+def test_the_kvfsm_test_command_prints_the_seed_readers_story_and_fails(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvfsm.cli import main
+    from kvfsm.drivers.nixl import decode_spec
+
+    argv = ["test", decode_spec().path, "--seed", "1", "--examples", "5", "--driver"]
+    assert main([*argv, "kvfsm.showcase.nixl_seed:seed_reader"]) != 0
+    out = capsys.readouterr().out
+    assert "sent read to nixl_prefill with 'req-1', the key (space request_id); the spec says it carries " in out
+    assert main([*argv, "kvfsm.showcase.nixl_seed:correct_reader"]) == 0
