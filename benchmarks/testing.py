@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """How many examples model-based tests take to find each seeded bug of the test suite, with and without the path cover.
 
-Usage: python benchmarks/testing.py [--seeds N] [--baseline-seeds N] [--quick] [--only NAME]
+Usage: python benchmarks/testing.py [--seeds N] [--first-seed S] [--baseline-seeds N] [--quick] [--only NAME]
                                     [--generator random|"path cover"] [--jobs N] [--json]
 The logic lives in kvfsm.showcase.bench.testing; the drivers are the test
 suite's (tests/buggy_drivers.py); docs/testing.md §4 explains the figures.

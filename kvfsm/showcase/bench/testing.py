@@ -187,6 +187,9 @@ def main(cases: Sequence[Case], argv: Sequence[str] | None = None, out: Callable
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--seeds", type=int, default=200, help="seeds per case and generator (default 200)")
     parser.add_argument(
+        "--first-seed", type=int, default=0, metavar="S", help="start at seed S (to split a long study into parts)"
+    )
+    parser.add_argument(
         "--baseline-seeds",
         type=int,
         default=None,
@@ -199,7 +202,7 @@ def main(cases: Sequence[Case], argv: Sequence[str] | None = None, out: Callable
     parser.add_argument("--jobs", type=int, default=1, help="cases measured at once, in separate processes")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    seeds = range(5 if args.quick else args.seeds)
+    seeds = range(args.first_seed, args.first_seed + (5 if args.quick else args.seeds))
     chosen = [c for c in cases if args.only is None or args.only in c.name]
     generators = [args.generator] if args.generator else list(GENERATORS)
     rows = measure_all(chosen, seeds, generators, args.baseline_seeds, args.jobs)
