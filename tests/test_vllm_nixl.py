@@ -74,6 +74,21 @@ class Engine:
         self.aggregator = KVOutputAggregator(tp)
         self.params: dict[str, dict[str, Any]] = {}
         """kv_transfer_params of the requests that finished, by request id."""
+        self.call = ""
+        """The connector call under way, for :meth:`record`."""
+        self.fired: set[tuple[str, str, str]] = set()
+        """(connector call, rank's machine, event) for every transition a rank's tracker took."""
+
+    def record(self) -> None:
+        """Tap every rank's tracker: note which events each connector call fires (docs/nixl.md §3's table)."""
+        for w in self.workers:
+            for rank in (w.prefill, w.decode):
+                if rank is not None:
+                    machine = rank.tracker.spec.name
+                    rank.tracker.tap(
+                        lambda _s, event, _t, m=machine: lambda _key: self.fired.add((self.call, m, event)),
+                        lambda _key, m=machine: self.fired.add((self.call, m, "begin")),
+                    )
 
     def _worker(self, rank: int) -> NixlConnector:
         config = copy.deepcopy(self.vllm_config)
@@ -105,8 +120,10 @@ class Engine:
         outputs: list[ModelRunnerOutput | None] = []
         for w in self.workers:
             w.bind_connector_metadata(out.kv_connector_metadata)
+            self.call = "start_load_kv"
             w.start_load_kv(None)
             w.wait_for_save()
+            self.call = "get_finished"
             sending, recving = w.get_finished(set(out.finished_req_ids))
             invalid = w.get_block_ids_with_load_errors()
             w.clear_connector_metadata()
@@ -268,3 +285,32 @@ def test_settings_refuse_what_the_connector_does_not_read() -> None:
         NixlSettings.parse({"fabric": "embedded:x", "side_channel_port": 5600})
     with pytest.raises(ValueError, match="is not a BlockReader subclass"):
         NixlSettings.parse({"fabric": "embedded:x", "reader": "kvfsm.drivers.nixl:Topology"})
+
+
+def test_each_connector_call_fires_on_each_rank_what_the_table_in_docs_nixl_says() -> None:
+    pair = Pair()
+    for engine in (pair.prefill, pair.decode):
+        engine.record()
+    params = pair.prefill_one("p-1")  # P→D, loaded and read
+    pair.decode.add("d-1", dict(params), max_tokens=2)
+    pair.step(4)
+    params = pair.prefill_one("p-2")  # an abort mid-read, then the expiry of the rank never told
+    p0 = pair.prefill.workers[0].prefill
+    assert p0 is not None
+    pair.prefill.workers[0].directory.fabric.stop(p0.agent.name)
+    pair.decode.add("d-2", dict(params), max_tokens=2)
+    pair.step()
+    pair.decode.scheduler.finish_requests("d-2", RequestStatus.FINISHED_ABORTED)
+    pair.step(2)
+    pair.prefill.now = pair.decode.now = ABORT_TIMEOUT + 20
+    pair.step()
+    assert pair.prefill.fired | pair.decode.fired == {
+        ("start_load_kv", "nixl_prefill", "begin"),  # the hold request_finished queued
+        ("get_finished", "nixl_prefill", "read"),  # the step's notifications, by the prefill's own id
+        ("get_finished", "nixl_prefill", "expire"),  # the poll
+        ("start_load_kv", "nixl_decode", "begin"),
+        ("start_load_kv", "nixl_decode", "read"),
+        ("start_load_kv", "nixl_decode", "abort"),  # finished_req_ids of a request still reading
+        ("get_finished", "nixl_decode", "complete"),  # the READs that ended, one batch
+    }
+    pair.close()
