@@ -2,15 +2,20 @@
 
 :func:`spec_machine` builds a :class:`~hypothesis.stateful.RuleBasedStateMachine`
 whose rules begin keys (new, finished ones again, live ones for DuplicateKey),
-fire every event at every key (legal, ignored, illegal, unknown), take the
+fire every event at every key (legal, ignored, illegal, unknown), deliver
+the events ``events:`` declares naming ids of every space (live, of an
+earlier generation, retired, from another space, never seen), take the
 transitions the spec handles (some with a do or acquire action made to raise),
 move a virtual clock and ``poll()`` (some timeouts with a raising action),
 drain ``finished()`` and, in a fraction of the examples, ``close()`` mid-example,
 after which every begin and fire must raise ``TrackerClosed``; every example
 ends with ``close()``. After every step it checks that the Tracker agrees with
 :class:`~kvfsm.testing.oracle.SpecModel` and that the driver's ``observe(key)``
-(its real resources) equals what the spec says each key holds. A disagreement
-raises :class:`SpecViolation` with the story of the example.
+(its real resources) equals what the spec says each key holds, that the ids
+linked to each key are the ones begin and the events carried (fresh ones
+when the driver gives none), and, for a driver with an ``outbox``, that every
+message it sent carried the id of the space ``outgoing:`` declares. A
+disagreement raises :class:`SpecViolation` with the story of the example.
 
 Each example may start from a planned prefix (a shortest path to a live
 state, from :mod:`kvfsm.testing.cover`), so random steps begin deep in the
