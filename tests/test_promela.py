@@ -125,11 +125,11 @@ def test_plain_spin_run_stops_at_the_named_assertion(tmp_path: Path) -> None:
     assert deadlock_only.errors == 0 and deadlock_only.complete
 
 
-def agree_on_liveness(system: System, work: Path) -> dict[str, str]:
-    """SPIN's verdict on each ``eventually`` property (one request) must be the explorer's; both returned."""
+def agree_on_liveness(system: System, work: Path, requests: int = 1) -> dict[str, str]:
+    """SPIN's verdict on each ``eventually`` property must be the explorer's (which checks one request); both returned."""
     ours = {p.name: p.status for p in explore(system, requests=1).properties if p.kind == "eventually"}
     runs = check_liveness_with_spin(
-        to_promela(system, requests=1), work, list(ours), optimise="-O0", hash_bits=18, depth=200_000
+        to_promela(system, requests=requests), work, list(ours), optimise="-O0", hash_bits=20, depth=500_000
     )
     theirs = {name: "violated" if name in run.violated else "holds" for name, run in runs.items()}
     assert all("errors:" in run.output for run in runs.values())
@@ -158,3 +158,12 @@ EXPECTED = {
     "pd_prefill_crash_no_restart": {"final", "released"},
 }
 """The verdict each bundled composition is there to show (docs/explore.md)."""
+
+
+@needs_spin
+@pytest.mark.spin
+@pytest.mark.slow
+@pytest.mark.parametrize("path", BUNDLED, ids=[p.stem for p in BUNDLED])
+def test_spin_on_two_requests_agrees_with_the_liveness_of_one(tmp_path: Path, path: Path) -> None:
+    """Liveness is checked per request; SPIN, fair over every request of two, reaches the same verdicts."""
+    agree_on_liveness(load_system(path), tmp_path, requests=2)
