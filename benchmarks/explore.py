@@ -2,7 +2,7 @@
 """Run the explorer benchmark: kvfsm against SPIN (plain and best settings) on the PD systems, 1 to 6 requests.
 
 Usage: python benchmarks/explore.py [--quick] [--requests N] [--time-limit S] [--no-spin] [--json] [--systems ...]
-All logic lives in kvfsm.showcase.bench.explore; docs/pd_abort.md explains the figures.
+All logic lives in kvfsm.showcase.bench.explore; docs/pd_abort.md and docs/explore.md explain the figures.
 """
 
 import sys
