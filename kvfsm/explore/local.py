@@ -1,7 +1,9 @@
 """One request of a composition as a finite transition system, built from the spec model.
 
-A request's *local state* is the state of each role's instance plus the
-messages of that request in flight. Requests never share an instance or a
+A request's *local state* is the state of each role's instance (one per rank
+of a role with ranks), the messages of that request in flight, and an int of
+bits: the order its deadlines were armed in (:mod:`.clocks`) and the sender
+ranks each counted message has been heard from. Requests never share an instance or a
 message, so the whole system is N copies of this local system, coupled only by
 the channel's capacity. Everything the explorer needs about one request is
 computed here once: every reachable local state, every move between them with
@@ -11,12 +13,16 @@ Semantics (the same in the Promela export):
 
 - every role's instance starts in its initial state, nothing in flight;
 - a live instance may fire any event it has a transition for, unless that event
-  is a message it receives (local work, timeouts, ``abort`` and the
-  ``on_error`` event all happen whenever their state allows);
+  is a message it receives (local work, ``abort`` and the ``on_error`` event
+  happen whenever their state allows; a timeout too, unless the system's
+  relations make another armed deadline fall due first); a role that may
+  crash may also ``crash`` from any live state into ``crashed``;
 - sends, deliveries, loss and duplicates follow the channel's rules
   (:mod:`kvfsm.spec.system.channel`). The receiver of a delivered message
-  fires it, ignores it, has its server answer it (``reply_if_finished``,
-  finished instances only), or rejects it;
+  fires it, ignores it, counts it (a counted message before its last sender
+  rank), has its server answer it (``reply_if_finished``, finished or
+  crashed-and-restarted instances only), or rejects it; a crashed instance
+  drops what it does not answer;
 - what a local state or a move breaks is what the properties' evaluator
   (:mod:`kvfsm.spec.system.properties`) says of its snapshot;
 - a request whose instances have all finished with nothing in flight is
