@@ -1,12 +1,15 @@
 """Compositions: several machine specs (roles) exchanging declared messages over a channel.
 
 A system file names its roles (each a machine spec, path relative to the
-system file), the messages their transitions ``send``, what the channel may do
-to messages (lose, duplicate, reorder; how many it holds), how many requests
-to explore, and the properties to check. Like the machine spec it splits into
-the model (:mod:`.model`, with the channel's rules in :mod:`.channel` and the
+system file; how many ranks it has, whether its process may crash), the
+messages their transitions ``send`` (and how many sender ranks a receiver
+waits for), what the channel may do to messages (lose, duplicate, reorder;
+how many it holds), how many requests to explore, which timeouts outlast
+which (``relations``), and the properties to check (``never``, built-ins,
+``eventually``). Like the machine spec it splits into the model
+(:mod:`.model`, with the channel's rules in :mod:`.channel` and the
 properties' meaning in :mod:`.properties`), the loader (:mod:`.loader`,
-KVF001 and KVF200) and the checks (:mod:`.checks`, KVF201–KVF212). It knows
+KVF001 and KVF200) and the checks (:mod:`.checks`, KVF201–KVF215). It knows
 nothing of the explorer.
 """
 
@@ -18,11 +21,12 @@ from ..findings import Finding, SpecError
 from .channel import Channel
 from .checks import run_system_checks
 from .loader import Draft, is_system_file, is_system_text, read_system_file, read_system_text
-from .model import BUILTINS, Condition, Message, Property, Role, System
+from .model import BUILTINS, LIVENESS, Condition, Message, Property, Role, System, TimeRelation
 from .properties import LastStep, Snapshot, violation, violations
 
 __all__ = [
     "BUILTINS",
+    "LIVENESS",
     "Channel",
     "Condition",
     "LastStep",
@@ -31,6 +35,7 @@ __all__ = [
     "Role",
     "Snapshot",
     "System",
+    "TimeRelation",
     "check_system",
     "is_system_file",
     "is_system_text",
