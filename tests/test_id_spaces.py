@@ -179,7 +179,7 @@ def test_the_outbox_records_a_misaddressed_message_as_an_anomaly_the_journal_kee
     journal = JsonlJournal(path, machine="decode_read")
     driver = Notifier()
     t = Tracker(spec, driver, observer=journal, on_anomaly=journal.anomaly)
-    driver.outbox.bind(t, journal.anomaly)
+    driver.outbox.bind(t)
     driver.before_begin("d-1", frozenset())
     t.begin("d-1", remote_request_id="p-1")
     assert driver.outbox.sent("d-1", "read_done", "p-1")
@@ -187,6 +187,7 @@ def test_the_outbox_records_a_misaddressed_message_as_an_anomaly_the_journal_kee
     [found] = driver.outbox.misaddressed()
     assert (found.sent, found.carries, found.expected) == ("d-1", "remote_request_id", "p-1")
     assert driver.outbox.counts == {"sent": 2, "misaddressed": 1}
+    assert t.counts["misaddressed"] == 1 and [a.kind for a in t.anomalies()] == ["misaddressed"]
     t.fire("d-1", "abort")
     journal.close()
     report = check_log(spec, path, limits={"misaddressed": kvfsm.replay.Limit.parse("0")})

@@ -486,7 +486,11 @@ class CpuOffloadWorker:
         )
 
 
-_VLLM_CONNECTORS = {"CpuOffloadConnector": "vllm_connector", "MooncakeStoreConnector": "vllm_mooncake"}
+_VLLM_CONNECTORS = {
+    "CpuOffloadConnector": "vllm_connector",
+    "MooncakeStoreConnector": "vllm_mooncake",
+    "NixlConnector": "vllm_nixl",
+}
 """Connector classes vLLM may name; they import vLLM, so they load on first use."""
 
 

@@ -7,10 +7,11 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, get_args
 
 from rich.markup import escape
 
+from ..errors import AnomalyKind
 from ..replay import DEFAULT_TOLERANCE, Limit, LogReport, check_log
 from ..replay.codes import NAMES
 from ..spec import Spec, SpecError, load
@@ -72,7 +73,7 @@ def _params(pairs: list[str]) -> dict[str, float] | str:
     return params
 
 
-ANOMALY_KINDS = ("unknown", "late", "stale", "forced")
+ANOMALY_KINDS: tuple[str, ...] = get_args(AnomalyKind)
 
 
 def _limits(pairs: list[str], spec: Spec) -> dict[str, Limit] | str:

@@ -6,26 +6,23 @@ side, to say which line of which driver chose it. A spec declares what each
 outgoing message carries (``outgoing: {read: {to: nixl_prefill, carries:
 remote_request_id}}``); the driver reports every message it sends to its
 :class:`Outbox` with the id it actually put on the wire; the outbox compares
-that id with the one the tracker linked for the key in that space, using the
-Tracker's public queries only (:meth:`~kvfsm.Tracker.ids`,
-:meth:`~kvfsm.Tracker.route`, :meth:`~kvfsm.Tracker.state`).
+that id with the one the tracker linked for the key in that space.
 
-A mismatch is a :class:`Misaddressed` record (drained by the model-based
-tests, which turn it into the failing story) and a ``misaddressed``
-:class:`~kvfsm.Anomaly` (to ``on_anomaly``, so a journal records it and
-``kvfsm replay --max misaddressed=0`` fails the run). The check needs nothing
-the Tracker keeps privately, so a ``Tracker.sent(key, message, ident)`` could
-wrap it unchanged.
+A mismatch is a ``misaddressed`` :class:`~kvfsm.Anomaly` of the tracker
+(:meth:`Tracker.sent <kvfsm.Tracker.sent>`: counted, logged, journalled, so
+``kvfsm replay --max misaddressed=0`` fails the run) and a
+:class:`Misaddressed` record here, drained by the model-based tests, which
+turn it into the failing story.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import Counter, deque
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from dataclasses import dataclass
 
-from ..errors import Anomaly, KvfsmError
+from ..errors import KvfsmError
 from ..spec import Spec
 from .tracker import Tracker
 
@@ -65,57 +62,43 @@ class Misaddressed:
 
 
 class Outbox:
-    """The messages one driver sends, checked against the spec's ``outgoing:`` declarations.
+    """The messages one driver sends, each held to the spec's ``outgoing:`` declaration by the tracker.
 
     The driver owns it (so it exists before any tracker) and calls
     :meth:`sent` once per message; whoever builds the tracker calls
     :meth:`bind`. Until bound nothing can be checked and :meth:`sent` only
-    counts.
+    counts. The check itself is :meth:`Tracker.sent <kvfsm.Tracker.sent>`,
+    so a misaddressed message is one of the tracker's anomalies (counted,
+    logged, journalled); the outbox keeps the details for the model-based
+    tests' story.
     """
 
-    def __init__(self, spec: Spec, on_anomaly: Callable[[Anomaly], None] | None = None) -> None:
+    def __init__(self, spec: Spec) -> None:
         self.spec = spec
-        self.on_anomaly = on_anomaly
         self.tracker: Tracker | None = None
         self.counts: Counter[str] = Counter()
         """``sent`` and ``misaddressed`` messages, by kind."""
         self._found: deque[Misaddressed] = deque(maxlen=KEEP)
 
-    def bind(self, tracker: Tracker, on_anomaly: Callable[[Anomaly], None] | None = None) -> None:
+    def bind(self, tracker: Tracker) -> None:
         """Check what is sent from now on against ``tracker``'s links (its spec must be this outbox's)."""
         if tracker.spec.name != self.spec.name:
             raise KvfsmError(
                 f"outbox of machine {self.spec.name!r} cannot check sends against a tracker of {tracker.spec.name!r}"
             )
         self.tracker = tracker
-        if on_anomaly is not None:
-            self.on_anomaly = on_anomaly
 
     def sent(self, key: Hashable, message: str, ident: Hashable) -> bool:
         """Report that ``key``'s instance sent ``message`` naming ``ident``; False when the id is from the wrong space."""
-        decl = self.spec.outgoing.get(message)
-        if decl is None:
-            known = ", ".join(self.spec.outgoing) or "none"
-            raise KvfsmError(
-                f"machine {self.spec.name!r} declares no outgoing message {message!r} (declared: {known}); "
-                "add it under 'outgoing:' with the id space it carries"
-            )
+        carries = self.spec.carried_by(message)
         self.counts["sent"] += 1
         tracker = self.tracker
-        if tracker is None:
+        if tracker is None or tracker.sent(key, message, ident):
             return True
-        expected = key if decl.carries == self.spec.key else tracker.ids(key).get(decl.carries)
-        if ident == expected:
-            return True
-        found = Misaddressed(message, decl.to, key, ident, self._belongs(tracker, key, ident), decl.carries, expected)
+        expected = key if carries == self.spec.key else tracker.ids(key).get(carries)
+        to = self.spec.outgoing[message].to
+        self._found.append(Misaddressed(message, to, key, ident, self._belongs(tracker, key, ident), carries, expected))
         self.counts["misaddressed"] += 1
-        self._found.append(found)
-        LOGGER.warning("%s: %s", self.spec.name, found)
-        if self.on_anomaly is not None:
-            try:
-                self.on_anomaly(Anomaly("misaddressed", decl.carries, ident, message))
-            except Exception:
-                LOGGER.exception("%s: on_anomaly raised", self.spec.name)
         return False
 
     def misaddressed(self) -> list[Misaddressed]:

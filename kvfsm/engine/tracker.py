@@ -169,6 +169,7 @@ class Tracker:
                 "late",
                 "stale",
                 "forced",
+                "misaddressed",
                 "timeouts",
                 "action_errors",
                 "release_errors",
@@ -497,6 +498,25 @@ class Tracker:
     def deliver_many(self, event: str, ids: Iterable[Hashable], /, **payload: Any) -> None:
         """:meth:`deliver` for a batch of a peer's messages: ids in the space the spec routes ``event`` by."""
         self.fire_many_by(self.spec.routed_by(event), event, ids, **payload)
+
+    def sent(self, key: Hashable, message: str, ident: Hashable, /) -> bool:
+        """Hold an id ``key``'s instance put on the wire to the space the spec says ``message`` carries.
+
+        The id must be the one linked for ``key`` in that space (``key``
+        itself when it is the key's space); any other is a ``misaddressed``
+        anomaly, counted, logged and journalled like the others, and False
+        is returned. A driver calls this (or its
+        :class:`~kvfsm.engine.outbox.Outbox`) once per message it sends.
+        Raises :class:`KvfsmError` for a message the spec's ``outgoing:``
+        does not declare.
+        """
+        carries = self.spec.carried_by(message)
+        with self._guard:
+            expected = key if carries == self.spec.key else self.ids(key).get(carries)
+            if ident == expected:
+                return True
+            self._anomaly("misaddressed", carries, ident, message)
+            return False
 
     def link(self, key: Hashable, space: str, ident: Hashable) -> None:
         """Let ``ident`` in id space ``space`` name ``key``'s current instance (linking it again changes nothing)."""

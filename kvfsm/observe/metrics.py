@@ -23,7 +23,9 @@ import threading
 from bisect import bisect_left
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, get_args
+
+from ..errors import AnomalyKind
 
 if TYPE_CHECKING:
     from ..engine import Tracker
@@ -37,7 +39,7 @@ except ImportError as exc:  # pragma: no cover - exercised by the light-install 
 BUCKETS: tuple[float, ...] = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 600.0)
 """Upper bounds (seconds) of the time-in-state histogram: from a copy's milliseconds to NIXL's 480 s expiry."""
 
-ANOMALIES = ("unknown", "stale", "forced", "clock_backwards")
+ANOMALIES = (*get_args(AnomalyKind), "clock_backwards")
 FAILURES = {
     "action_errors": "action",
     "release_errors": "release",

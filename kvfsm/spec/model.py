@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Literal
 
+from ..errors import KvfsmError
+
 WILDCARD = "*"
 """A transition source meaning every non-final state."""
 
@@ -248,6 +250,17 @@ class Spec:
         """The id space a message of ``event`` names: its declared ``by``, else the key's."""
         decl = self.event_decls.get(event)
         return decl.by if decl is not None else self.key
+
+    def carried_by(self, message: str) -> str:
+        """The id space an outgoing ``message`` names; raises :class:`~kvfsm.KvfsmError` for one ``outgoing:`` lacks."""
+        decl = self.outgoing.get(message)
+        if decl is None:
+            known = ", ".join(self.outgoing) or "none"
+            raise KvfsmError(
+                f"machine {self.name!r} declares no outgoing message {message!r} (declared: {known}); "
+                "add it under 'outgoing:' with the id space it carries"
+            )
+        return decl.carries
 
     def is_remote(self, event: str) -> bool:
         """Whether a remote party sends ``event`` (so it may arrive late, anywhere, even after the end)."""

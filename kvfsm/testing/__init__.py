@@ -23,7 +23,14 @@ from typing import TYPE_CHECKING, Any
 from . import strategies
 from .bar import Bar
 from .clock import VirtualClock
-from .contract import DriverFactory, FaultInjecting, ObservableDriver, TakesBeforeBegin, TakesBeforeFire
+from .contract import (
+    DriverFactory,
+    FaultInjecting,
+    ObservableDriver,
+    ReportsSends,
+    TakesBeforeBegin,
+    TakesBeforeFire,
+)
 from .ledger import LedgerDriver
 from .machine import SpecMachine, spec_machine
 from .runner import Report, run
@@ -40,6 +47,7 @@ __all__ = [
     "LedgerDriver",
     "ObservableDriver",
     "Report",
+    "ReportsSends",
     "SpecMachine",
     "SpecViolation",
     "TakesBeforeBegin",

@@ -258,7 +258,7 @@ class DecodeRank:
         self.tracker = Tracker(
             decode_spec(), self.driver, params=params, clock=clock, observer=observer, on_anomaly=on_anomaly
         )
-        self.driver.outbox.bind(self.tracker, on_anomaly)
+        self.driver.outbox.bind(self.tracker)
         self.outcomes: Counter[str] = Counter()
         self.errors: list[ActionError] = []
 
