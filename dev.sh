@@ -77,9 +77,9 @@ case "${1:-demo}" in
         ;;
     bench) kvfsm bench "${@:2}" ;;
     diagrams)
-        for spec in specs/*.yaml specs/pd_abort/*.yaml; do
+        for spec in specs/*.yaml specs/*/*.yaml; do
             grep -q '^system:' "$spec" && continue    # compositions: their roles are drawn
-            name=$(basename "$spec" .yaml)
+            name=$(sed -n 's/^machine: *\([A-Za-z0-9_]*\).*/\1/p' "$spec")    # drawn by machine name: unique
             kvfsm diagram "$spec" -f svg -o "docs/diagrams/$name.svg"
             kvfsm diagram "$spec" -f mermaid -o "docs/diagrams/$name.mmd"
         done
