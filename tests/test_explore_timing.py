@@ -4,12 +4,14 @@ SPIN's agreement on the bundled timed compositions is in test_promela.py."""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
 from test_explore_system import write_pingpong
 
 from kvfsm.explore import TraceError, check_trace, explore
+from kvfsm.explore.local import LocalSystem
 from kvfsm.spec import SpecError
 from kvfsm.spec.system import System, check_system, load_system
 from kvfsm.spec.system.model import TimeRelation, Timing
@@ -112,3 +114,86 @@ def test_timing_is_transitive_and_reads_a_sum_through_its_terms() -> None:
     assert timing.outlasts(a, b) and timing.outlasts(a, c) and timing.outlasts(a, d)
     assert not timing.outlasts(b, a) and not timing.outlasts(b, d)
     assert timing.cycles() == []
+
+
+def pingpong_timed(folder: Path) -> Path:
+    """The server's idle timeout outlasts the client's reply timeout, which the client arms later (at ``ask``)."""
+    return write_pingpong(
+        folder, edits={"requests: 2\n": "requests: 2\nrelations: [server.idle_timeout > client.reply_timeout]\n"}
+    )
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda _t: BUNDLED / "nixl_mla.yaml", id="nixl_mla"),
+        pytest.param(lambda _t: BUNDLED / "nixl_fanin.yaml", id="nixl_fanin"),
+        pytest.param(pingpong_timed, id="armed-later"),
+    ],
+)
+def test_every_timed_run_is_one_the_explorer_explores(tmp_path: Path, make: object) -> None:
+    """Runs with real durations that keep the relations: each due timeout must be a move the explorer allows.
+
+    Time is simulated: every other move happens after a random delay, a deadline
+    fires exactly when due. If the deadline order ever forbade a timeout that
+    falls due first, that timed run would be missing from the exploration.
+    """
+    assert callable(make)
+    system = load_system(make(tmp_path)).expanded()
+    local = LocalSystem(system)
+    rng = random.Random(7)
+    fired = 0
+    for _run in range(300):
+        durations = {
+            r: {p: v * rng.uniform(0.5, 1.5) for p, v in role.spec.params.items()} for r, role in system.roles.items()
+        }
+        if any(
+            durations[system.instances_of(rel.longer[0])[0]][rel.longer[1]]
+            <= sum(durations[system.instances_of(r)[0]][p] for r, p in rel.shorter)
+            for rel in system.relations
+        ):
+            continue  # these durations break a relation: no promise is made about them
+        i, now = local.initial, 0.0
+        armed = {
+            k: 0.0
+            for k, role in enumerate(local.roles)
+            if _deadline(system, role.name, role.states[local.states[i][0][k]])
+        }
+        while local.states[i][0]:
+            at = local.states[i][0]
+            due = {
+                k: t
+                + durations[local.roles[k].name][_deadline(system, local.roles[k].name, local.roles[k].states[at[k]])]
+                for k, t in armed.items()
+            }
+            moves = [(j, m) for j, m in local.moves[i] if j >= 0] + [(i, m) for m in local.loops[i]]
+            others = [(j, m) for j, m in moves if m.cause != "timeout"]
+            first = min(due, key=due.get) if due else None
+            if first is None and not others:
+                break  # stuck for good: what deadlock and liveness are about, not timing
+            step = now + rng.expovariate(1 / 20)
+            if first is not None and (not others or step >= due[first]):
+                now = due[first]
+                timeouts = [(j, m) for j, m in moves if m.cause == "timeout" and m.role == first]
+                assert timeouts, (
+                    f"{local.roles[first].name}'s deadline falls due first, but its timeout is not explored"
+                )
+                j, move = rng.choice(timeouts)
+                fired += 1
+            else:
+                now = step
+                j, move = rng.choice(others)
+            i = j
+            if move.action == "fire":
+                state = local.roles[move.role].states[move.target]
+                if _deadline(system, local.roles[move.role].name, state):
+                    armed[move.role] = now
+                else:
+                    armed.pop(move.role, None)
+    assert fired > 50  # the runs did reach the timeouts
+
+
+def _deadline(system: System, role: str, state: str) -> str | None:
+    """The param a role's state arms its deadline for, or None."""
+    st = system.roles[role].spec.states.get(state)
+    return str(st.timeout.after) if st is not None and st.timeout is not None else None
