@@ -423,3 +423,22 @@ def test_a_never_property_names_the_states_it_was_met_in(tmp_path: Path) -> None
     assert prop.kind == "never" and not prop.builtin
     assert violation(system, prop, snapshot("failed", "served")) == "client is in failed while server is in served"
     assert violation(system, prop, snapshot("failed", None)) is None  # no server instance meets no condition
+
+
+def test_a_rejected_shape_is_explored_only_when_asked_and_its_check_errors_come_first(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from kvfsm.cli import main
+    from kvfsm.spec.bundled import SPECS
+    from kvfsm.spec.system import read_system
+
+    pre_fix = SPECS / "moriio" / "write_pre_fix.yaml"
+    with pytest.raises(SpecError):
+        load_system(pre_fix)
+    system, rejected = read_system(pre_fix)
+    assert {f.code for f in rejected} == {"KVF107"} and system.roles
+    assert main(["explore", str(pre_fix), "--unchecked", "--first"]) == 1  # the hang KVF107 warns of, as a trace
+    shown = capsys.readouterr()
+    assert "KVF107" in shown.out + shown.err and "leak" in shown.out
+    with pytest.raises(SpecError):  # a composition that cannot be read is never explored
+        read_system(SPECS / "moriio" / "no_such_system.yaml")

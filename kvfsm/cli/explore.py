@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from rich.markup import escape
 from rich.table import Table
 
-from .common import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, Subparsers, err, out, write_output
+from .common import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, Subparsers, err, out, print_finding, write_output
 
 if TYPE_CHECKING:
     from ..explore import ExploreResult
@@ -36,6 +36,12 @@ def register(sub: Subparsers) -> None:
     p.add_argument(
         "--time-limit", type=float, default=None, metavar="SECONDS", help="stop searching after this long (incomplete)"
     )
+    p.add_argument(
+        "--unchecked",
+        action="store_true",
+        help="explore the roles as written even where they fail their checks (a seed's rejected shape); "
+        "their errors are printed first",
+    )
     p.add_argument("--format", choices=("text", "json"), default="text")
     p.add_argument("--trace", type=Path, default=None, metavar="FILE", help="write the shortest counterexample as JSON")
     p.add_argument(
@@ -49,7 +55,7 @@ def register(sub: Subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..spec.system import load_system
+    from ..spec.system import load_system, read_system
 
     if args.requests is not None and args.requests < 1:
         err.print(f"[red]kvfsm explore: --requests must be at least 1, not {args.requests}[/]")
@@ -57,7 +63,14 @@ def run(args: argparse.Namespace) -> int:
     if args.max_states is not None and args.max_states < 1:
         err.print(f"[red]kvfsm explore: --max-states must be at least 1, not {args.max_states}[/]")
         return EXIT_USAGE
-    system = load_system(args.system)
+    if args.unchecked:
+        system, rejected = read_system(args.system)
+        for finding in rejected:
+            print_finding(finding)
+        if rejected:
+            err.print(f"[yellow]kvfsm explore: exploring {len(rejected)} check error(s) as written (--unchecked)[/]")
+    else:
+        system = load_system(args.system)
     if args.promela is not None:
         return _export(args, system)
     return _explore(args, system)

@@ -41,6 +41,7 @@ __all__ = [
     "is_system_text",
     "load_system",
     "parse_system",
+    "read_system",
     "run_system_checks",
     "violation",
     "violations",
@@ -72,6 +73,23 @@ def _checked(draft: Draft) -> System:
 def load_system(path: str | Path) -> System:
     """Read and check a system file; raises :class:`SpecError` if the system or a role has errors."""
     return _checked(read_system_file(path))
+
+
+def read_system(path: str | Path) -> tuple[System, list[Finding]]:
+    """A system whose roles may fail their own checks, as written, with those errors: a seed's rejected shape.
+
+    What the explorer then finds is what the rejected design does (e.g. the
+    hang KVF107 warns of). Raises :class:`SpecError` if the file, a role's
+    schema or the composition itself has errors: then there is nothing sound
+    to explore.
+    """
+    draft = read_system_file(path)
+    unreadable = draft.schema_errors or draft.missing
+    fatal = draft.findings if unreadable else run_system_checks(draft.system, draft.missing)
+    errors = [f for f in fatal if f.severity == "error"]
+    if errors:
+        raise SpecError(errors)
+    return draft.system, [f for f in draft.findings if f.severity == "error"]
 
 
 def parse_system(text: str, path: str = "<string>") -> System:
