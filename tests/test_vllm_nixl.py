@@ -13,7 +13,6 @@ and notifies rank 1 with ``send_notif`` (seed 004's path).
 from __future__ import annotations
 
 import copy
-import dataclasses
 import itertools
 import time
 from collections.abc import Callable
@@ -24,7 +23,6 @@ import pytest
 pytest.importorskip("vllm.v1.core.sched.scheduler", reason="vLLM is not installed: ./dev.sh setup installs it")
 
 import torch
-from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -49,16 +47,8 @@ class Engine:
     """vLLM's Scheduler with kvfsm's NixlConnector, one connector WORKER per TP rank, and a step clock."""
 
     def __init__(self, fabric: str, role: str, engine_id: str, tp: int, **extra: Any) -> None:
-        transfer = KVTransferConfig(
-            kv_connector="NixlConnector",
-            kv_connector_module_path="kvfsm.adapters.vllm_nixl",
-            kv_role=role,
-            engine_id=engine_id,
-            kv_connector_extra_config={"fabric": fabric, **TOPOLOGY, "abort_timeout": ABORT_TIMEOUT, **extra},
-        )  # the simulator's config (CPU, opt-125m's shape, prefix caching) with this connector instead of its own
-        self.vllm_config = dataclasses.replace(
-            vllm_config(CONFIG, "CpuOffloadConnector", {}), kv_transfer_config=transfer
-        )
+        extra = {"fabric": fabric, **TOPOLOGY, "abort_timeout": ABORT_TIMEOUT, **extra}
+        self.vllm_config = vllm_config(CONFIG, "NixlConnector", extra, role=role, engine_id=engine_id)
         self.vllm_config.cache_config.num_gpu_blocks = CONFIG.num_gpu_blocks
         self.kv_cache_config = kv_cache_config(CONFIG)
         self.scheduler = Scheduler(

@@ -127,9 +127,15 @@ class EngineReport:
         return self.leaked_gpu_blocks == 0 and self.leaked_cpu_holds == 0 and self.live_instances == 0
 
 
-def vllm_config(config: EngineConfig, connector: str, extra: dict[str, Any]) -> VllmConfig:
-    """The VllmConfig of vLLM's connector unit tests, with a kvfsm connector named by module path."""
+def vllm_config(
+    config: EngineConfig, connector: str, extra: dict[str, Any], *, role: str = "kv_both", engine_id: str | None = None
+) -> VllmConfig:
+    """The VllmConfig of vLLM's connector unit tests, with a kvfsm connector named by module path.
+
+    ``role`` and ``engine_id`` are what a disaggregated pair sets apart (``kv_producer``/``kv_consumer``).
+    """
     model = ModelConfig(model=str(model_dir()), skip_tokenizer_init=True, dtype="float16", seed=42)
+    identity = {"engine_id": engine_id} if engine_id is not None else {}
     return VllmConfig(
         model_config=model,
         scheduler_config=SchedulerConfig(
@@ -143,9 +149,10 @@ def vllm_config(config: EngineConfig, connector: str, extra: dict[str, Any]) -> 
         kv_transfer_config=KVTransferConfig(
             kv_connector=connector,
             kv_connector_module_path="kvfsm.adapters.vllm",
-            kv_role="kv_both",
+            kv_role=role,
             kv_connector_extra_config=extra,
             kv_load_failure_policy=config.kv_load_failure_policy,
+            **identity,
         ),
         device_config=DeviceConfig("cpu"),
     )
