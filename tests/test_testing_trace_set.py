@@ -65,8 +65,14 @@ SYSTEMS = sorted(
 
 
 @pytest.mark.parametrize("path", SYSTEMS, ids=[p.stem for p in SYSTEMS])
-def test_the_walk_agrees_with_the_explorer_on_every_bundled_system_and_the_ledger_keeps_to_its_set(path: Path) -> None:
-    result = cover_system(path)  # raises TraceSetError if the walk and the explorer reach different role states
+def test_the_walk_agrees_with_the_explorer_on_every_bundled_system_or_says_what_it_does_not_model(path: Path) -> None:
+    system = load_system(path)
+    modelled = not system.relations and all(r.ranks == 1 and not r.crash for r in system.roles.values())
+    if not modelled:
+        with pytest.raises(TraceSetError, match="the trace set walks one request without crashes, ranks"):
+            cover_system(system)
+        return
+    result = cover_system(system)  # raises TraceSetError if the walk and the explorer reach different role states
     assert result.passed, result.summary()
     assert {i.kind for i in result.exercised} >= {"edge", "message"}
 

@@ -216,7 +216,7 @@ def _coverage(report: Report) -> None:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from ..spec.system import is_system_file, load_system
+    from ..spec.system import is_system_file
     from ..testing.trace_replay import replay_trace
 
     options = ("examples", "steps", "seed", "coverage_svg", "min_coverage", "exempt")
@@ -228,11 +228,10 @@ def _replay(args: argparse.Namespace) -> int:
             "file (with 'system:' and 'roles:'), such as the one 'kvfsm explore' wrote the trace from[/]"
         )
         return EXIT_USAGE
-    system = load_system(args.spec)
-    roles = _role_drivers(args.driver, system, "with --trace")
+    roles = _role_drivers(args, "with --trace")
     if roles is None:
         return EXIT_USAGE
-    refs, factories = roles
+    system, refs, factories = roles
     result = replay_trace(system, args.trace, factories)
     drivers = _driven_by(system, result.drivers, refs)
     if args.format == "json":
@@ -257,13 +256,16 @@ def _driven_by(system: System, drove: Mapping[str, str], refs: Mapping[str, str]
 
 
 def _role_drivers(
-    given: list[str], system: System, mode: str
-) -> tuple[dict[str, str], dict[str, DriverFactory]] | None:
-    """``ROLE=MODULE:FACTORY`` options → (role → reference, role → factory); ``None`` after a usage error."""
+    args: argparse.Namespace, mode: str
+) -> tuple[System, dict[str, str], dict[str, DriverFactory]] | None:
+    """The system file and its ``ROLE=MODULE:FACTORY`` options: (system, role → reference, role → factory);
+    ``None`` after a usage error."""
+    from ..spec.system import load_system
     from ..testing.runner import load_factory
 
+    system = load_system(args.spec)
     refs: dict[str, str] = {}
-    for text in given:
+    for text in args.driver:
         role, sep, ref = text.partition("=")
         if not sep or not role or not ref:
             err.print(
@@ -281,7 +283,7 @@ def _role_drivers(
             err.print(f"[red]kvfsm test: two --driver options for role {escape(role)!r}; give one per role[/]")
             return None
         refs[role] = ref
-    return refs, {role: load_factory(ref) for role, ref in refs.items()}
+    return system, refs, {role: load_factory(ref) for role, ref in refs.items()}
 
 
 def _render_replay(result: TraceResult, drivers: dict[str, str]) -> None:
@@ -324,18 +326,16 @@ def _render_replay(result: TraceResult, drivers: dict[str, str]) -> None:
 
 
 def _cover_system(args: argparse.Namespace) -> int:
-    from ..spec.system import load_system
     from ..testing.bar import Bar, load_exemptions
     from ..testing.trace_set import cover_system
 
     options = ("examples", "steps", "seed", "coverage_svg")
     if _given(args, options, "a system file, whose trace set is fixed by the system (no examples, no seed)"):
         return EXIT_USAGE
-    system = load_system(args.spec)
-    roles = _role_drivers(args.driver, system, "for a system file")
+    roles = _role_drivers(args, "for a system file")
     if roles is None:
         return EXIT_USAGE
-    refs, factories = roles
+    system, refs, factories = roles
     exempt = load_exemptions(args.exempt).get(system.name, {}) if args.exempt is not None else {}
     bar = Bar(args.min_coverage if args.min_coverage is not None else 1.0, exempt)
     result = cover_system(system, factories, bar=bar)

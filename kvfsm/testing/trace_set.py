@@ -257,6 +257,7 @@ def trace_set(system: System | str | Path) -> TraceSet:
     """
     if not isinstance(system, System):
         system = load_system(system)
+    _modelled(system)
     walk = _Walk(system)
     _agree_with_explorer(system, walk.reached())
     every = items(system)
@@ -281,6 +282,22 @@ def trace_set(system: System | str | Path) -> TraceSet:
         traces.append(trace)
     unreachable = tuple(i for i in every if i not in walk.first)
     return TraceSet(system, tuple(traces), tuple(chosen), tuple(reachable), unreachable, frozenset(walk.reached()))
+
+
+def _modelled(system: System) -> None:
+    """Refuse a system that uses what the walk does not model (yet), rather than judge its coverage wrongly."""
+    unmodelled = [
+        *(f"role {r.name} may crash" for r in system.roles.values() if r.crash),
+        *(f"role {r.name} has {r.ranks} ranks" for r in system.roles.values() if r.ranks > 1),
+        *(f"message {m.name} counts senders" for m in system.messages.values() if m.count),
+        *(f"the timeout relation {rel.text!r}" for rel in system.relations),
+    ]
+    if unmodelled:
+        raise TraceSetError(
+            f"{system.name}: the trace set walks one request without crashes, ranks, counted messages or timeout "
+            f"relations, and this system has {'; '.join(unmodelled)}; replay the explorer's traces of it with "
+            "--trace instead"
+        )
 
 
 def _agree_with_explorer(system: System, reached: set[tuple[str, str]]) -> None:
