@@ -154,9 +154,10 @@ def run(
 ) -> Report:
     """Model-test the drivers ``factory`` makes against ``spec``; returns a :class:`Report`.
 
-    ``examples`` defaults to the current Hypothesis profile's ``max_examples``
-    (100 unless a profile says otherwise), run after the path cover's planned
-    examples; ``seed`` defaults to a random one, reported so the run can be
+    ``examples`` is the whole run, by default the current Hypothesis
+    profile's ``max_examples`` (100 unless a profile says otherwise): the path
+    cover's planned examples first, then random ones for the rest (at least
+    one), so covering every edge costs no more than the random run alone; ``seed`` defaults to a random one, reported so the run can be
     repeated exactly. ``bar`` is the coverage the run must reach (default:
     everything); ``cover=False`` runs the random examples alone, with no plan
     (what the generator did before it had a path cover: for comparisons).
@@ -170,8 +171,10 @@ def run(
     machine.blocked = blocked_edges(spec, driver)
     budget = examples if examples is not None else Settings().max_examples
     chosen = seed if seed is not None else random.SystemRandom().randrange(2**32)
+    faults = fault_targets(spec) if can_inject_faults(driver) else ()
+    plans = path_cover(spec, params, machine.keys, blocked=machine.blocked, faults=faults) if cover else []
     config = Settings(
-        max_examples=budget,
+        max_examples=max(budget - len(plans), 1),
         stateful_step_count=steps,
         deadline=None,
         database=None,
@@ -182,8 +185,6 @@ def run(
         print_blob=False,
         phases=(Phase.explicit, Phase.generate),
     )
-    faults = fault_targets(spec) if can_inject_faults(driver) else ()
-    plans = path_cover(spec, params, machine.keys, blocked=machine.blocked, faults=faults) if cover else []
     for n, plan in enumerate(plans, 1):
         found = play(machine, plan.steps)
         if found is not None:
