@@ -5,6 +5,7 @@
 >>> report = kvfsm.testing.run("specs/kv_request.yaml", MyDriver, examples=1000)
 >>> report = kvfsm.testing.run(spec, MyDriver, bar=kvfsm.testing.Bar(exempt={"ignored abort in done": "why"}))
 >>> result = kvfsm.testing.replay_trace("specs/pd_abort/merged_fix.yaml", "trace.json", {"decode": MyDecode})
+>>> covered = kvfsm.testing.cover_system("specs/pd_abort/corrected.yaml", {"decode": MyDecode})
 >>> @given(kvfsm.testing.strategies.specs())
 ... def test_my_property(spec): ...
 
@@ -36,6 +37,7 @@ from .machine import SpecMachine, spec_machine
 from .runner import Report, run
 from .story import SpecViolation
 from .trace_replay import TraceResult, TraceRun, replay_trace
+from .trace_set import SystemCoverage, TraceSet, cover_system, trace_set
 
 if TYPE_CHECKING:
     from .plugin import spec_tests
@@ -50,16 +52,20 @@ __all__ = [
     "ReportsSends",
     "SpecMachine",
     "SpecViolation",
+    "SystemCoverage",
     "TakesBeforeBegin",
     "TakesBeforeFire",
     "TraceResult",
     "TraceRun",
+    "TraceSet",
     "VirtualClock",
+    "cover_system",
     "replay_trace",
     "run",
     "spec_machine",
     "spec_tests",
     "strategies",
+    "trace_set",
 ]
 
 
