@@ -60,14 +60,14 @@ class Ledger:
             self.held[key].add(resource)
 
     def _single(self, name: str) -> Any:
-        def single(key: Hashable) -> None:
+        def single(key: Hashable, **_payload: Any) -> None:  # random specs may declare payload (linked ids)
             self._act(name, key)
 
         return single
 
     def _batch(self, name: str) -> Any:
         @kvfsm.batch
-        def many(keys: list[Hashable]) -> Mapping[Hashable, BaseException]:
+        def many(keys: list[Hashable], **_payload: Any) -> Mapping[Hashable, BaseException]:
             self.batch_calls += 1
             failed: dict[Hashable, BaseException] = {}
             for key in keys:

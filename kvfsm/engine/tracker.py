@@ -24,7 +24,7 @@ from collections.abc import Callable, Hashable, Iterable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from itertools import repeat
-from operator import attrgetter, is_, itemgetter
+from operator import attrgetter, eq, itemgetter
 from pathlib import Path
 from typing import Any, Final
 
@@ -195,7 +195,8 @@ class Tracker:
         self._linked: dict[Hashable, list[tuple[str, Hashable]]] = {}
         self._deadlines = Deadlines([state.queue for state in self._program.states])
         self._armed = self._deadlines.armed
-        self._finished: list[tuple[Hashable, CState]] = []
+        self._finished: list[tuple[Hashable, str]] = []
+        """``(key, final state)`` since the last drain: what :meth:`finished` returns as it is."""
         self._queue: deque[tuple[Hashable, Any, dict[str, Any]]] = deque()
         self._busy = False
         self._closed = False
@@ -237,13 +238,16 @@ class Tracker:
                 if self._failures:
                     self._raise_failures(None)
                 return
-            # Nothing runs that could call back (no acquire, tap, link or observer): the plain path.
+            # Nothing runs that could call back (no acquire, link or observer; taps may not call): the plain path.
             if key in self._live or self._closed or payload:
                 self._begin(key, payload)  # it raises what is wrong, or begins a finished key again, or takes payload
                 return
             target = self._live[key] = self._begin_edge.target
             if target.after is not None:
                 self._deadlines.arm(key, target.index, self._clock() + target.after)
+            if self._begin_taps:
+                for tap in self._begin_taps:
+                    tap(key)
         finally:
             if lock is not None:
                 lock.release()
@@ -251,7 +255,7 @@ class Tracker:
     def _settle_begin(self) -> None:
         """Decide, once per change of what begin runs, whether it can take the plain path (nothing that calls back)."""
         edge = self._begin_edge
-        self._plain_begin = not (edge.acquire_fns or edge.links or self._begin_taps or self._observer is not None)
+        self._plain_begin = not (edge.acquire_fns or edge.links or self._observer is not None)
 
     def fire(self, key: Hashable, event: str, /, **payload: Any) -> str | None:
         """Apply ``event`` to ``key``'s instance; returns its state afterwards.
@@ -660,10 +664,10 @@ class Tracker:
             done, self._finished = self._finished, []
             if self._busy:
                 self._queue.append((None, _RETIRE, {"done": done}))
-                return list(zip(map(_first, done), map(_name, map(_second, done)), strict=True))
-            out = self._retire(done)
+                return list(done)
+            self._retire(done)
             self._deadlines.sweep(DRAIN_SLACK)
-            return out
+            return done
 
     def census(self) -> dict[str, int]:
         """Current instances per state; finished ones count until drained. O(instances)."""
@@ -788,7 +792,7 @@ class Tracker:
             self._armed[key] = entry
             target.queue.append(entry)
         if target.final:
-            self._finished.append((key, target))
+            self._finished.append((key, target.name))
         if edge.links:
             self._link_carried(key, edge, payload)
         for release in edge.release_fns:
@@ -827,7 +831,7 @@ class Tracker:
             armed.update(zip(keys, entries, strict=True))
             target.queue.extend(entries)
         if target.final:
-            self._finished.extend(zip(keys, repeat(target)))
+            self._finished.extend(zip(keys, repeat(target.name)))
         if edge.links:
             for key in keys:
                 self._link_carried(key, edge, payload)
@@ -1017,24 +1021,25 @@ class Tracker:
                 current = self._live.get(key)
                 self._record(key, name, f"<queued {name}>", "queued", exc, current.name if current else "(none)")
 
-    def _retire(self, done: list[tuple[Hashable, CState]]) -> list[tuple[Hashable, str]]:
+    def _retire(self, done: list[tuple[Hashable, str]]) -> None:
         """Forget drained instances: their keys (unless begun again since) and their linked ids.
 
-        Returns ``(key, final state)`` for each, as :meth:`finished` does.
+        A key is still its drained instance if it is in the final state it was
+        drained in (state names are unique, so the name tells).
         """
         live, gens, linked = self._live, self._gens, self._linked
         retired = self._retired[self.spec.key]
         keys = list(map(_first, done))
-        if not gens and not linked and all(map(is_, map(live.get, keys), map(_second, done))):
+        if not gens and not linked and all(map(eq, map(_name, map(live.get, keys, repeat(_GONE))), map(_second, done))):
             retired.add(keys)  # the usual drain: every key still in the final state it was drained in
             pop = live.pop
             for key in keys:
                 pop(key, None)  # None: a key that finished twice in one final state (begun again) is named twice
-            return list(zip(keys, map(_name, map(_second, done)), strict=True))
+            return
         gone = []
-        for key, state in done:
+        for key, name in done:
             current = live.get(key)
-            if current is state:
+            if current is not None and current.name == name:
                 del live[key]
                 gone.append(key)
                 if gens:
@@ -1045,7 +1050,6 @@ class Tracker:
             if linked and key in linked:  # key begun again since: its new instance stays
                 self._unlink(key, keep_from=gens.get(key))
         retired.add(gone)
-        return list(zip(keys, map(_name, map(_second, done)), strict=True))
 
     def _force_release(self, key: Hashable, state: CState) -> None:
         """Release everything ``key`` holds without a transition (close() of an unfinishable instance)."""
@@ -1195,6 +1199,16 @@ class Tracker:
 
 
 _first, _second, _name = itemgetter(0), itemgetter(1), attrgetter("name")
+
+
+class _Gone:
+    """What a drained key's state reads as in the drain's check: no state has this name."""
+
+    __slots__ = ()
+    name = None
+
+
+_GONE = _Gone()
 
 
 def _rounds(keys: list[Hashable]) -> list[list[Hashable]]:
