@@ -1,8 +1,28 @@
-"""Suite-wide options: soak runs and long campaigns are opt-in."""
+"""Suite-wide options: soak runs and long campaigns are opt-in; vLLM runs on the CPU, offline.
+
+vLLM and huggingface_hub read their environment when first imported, and a
+test module anywhere in tests/ may import them during collection, so the
+environment is set here, before any test module is imported: the CPU
+platform (no accelerator here), and an offline Hugging Face cache holding
+only facebook/opt-125m's config (vLLM's tests name that model; scheduling
+needs its config, never its weights).
+"""
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+try:  # the showcase needs kvfsm[showcase]; without it the vLLM tests skip anyway
+    from kvfsm.showcase.sim.opt125m import offline_hf_cache
+except ImportError:
+    offline_hf_cache = None  # type: ignore[assignment]
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+if offline_hf_cache is not None and "HF_HUB_OFFLINE" not in os.environ:
+    os.environ["HF_HOME"] = str(offline_hf_cache())
+    os.environ["HF_HUB_OFFLINE"] = "1"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
