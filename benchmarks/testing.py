@@ -85,7 +85,7 @@ SUITE = [
     Case("kv_request: correct StoreSender", b.KV_REQUEST, b.StoreSender, buggy=False),
     Case("cpu_hit_load: correct CpuHitLoader", CPU_HIT, b.CpuHitLoader, buggy=False),
     Case("kv_producer: correct Producer", PRODUCER, b.Producer, buggy=False),
-    *(Case(f"{s.name}: correct PD loopback decode", s, pd_loopback.decode, buggy=False) for s in DECODE),
+    *(Case(f"{s.name}: correct PD loopback decode", s, pd_loopback.factories()["decode"], buggy=False) for s in DECODE),
 ]
 POOLS = {s.name: pool_driver(s) for s in BUNDLED}
 CORRECT_POOLS = [Case(f"{s.name}: correct block pools", s, POOLS[s.name], buggy=False) for s in BUNDLED]

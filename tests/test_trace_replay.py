@@ -47,7 +47,7 @@ def loopback(replay: TraceRun) -> PDLoopback:
 
 @pytest.mark.parametrize("spec", ["decode_merged_fix.yaml", "decode_corrected.yaml"])
 def test_the_loopback_decode_driver_keeps_to_its_specs_under_model_based_tests(spec: str) -> None:
-    report = run(PD / spec, pd_loopback.decode, examples=50, seed=0)
+    report = run(PD / spec, pd_loopback.factories()["decode"], examples=50, seed=0)
     assert report.passed, report.story or report.error
 
 
@@ -251,7 +251,7 @@ def test_the_trace_must_match_the_roles_it_runs_on(write_after_free: Trace) -> N
 
 
 def test_the_ledger_driver_stands_in_for_roles_without_a_driver(write_after_free: Trace) -> None:
-    replay = TraceRun(MERGED, write_after_free, {"decode": pd_loopback.decode})
+    replay = TraceRun(MERGED, write_after_free, {"decode": pd_loopback.factories()["decode"]})
     result = replay.run()
     assert result.drivers == {"prefill": "ledger (built in)", "decode": "DecodeDriver"}
     assert result.summary.endswith("reproduced on the real decode driver (ledger for prefill)")
@@ -331,7 +331,7 @@ def test_a_trace_file_that_is_not_json_is_refused_with_its_line(tmp_path: Path) 
 
 def test_drivers_are_checked_before_anything_runs(write_after_free: Trace) -> None:
     with pytest.raises(KvfsmError, match="no role 'router' in pd_abort_merged_fix"):
-        replay_trace(MERGED, write_after_free, {"router": pd_loopback.decode})
+        replay_trace(MERGED, write_after_free, {"router": pd_loopback.factories()["decode"]})
     with pytest.raises(BindingError, match="give driver PrefillWithoutHook a before_fire"):
         replay_trace(MERGED, write_after_free, {"prefill": lambda: PrefillWithoutHook(PDLoopback())})
 

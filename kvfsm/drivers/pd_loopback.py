@@ -209,6 +209,9 @@ def factories(**options: Any) -> dict[str, DriverFactory]:
 
 
 _PAIR = factories()
+"""The pair ``kvfsm test`` names on the command line (one process per run). In-process code that also uses one
+role alone (a model-based test of the decode) should take its own ``factories()``: a role left given here would
+pair the next replay's other role with a stale loopback."""
 prefill = _PAIR["prefill"]
 """``--driver prefill=kvfsm.drivers.pd_loopback:prefill``; pairs with :data:`decode`."""
 decode = _PAIR["decode"]
