@@ -225,18 +225,7 @@ class Tracker:
                 self._enqueue(key, _BEGIN, payload)
                 return
             if not self._plain_begin:
-                self._busy = True
-                try:
-                    self._begin(key, payload)
-                    if self._queue:
-                        self._drain()
-                except BaseException:
-                    self._queue.clear()  # never let what an action queued run inside a later call
-                    raise
-                finally:
-                    self._busy = False
-                if self._failures:
-                    self._raise_failures(None)
+                self._run(lambda: self._begin(key, payload))
                 return
             # Nothing runs that could call back (no acquire, link or observer; taps may not call): the plain path.
             if key in self._live or self._closed or payload:
@@ -341,19 +330,14 @@ class Tracker:
         if payload and not payload.keys() <= allowed:
             raise self._payload_error(name, payload)
         keys = keys if isinstance(keys, list) else list(keys)
-        self._busy = True
-        try:
+
+        def rounds() -> None:
             for batch in [keys] if len(set(keys)) == len(keys) else _rounds(keys):
                 run(batch)
                 if self._queue:
                     self._drain()
-        except BaseException:
-            self._queue.clear()  # never let what an action queued run inside a later call
-            raise
-        finally:
-            self._busy = False
-        if self._failures:
-            self._raise_failures(None)
+
+        self._run(rounds)
 
     def _begin_batch(self, keys: list[Hashable], payload: dict[str, Any]) -> None:
         live, edge = self._live, self._begin_edge
@@ -563,26 +547,8 @@ class Tracker:
             elif isinstance(now, bool) or not isinstance(now, int | float) or not math.isfinite(now):
                 raise ValueError(f"poll(now={now!r}): now must be a finite number of seconds on the tracker's clock")
             fired: list[tuple[Hashable, str, str]] = []
-            states = self._program.states
             self._deadlines.sweep()
-            self._busy = True
-            try:
-                for key, index in self._deadlines.pop_due(now):
-                    state = states[index]
-                    event = state.timeout_event
-                    assert event is not None, "armed only in states with a timeout"
-                    self.counts["timeouts"] += 1
-                    end = self._step(key, state, state.row[event], {})
-                    if self._queue:
-                        self._drain()
-                    fired.append((key, event, self._live.get(key, end).name))
-            except BaseException:
-                self._queue.clear()  # never let what an action queued run inside a later call
-                raise
-            finally:
-                self._busy = False
-            if self._failures:
-                self._raise_failures(fired)
+            self._run(lambda: self._fire_due(now, fired), fired)
             return fired
 
     def close(self) -> None:
@@ -604,29 +570,24 @@ class Tracker:
             if self._closed:
                 return
             self._closed = True
-            self._busy = True
-            try:
-                for key in list(self._live):
-                    state = self._live.get(key)
-                    if state is None or state.final:
-                        continue
-                    edge = state.row.get(ABORT)
-                    if isinstance(edge, CEdge):
-                        self._step(key, state, edge, {})
-                        if self._queue:
-                            self._drain()
-                    state = self._live.get(key)
-                    if state is not None and not state.final:
-                        self._force_release(key, state)
-                        if self._queue:  # what a forced release asked for (a begin is refused: closed)
-                            self._drain()
-            except BaseException:
-                self._queue.clear()  # never let what an action queued run inside a later call
-                raise
-            finally:
-                self._busy = False
-            if self._failures:
-                self._raise_failures(None)
+            self._run(self._abort_all)
+
+    def _abort_all(self) -> None:
+        """close()'s work: abort each live instance from its state at its turn, forcing what abort cannot end."""
+        for key in list(self._live):
+            state = self._live.get(key)
+            if state is None or state.final:
+                continue
+            edge = state.row.get(ABORT)
+            if isinstance(edge, CEdge):
+                self._step(key, state, edge, {})
+                if self._queue:
+                    self._drain()
+            state = self._live.get(key)
+            if state is not None and not state.final:
+                self._force_release(key, state)
+                if self._queue:  # what a forced release asked for (a begin is refused: closed)
+                    self._drain()
 
     # -- queries -------------------------------------------------------------
 
@@ -760,6 +721,40 @@ class Tracker:
             self._settle_begin()
 
     # -- the transition itself ----------------------------------------------
+
+    def _run(self, work: Callable[[], object], result: Any = None) -> None:
+        """Run ``work`` with the tracker busy (calls from actions are queued), then what they queued; raise failures.
+
+        The frame of every call that runs actions except ``fire``, which
+        inlines the same steps on its hot path. A raise clears the queue, so
+        nothing an action queued runs inside a later call. ``result`` is what
+        the :class:`ActionError` carries.
+        """
+        self._busy = True
+        try:
+            work()
+            if self._queue:
+                self._drain()
+        except BaseException:
+            self._queue.clear()  # never let what an action queued run inside a later call
+            raise
+        finally:
+            self._busy = False
+        if self._failures:
+            self._raise_failures(result)
+
+    def _fire_due(self, now: float, fired: list[tuple[Hashable, str, str]]) -> None:
+        """poll()'s work: fire each due timeout, run what it queued, and record ``(key, event, new state)``."""
+        states = self._program.states
+        for key, index in self._deadlines.pop_due(now):
+            state = states[index]
+            event = state.timeout_event
+            assert event is not None, "armed only in states with a timeout"
+            self.counts["timeouts"] += 1
+            end = self._step(key, state, state.row[event], {})
+            if self._queue:
+                self._drain()
+            fired.append((key, event, self._live.get(key, end).name))
 
     def _step(self, key: Hashable, source: CState, edge: CEdge, payload: dict[str, Any]) -> CState:
         """do → acquires → state change → releases (each on its own); returns the state it ends in.
