@@ -23,14 +23,14 @@ Action = Callable[..., Any]
 
 
 class CState:
-    """A state in runtime form. ``row[event]`` is a CEdge, or IGNORED."""
+    """A state in runtime form. ``row[event]`` is a CEdge, or None for an event the state ignores."""
 
     __slots__ = ("after", "error_edge", "final", "holds", "index", "name", "queue", "row", "timeout_event")
 
     def __init__(self, name: str, index: int, final: bool, holds: tuple[str, ...]) -> None:
         self.name = name
         self.index = index
-        self.row: dict[str, CEdge] = {}
+        self.row: dict[str, CEdge | None] = {}
         self.final = final
         self.holds = holds
         self.after: float | None = None
@@ -53,8 +53,8 @@ class CEdge:
     """
 
     __slots__ = (
-        "acquire_fns", "acquires", "bare", "batch_acquires", "batch_do", "batch_releases", "do", "do_name", "event",
-        "links", "prepare", "release_fns", "releases", "source", "target",
+        "acquire_fns", "acquires", "bare", "batch_acquires", "batch_do", "batch_releases", "before", "do", "do_name",
+        "event", "links", "prepare", "release_fns", "releases", "source", "target",
     )  # fmt: skip
 
     def __init__(
@@ -81,6 +81,8 @@ class CEdge:
         self.acquires = tuple((a, per_key(fn), r, per_key(undo)) for a, fn, r, undo in acquires)
         self.releases = tuple((name, per_key(fn)) for name, fn in releases)
         self.acquire_fns = tuple(acquire[1] for acquire in self.acquires)
+        self.before = (self.do, *self.acquire_fns) if self.do is not None else self.acquire_fns
+        """What runs before the state changes, in order (the do, then the acquires): ``fire``'s first loop."""
         self.release_fns = tuple(fn for _name, fn in self.releases)
         self.prepare = do is not None or bool(acquires)
         """Whether anything runs (and can raise) before the state changes."""
@@ -152,10 +154,6 @@ def per_batch(action: Action) -> Callable[..., Failed | None]:
     return each
 
 
-IGNORED: Any = object()
-"""Row value for an event that is a legal no-op in that state."""
-
-
 @dataclass(frozen=True)
 class Program:
     spec: Spec
@@ -168,7 +166,7 @@ class Program:
 
     def edges(self) -> list[CEdge]:
         """Every compiled transition (not the begin pseudo-edge), each once."""
-        return [edge for state in self.states for edge in state.row.values() if isinstance(edge, CEdge)]
+        return [edge for state in self.states for edge in state.row.values() if edge is not None]
 
     payloads: Mapping[str, frozenset[str]]
     """Event → the payload keys ``fire`` accepts for it; ``begin`` is :attr:`begin_payload`."""
@@ -309,7 +307,7 @@ def compile_program(spec: Spec, driver: object, params: Mapping[str, float] | No
         by_name[source].row[event] = compiled = edge(event, source, e.target, e.do)
         compiled.links = compiled.bare.links = spec.linked_at(event)
     for state_name, event, _rule in spec.ignored():  # in declaration order, so messages list events stably
-        by_name[state_name].row.setdefault(event, IGNORED)
+        by_name[state_name].row.setdefault(event, None)
     for s in spec.states.values():
         cs = by_name[s.name]
         if s.timeout is not None:
@@ -317,7 +315,7 @@ def compile_program(spec: Spec, driver: object, params: Mapping[str, float] | No
             cs.timeout_event = s.timeout.fire
         if spec.on_error is not None:
             handler = cs.row.get(spec.on_error)
-            cs.error_edge = handler if isinstance(handler, CEdge) else None
+            cs.error_edge = handler
     initial = spec.initial.name
     begin = edge("begin", None, initial, None)
     begin.links = spec.linked_at("begin")

@@ -23,8 +23,9 @@ from collections import Counter, deque
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
+from functools import partial
 from itertools import repeat
-from operator import attrgetter, eq, itemgetter
+from operator import itemgetter
 from pathlib import Path
 from typing import Any, Final
 
@@ -45,7 +46,7 @@ from ..spec import Spec, load
 from ..spec.model import ABORT
 from .deadlines import Deadlines
 from .params import log_once, resolve
-from .program import IGNORED, Action, CEdge, CState, compile_program
+from .program import Action, CEdge, CState, compile_program
 from .retired import RetiredIds
 
 Observer = Callable[[Hashable, int, str, str, str, float], None]
@@ -92,7 +93,11 @@ class Tracker:
     - ``_links[space][id] == (key, generation)``, and ``_linked[key]`` lists
       the ``(space, id)`` pairs to forget when key's instance is drained;
     - ``_busy`` is true exactly while a call is running driver actions or the
-      observer; ``_queue`` is empty whenever no call is running.
+      observer; ``_queue`` is empty whenever no call is running;
+    - the per-key step (do, acquires, state change, deadlines, releases) is
+      written once, in ``fire``: poll, close and the queue run theirs through
+      it (``_fire_inner``, with ``_inner`` set so that the outer call drains
+      and raises), and on_error through the batch step for one key.
 
     Calls made from inside a driver action or the observer (re-entrant calls):
 
@@ -119,7 +124,7 @@ class Tracker:
     __slots__ = (
         "spec", "driver", "counts", "_program", "_begin_edge", "_payloads", "_clock", "_observer", "_lock", "_guard",
         "_live", "_gens", "_links", "_linked", "_deadlines", "_finished", "_queue", "_busy", "_closed", "_failures",
-        "_anomalies", "_armed", "_serial", "_begin_taps", "params", "_retired", "_on_anomaly", "_plain_begin",
+        "_anomalies", "_armed", "_serial", "_begin_taps", "params", "_retired", "_on_anomaly", "_plain_begin", "_inner",
     )  # fmt: skip
 
     def __init__(
@@ -199,6 +204,8 @@ class Tracker:
         """``(key, final state)`` since the last drain: what :meth:`finished` returns as it is."""
         self._queue: deque[tuple[Hashable, Any, dict[str, Any]]] = deque()
         self._busy = False
+        self._inner = False
+        """True while :meth:`_fire_inner` runs a step through ``fire``: the outer call drains and raises."""
         self._closed = False
         self._serial = 0
         self._failures: list[Failure] = []
@@ -224,19 +231,16 @@ class Tracker:
             if self._busy:
                 self._enqueue(key, _BEGIN, payload)
                 return
-            if not self._plain_begin:
-                self._run(lambda: self._begin(key, payload))
+            if self._plain_begin and not payload and key not in self._live:
+                # Nothing runs that could call back (no acquire, link or observer; taps may not call): the plain path.
+                target = self._live[key] = self._begin_edge.target
+                if target.after is not None:
+                    self._deadlines.arm(key, target.index, self._clock() + target.after)
+                if self._begin_taps:
+                    for tap in self._begin_taps:
+                        tap(key)
                 return
-            # Nothing runs that could call back (no acquire, link or observer; taps may not call): the plain path.
-            if key in self._live or self._closed or payload:
-                self._begin(key, payload)  # it raises what is wrong, or begins a finished key again, or takes payload
-                return
-            target = self._live[key] = self._begin_edge.target
-            if target.after is not None:
-                self._deadlines.arm(key, target.index, self._clock() + target.after)
-            if self._begin_taps:
-                for tap in self._begin_taps:
-                    tap(key)
+            self._run(partial(self._begin, key, payload))  # partial, not a lambda: a closure slows the path above
         finally:
             if lock is not None:
                 lock.release()
@@ -244,7 +248,7 @@ class Tracker:
     def _settle_begin(self) -> None:
         """Decide, once per change of what begin runs, whether it can take the plain path (nothing that calls back)."""
         edge = self._begin_edge
-        self._plain_begin = not (edge.acquire_fns or edge.links or self._observer is not None)
+        self._plain_begin = not (edge.acquire_fns or edge.links or self._observer is not None or self._closed)
 
     def fire(self, key: Hashable, event: str, /, **payload: Any) -> str | None:
         """Apply ``event`` to ``key``'s instance; returns its state afterwards.
@@ -265,33 +269,62 @@ class Tracker:
             if self._busy:
                 self._enqueue(key, event, payload)
                 return None
-            state = self._live.get(key)
-            if state is None:
-                if self._closed:
+            source = self._live.get(key)
+            if source is None:
+                if self._closed and not self._inner:
                     raise TrackerClosed(f"tracker for {self.spec.name!r} is closed; {event!r} for {key!r} refused")
                 self._anomaly("unknown", self.spec.key, key, event)
                 return None
             if payload and not payload.keys() <= self._payloads.get(event, _EMPTY):
                 raise self._payload_error(event, payload)
-            edge = state.row.get(event)
-            if edge is None or edge is IGNORED:
-                if self._closed:  # after close() every instance is final, so only this path sees it
+            edge = source.row.get(event)
+            if edge is None:  # ignored, or illegal
+                if self._closed and not self._inner:  # after close() every instance is final: only this path sees it
                     raise TrackerClosed(f"tracker for {self.spec.name!r} is closed; {event!r} for {key!r} refused")
-                return self._refuse(key, state, event, edge)
+                return self._refuse(key, source, event)
+            # The step, written once, here on the per-event path (every other caller comes through
+            # _fire_inner): do and acquires; the state change, deadlines and releases; on_error if an
+            # action before the change raised.
             self._busy = True
             try:
-                state = self._step(key, state, edge, payload)
-                if self._queue:
+                done = 0
+                for action in edge.before:
+                    try:
+                        action(key, **payload) if payload else action(key)
+                    except BaseException as exc:
+                        target = self._on_error(key, source, edge, self._prepare_failed(key, source, edge, done, exc))
+                        break
+                    done += 1  # noqa: SIM113 - enumerate() costs an object per event here
+                else:
+                    target = self._live[key] = edge.target
+                    if source.after is not None:
+                        self._armed.pop(key, None)  # disarm (poll may have already)
+                    if target.after is not None:  # arm, inlined: see Deadlines
+                        entry = (self._clock() + target.after, key)
+                        self._armed[key] = entry
+                        target.queue.append(entry)
+                    if target.final:
+                        self._finished.append((key, target.name))
+                    if edge.links:
+                        self._link_carried(key, edge, payload)
+                    for release in edge.release_fns:
+                        try:
+                            release(key)
+                        except BaseException as exc:
+                            self._release_failed(key, edge, release, exc, target)
+                    if self._observer is not None:
+                        self._notify(key, event, source.name, target.name)
+                if self._queue and not self._inner:
                     self._drain()
-                    state = self._live.get(key, state)  # retired meanwhile: it ended where the step left it
+                    target = self._live.get(key, target)  # retired meanwhile: it ended where the step left it
             except BaseException:
                 self._queue.clear()  # never let what an action queued run inside a later call
                 raise
             finally:
                 self._busy = False
-            if self._failures:
-                self._raise_failures(state.name)
-            return state.name
+            if self._failures and not self._inner:
+                self._raise_failures(target.name)
+            return target.name
         finally:
             if lock is not None:
                 lock.release()
@@ -354,7 +387,7 @@ class Tracker:
                     self._acquire_failed(key, edge, done, why, "(not begun)")
                 fresh = [key for key in fresh if key not in failed]
         target = edge.target
-        regen = [key for key in fresh if key in live and key in self._gens] if self._gens else []
+        regen = [] if fresh is keys else [key for key in fresh if key in live]  # begun again before the drain
         live.update(zip(fresh, repeat(target)))
         if regen or self._observer is not None:
             for key in regen if self._observer is None else fresh:
@@ -419,10 +452,10 @@ class Tracker:
             groups = self._group(event, keys, states)
         for state, group in groups.items():
             edge = state.row.get(event)
-            if edge is None or edge is IGNORED:
+            if edge is None:
                 if self._closed:
                     raise TrackerClosed(f"tracker for {self.spec.name!r} is closed; {event!r} refused")
-                self._refuse_many(group, state, event, edge)
+                self._refuse_many(group, state, event)
             else:
                 self._step_many(group, state, edge, payload)
             if self._queue:
@@ -570,6 +603,7 @@ class Tracker:
             if self._closed:
                 return
             self._closed = True
+            self._settle_begin()
             self._run(self._abort_all)
 
     def _abort_all(self) -> None:
@@ -578,9 +612,8 @@ class Tracker:
             state = self._live.get(key)
             if state is None or state.final:
                 continue
-            edge = state.row.get(ABORT)
-            if isinstance(edge, CEdge):
-                self._step(key, state, edge, {})
+            if state.row.get(ABORT) is not None:
+                self._fire_inner(key, ABORT, {})
                 if self._queue:
                     self._drain()
             state = self._live.get(key)
@@ -608,7 +641,7 @@ class Tracker:
         comparing state names it copied from it.
         """
         state = self._live.get(key)
-        return state is not None and isinstance(state.row.get(event), CEdge)
+        return state is not None and state.row.get(event) is not None
 
     def generation(self, key: Hashable) -> int | None:
         """The generation of ``key``'s current instance (unique in this tracker), or None if it has none."""
@@ -726,7 +759,7 @@ class Tracker:
         """Run ``work`` with the tracker busy (calls from actions are queued), then what they queued; raise failures.
 
         The frame of every call that runs actions except ``fire``, which
-        inlines the same steps on its hot path. A raise clears the queue, so
+        keeps the same steps inline on its hot path. A raise clears the queue, so
         nothing an action queued runs inside a later call. ``result`` is what
         the :class:`ActionError` carries.
         """
@@ -747,63 +780,31 @@ class Tracker:
         """poll()'s work: fire each due timeout, run what it queued, and record ``(key, event, new state)``."""
         states = self._program.states
         for key, index in self._deadlines.pop_due(now):
-            state = states[index]
-            event = state.timeout_event
+            event = states[index].timeout_event
             assert event is not None, "armed only in states with a timeout"
             self.counts["timeouts"] += 1
-            end = self._step(key, state, state.row[event], {})
+            end = self._fire_inner(key, event, {})
             if self._queue:
                 self._drain()
-            fired.append((key, event, self._live.get(key, end).name))
+            state = self._live.get(key)
+            fired.append((key, event, state.name if state is not None else end))
 
-    def _step(self, key: Hashable, source: CState, edge: CEdge, payload: dict[str, Any]) -> CState:
-        """do → acquires → state change → releases (each on its own); returns the state it ends in.
-
-        A raise before the state change fires on_error from ``source`` instead.
-        Deliberately one flat function: it is the per-event path.
-        """
-        if edge.prepare:
-            do = edge.do
-            if do is not None:
-                try:
-                    do(key, **payload) if payload else do(key)
-                except BaseException as exc:
-                    return self._on_error(
-                        key, source, edge, self._record(key, edge.event, edge.do_name or "", "do", exc, source.name)
-                    )
-            done = 0
-            for acquire in edge.acquire_fns:
-                try:
-                    acquire(key, **payload) if payload else acquire(key)
-                except BaseException as exc:
-                    failure = self._acquire_failed(key, edge, done, exc, source.name)
-                    return self._on_error(key, source, edge, failure)
-                done += 1  # noqa: SIM113 - enumerate() costs an object per event here
-        target = self._live[key] = edge.target
-        if source.after is not None:
-            self._armed.pop(key, None)  # disarm (poll may have already)
-        if target.after is not None:  # arm, inlined: see Deadlines
-            entry = (self._clock() + target.after, key)
-            self._armed[key] = entry
-            target.queue.append(entry)
-        if target.final:
-            self._finished.append((key, target.name))
-        if edge.links:
-            self._link_carried(key, edge, payload)
-        for release in edge.release_fns:
-            try:
-                release(key)
-            except BaseException as exc:
-                self._release_failed(key, edge, release, exc, target)
-        if self._observer is not None:
-            self._notify(key, edge.event, source.name, target.name)
-        return target
+    def _fire_inner(self, key: Hashable, event: str, payload: dict[str, Any]) -> str:
+        """Fire from inside a running call (poll, close, what actions queued) through ``fire``, so the step is
+        written once; what it queues and what fails wait for the outer call. Returns the state it ends in."""
+        self._busy, self._inner = False, True
+        try:
+            end = self.fire(key, event, **payload)
+        finally:
+            self._busy, self._inner = True, False
+        assert end is not None, "the callers fire live keys only"
+        return end
 
     def _step_many(self, keys: list[Hashable], source: CState, edge: CEdge, payload: dict[str, Any]) -> None:
-        """:meth:`_step` for keys all in ``source``: each action once for the batch, the bookkeeping in bulk.
+        """The step of :meth:`fire` for keys all in ``source``: each action once for the batch, the bookkeeping in bulk.
 
         Keys an action failed for leave the batch there: their earlier
-        acquires are undone and on_error fires for each, as in ``_step``.
+        acquires are undone and on_error fires for each, as in ``fire``.
         """
         if edge.prepare:
             if edge.batch_do is not None:
@@ -870,9 +871,9 @@ class Tracker:
             self._on_error(key, source, edge, index)
         return [key for key in keys if key not in failed]
 
-    def _refuse_many(self, keys: list[Hashable], state: CState, event: str, edge: CEdge | None) -> None:
+    def _refuse_many(self, keys: list[Hashable], state: CState, event: str) -> None:
         """An event no key of the group can take: counted as ignored, or one ``refused`` failure per key."""
-        if edge is IGNORED:
+        if event in state.row:
             self.counts["ignored"] += len(keys)
             return
         self.counts["illegal"] += len(keys)
@@ -903,7 +904,7 @@ class Tracker:
                 self._acquire_failed(key, edge, done, exc, "(not begun)")
                 return
         target = live[key] = edge.target
-        if (old is not None and key in self._gens) or self._observer is not None:
+        if old is not None or self._observer is not None:  # begun again before the drain: see _retire
             self._gens[key] = self._serial = self._serial + 1
         if target.after is not None:
             self._deadlines.arm(key, target.index, self._clock() + target.after)
@@ -929,6 +930,14 @@ class Tracker:
         name = next((n for n, fn in edge.releases if fn is release), "<tap>")
         self.counts["release_errors"] += 1
         self._failures.append(Failure(key, edge.event, name, "release", exc, target.name))
+
+    def _prepare_failed(self, key: Hashable, source: CState, edge: CEdge, done: int, exc: BaseException) -> int:
+        """Action number ``done`` of ``edge.before`` (the do, then the acquires) raised: record it, undo what it must."""
+        if edge.do is not None:
+            if done == 0:
+                return self._record(key, edge.event, edge.do_name or "", "do", exc, source.name)
+            done -= 1
+        return self._acquire_failed(key, edge, done, exc, source.name)
 
     def _acquire_failed(self, key: Hashable, edge: CEdge, done: int, exc: BaseException, where: str) -> int:
         """Acquire number ``done`` raised: record it, undo the ones before (and, at begin, release
@@ -962,14 +971,17 @@ class Tracker:
         if handler is edge:
             handler = edge.bare
         handled = len(self._failures)  # the failure and its undo failures come before this
-        state = self._step(key, source, handler, {}) if handler is not None else source
+        state = source
+        if handler is not None:
+            self._step_many([key], source, handler, {})  # the batch step for one key: this path is rare
+            state = self._live[key]
         for i in range(failure, handled):
             self._failures[i] = replace(self._failures[i], state=state.name)
         return state
 
-    def _refuse(self, key: Hashable, state: CState, event: str, edge: CEdge | None) -> str:
-        """An event with no transition: a legal no-op if ignored, else IllegalTransition."""
-        if edge is None:
+    def _refuse(self, key: Hashable, state: CState, event: str) -> str:
+        """An event with no transition: a legal no-op if ignored (in the row as None), else IllegalTransition."""
+        if event not in state.row:
             self.counts["illegal"] += 1
             raise IllegalTransition(key, event, state.name, list(state.row))
         self.counts["ignored"] += 1
@@ -999,18 +1011,10 @@ class Tracker:
             try:
                 if event is _BEGIN:
                     self._begin(key, payload)
-                    continue
-                state = self._live.get(key)
-                if state is None:
-                    self._anomaly("unknown", self.spec.key, key, event)
-                    continue
-                if payload and not payload.keys() <= self._payloads.get(event, _EMPTY):
-                    raise self._payload_error(event, payload)
-                edge = state.row.get(event)
-                if edge is None or edge is IGNORED:
-                    self._refuse(key, state, event, edge)
+                elif key in self._live:
+                    self._fire_inner(key, event, payload)
                 else:
-                    self._step(key, state, edge, payload)
+                    self._anomaly("unknown", self.spec.key, key, event)
             except KvfsmError as exc:
                 name = "begin" if event is _BEGIN else event
                 current = self._live.get(key)
@@ -1024,12 +1028,12 @@ class Tracker:
         """
         live, gens, linked = self._live, self._gens, self._linked
         retired = self._retired[self.spec.key]
-        keys = list(map(_first, done))
-        if not gens and not linked and all(map(eq, map(_name, map(live.get, keys, repeat(_GONE))), map(_second, done))):
-            retired.add(keys)  # the usual drain: every key still in the final state it was drained in
+        if not gens and not linked:  # the usual drain: no key was begun again since it finished (that takes a gen)
+            keys = list(map(_first, done))
+            retired.add(keys)
             pop = live.pop
             for key in keys:
-                pop(key, None)  # None: a key that finished twice in one final state (begun again) is named twice
+                pop(key, None)
             return
         gone = []
         for key, name in done:
@@ -1193,17 +1197,7 @@ class Tracker:
         raise error
 
 
-_first, _second, _name = itemgetter(0), itemgetter(1), attrgetter("name")
-
-
-class _Gone:
-    """What a drained key's state reads as in the drain's check: no state has this name."""
-
-    __slots__ = ()
-    name = None
-
-
-_GONE = _Gone()
+_first = itemgetter(0)
 
 
 def _rounds(keys: list[Hashable]) -> list[list[Hashable]]:
