@@ -794,7 +794,7 @@ class Tracker:
         written once; what it queues and what fails wait for the outer call. Returns the state it ends in."""
         self._busy, self._inner = False, True
         try:
-            end = self.fire(key, event, **payload)
+            end = self.fire(key, event, **payload) if payload else self.fire(key, event)
         finally:
             self._busy, self._inner = True, False
         assert end is not None, "the callers fire live keys only"
