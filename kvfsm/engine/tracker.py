@@ -151,7 +151,7 @@ class Tracker:
         ``clock_backwards``), so deadlines stay in order. ``params`` override
         the spec's; ``spaces`` declares the id spaces that :meth:`link` and
         :meth:`fire_by` accept besides the spec's key. ``threadsafe=False``
-        skips the lock every call takes (about a third of a ``fire`` here):
+        skips the lock every call takes (60–75 ns, about a sixth of a ``fire`` here):
         only for a tracker that one thread alone ever calls.
         """
         if not isinstance(spec, Spec):
