@@ -613,7 +613,7 @@ class Tracker:
             if state is None or state.final:
                 continue
             if state.row.get(ABORT) is not None:
-                self._fire_inner(key, ABORT, {})
+                self._fire_inner(key, ABORT)
                 if self._queue:
                     self._drain()
             state = self._live.get(key)
@@ -783,21 +783,21 @@ class Tracker:
             event = states[index].timeout_event
             assert event is not None, "armed only in states with a timeout"
             self.counts["timeouts"] += 1
-            end = self._fire_inner(key, event, {})
+            end = self._fire_inner(key, event)
+            assert end is not None, "a due key is live"
             if self._queue:
                 self._drain()
             state = self._live.get(key)
             fired.append((key, event, state.name if state is not None else end))
 
-    def _fire_inner(self, key: Hashable, event: str, payload: dict[str, Any]) -> str:
+    def _fire_inner(self, key: Hashable, event: str, payload: dict[str, Any] | None = None) -> str | None:
         """Fire from inside a running call (poll, close, what actions queued) through ``fire``, so the step is
-        written once; what it queues and what fails wait for the outer call. Returns the state it ends in."""
+        written once; what it queues and what fails wait for the outer call. Returns what ``fire`` returns."""
         self._busy, self._inner = False, True
         try:
             end = self.fire(key, event, **payload) if payload else self.fire(key, event)
         finally:
             self._busy, self._inner = True, False
-        assert end is not None, "the callers fire live keys only"
         return end
 
     def _step_many(self, keys: list[Hashable], source: CState, edge: CEdge, payload: dict[str, Any]) -> None:
@@ -1011,10 +1011,8 @@ class Tracker:
             try:
                 if event is _BEGIN:
                     self._begin(key, payload)
-                elif key in self._live:
-                    self._fire_inner(key, event, payload)
                 else:
-                    self._anomaly("unknown", self.spec.key, key, event)
+                    self._fire_inner(key, event, payload)  # an unknown key is fire's anomaly (no TrackerClosed inside)
             except KvfsmError as exc:
                 name = "begin" if event is _BEGIN else event
                 current = self._live.get(key)
