@@ -287,26 +287,42 @@ class CpuOffloadScheduler:
         """
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, CpuOffloadWorkerMeta):
-            for done, event in ((meta.loads_done, "complete"), (meta.loads_failed, "load_error")):
-                for success, blocks in self._copies_over(
-                    self.loads, "load_job", self.offload.load.transfer, done, event
-                ):
-                    if success:
-                        self.stats.loads_done += 1
-                        self.stats.blocks_loaded += blocks
-                    elif event == "load_error":
-                        self.stats.loads_failed += 1
-            for done, event in ((meta.stores_done, "complete"), (meta.stores_failed, "store_error")):
-                for success, blocks in self._copies_over(
-                    self.stores, "store_job", self.offload.store.transfer, done, event
-                ):
-                    if success:
-                        self.stats.stores_done += 1
-                        self.stats.blocks_stored += blocks
-                    elif event != "complete":
-                        self.stats.stores_failed += 1
+            stats, load, store = self.stats, self.offload.load, self.offload.store
+            ok, blocks, failed = self._tally(
+                self.loads, "load_job", load.transfer, meta.loads_done, meta.loads_failed, "load_error"
+            )
+            stats.loads_done += ok
+            stats.blocks_loaded += blocks
+            stats.loads_failed += failed
+            ok, blocks, failed = self._tally(
+                self.stores, "store_job", store.transfer, meta.stores_done, meta.stores_failed, "store_error"
+            )
+            stats.stores_done += ok
+            stats.blocks_stored += blocks
+            stats.stores_failed += failed
         _sending, recving = self.report.take_finished()
         connector_output.finished_recving = set(map(str, recving)) or None
+
+    def _tally(
+        self,
+        tracker: Tracker,
+        space: str,
+        transfer: Callable[[Hashable], tuple[list[int], list[int]]],
+        done: Iterable[int],
+        failed: Iterable[int],
+        failure: str,
+    ) -> tuple[int, int, int]:
+        """Apply one direction's reports (jobs done fire ``complete``, jobs failed fire ``failure``):
+        returns (copies that succeeded, blocks they copied, copies the worker reported failed)."""
+        ok = blocks = bad = 0
+        for jobs, event in ((done, "complete"), (failed, failure)):
+            for success, count in self._copies_over(tracker, space, transfer, jobs, event):
+                if success:
+                    ok += 1
+                    blocks += count
+                elif event == failure:
+                    bad += 1
+        return ok, blocks, bad
 
     def _copies_over(
         self,
