@@ -31,7 +31,7 @@ from vllm.v1.request import RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 from kvfsm.adapters.vllm_nixl import VLLM, Directory, NixlConnector, NixlSettings
-from kvfsm.showcase.sim.real import EngineConfig, kv_cache_config, make_request, vllm_config
+from kvfsm.showcase.sim.real import EngineConfig, kv_cache_config, make_request, model_output, vllm_config
 
 pytestmark = pytest.mark.vllm
 
@@ -117,19 +117,8 @@ class Engine:
             sending, recving = w.get_finished(set(out.finished_req_ids))
             invalid = w.get_block_ids_with_load_errors()
             w.clear_connector_metadata()
-            outputs.append(
-                ModelRunnerOutput(
-                    req_ids=req_ids,
-                    req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-                    sampled_token_ids=sampled,
-                    logprobs=None,
-                    prompt_logprobs_dict={},
-                    pooler_output=None,
-                    kv_connector_output=KVConnectorOutput(
-                        finished_sending=sending, finished_recving=recving, invalid_block_ids=invalid
-                    ),
-                )
-            )
+            kv = KVConnectorOutput(finished_sending=sending, finished_recving=recving, invalid_block_ids=invalid)
+            outputs.append(model_output(req_ids, sampled, kv))
         merged = self.aggregator.aggregate(outputs)
         for engine_outputs in self.scheduler.update_from_output(out, merged).values():
             for o in engine_outputs.outputs:

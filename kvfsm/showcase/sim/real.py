@@ -165,6 +165,19 @@ def kv_cache_config(config: EngineConfig) -> KVCacheConfig:
     )
 
 
+def model_output(req_ids: list[str], sampled: list[list[int]], kv: KVConnectorOutput) -> ModelRunnerOutput:
+    """What a model runner returns for one step: ``sampled[i]`` for ``req_ids[i]`` (empty for a partial prefill)."""
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+        sampled_token_ids=sampled,
+        logprobs=None,
+        prompt_logprobs_dict={},
+        pooler_output=None,
+        kv_connector_output=kv,
+    )
+
+
 def make_request(request_id: str, prompt: list[int], max_tokens: int, block_size: int) -> Request:
     """A request as vLLM's tests make one: block hashes by sha256 from the first token on."""
     global _none_hash_ready
@@ -259,14 +272,10 @@ class Engine:
             req = self.scheduler.requests[rid]
             # The model runner discards the token of a partial prefill; the rest sample one.
             sampled.append([self.rng.randrange(1000)] if req.num_computed_tokens >= req.num_tokens else [])
-        runner_out = ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-            logprobs=None,
-            prompt_logprobs_dict={},
-            pooler_output=None,
-            kv_connector_output=KVConnectorOutput(
+        runner_out = model_output(
+            req_ids,
+            sampled,
+            KVConnectorOutput(
                 finished_sending=kv.finished_sending,
                 finished_recving=kv.finished_recving,
                 invalid_block_ids=set(kv.invalid_block_ids),
