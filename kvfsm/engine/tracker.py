@@ -5,8 +5,9 @@ compiled state. Resources held are never stored: they are ``state.holds`` by
 definition, so the ledger cannot drift from the state. Generations, links and
 deadlines live in side tables that only the instances using them touch.
 
-One re-entrant lock makes every public call atomic (``threadsafe=False`` drops
-it for a tracker used by one thread only). Driver actions run inside a call,
+One re-entrant lock (:class:`~kvfsm.engine.mutex.Mutex`) makes every public
+call atomic (``threadsafe=False`` drops it for a tracker used by one thread
+only). Driver actions run inside a call,
 and what they may call back is settled by one rule per method (see
 :class:`Tracker`): nothing an action does can make the Tracker see an
 instance in the middle of a transition.
@@ -17,7 +18,6 @@ from __future__ import annotations
 import difflib
 import logging
 import math
-import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Hashable, Iterable, Mapping
@@ -27,6 +27,7 @@ from functools import partial
 from itertools import repeat
 from operator import itemgetter
 from pathlib import Path
+from threading import get_ident
 from typing import Any, Final
 
 from ..errors import (
@@ -45,6 +46,7 @@ from ..errors import (
 from ..spec import Spec, load
 from ..spec.model import ABORT
 from .deadlines import Deadlines
+from .mutex import Mutex
 from .params import log_once, resolve
 from .program import Action, CEdge, CState, compile_program
 from .retired import RetiredIds
@@ -122,7 +124,7 @@ class Tracker:
     """
 
     __slots__ = (
-        "spec", "driver", "counts", "_program", "_begin_edge", "_payloads", "_clock", "_observer", "_lock", "_guard",
+        "spec", "driver", "counts", "_program", "_begin_edge", "_payloads", "_clock", "_observer", "_mutex", "_guard",
         "_live", "_gens", "_links", "_linked", "_deadlines", "_finished", "_queue", "_busy", "_closed", "_failures",
         "_anomalies", "_armed", "_serial", "_begin_taps", "params", "_retired", "_on_anomaly", "_plain_begin", "_inner",
     )  # fmt: skip
@@ -151,8 +153,10 @@ class Tracker:
         ``clock_backwards``), so deadlines stay in order. ``params`` override
         the spec's; ``spaces`` declares the id spaces that :meth:`link` and
         :meth:`fire_by` accept besides the spec's key. ``threadsafe=False``
-        skips the lock every call takes (60–75 ns, about a sixth of a ``fire`` here):
-        only for a tracker that one thread alone ever calls.
+        skips the lock every call takes (about 55 ns a call here, a seventh of
+        a ``fire``): only for a tracker that one thread alone ever calls. The
+        clock, a key's ``__hash__`` and ``__eq__``, and taps must not call the
+        tracker (an action, the observer and ``on_anomaly`` may: see above).
         """
         if not isinstance(spec, Spec):
             spec = load(spec)
@@ -187,9 +191,9 @@ class Tracker:
         """Running totals; ``unknown`` and ``stale`` count events that were dropped, not raised."""
         self._clock = clock if clock is time.monotonic else self._held_back(clock)
         self._observer = observer
-        self._lock = threading.RLock() if threadsafe else None
-        self._guard: AbstractContextManager[Any] = self._lock if self._lock is not None else nullcontext()
-        """What the non-hot methods hold; ``begin`` and ``fire`` test ``_lock`` directly."""
+        self._mutex = Mutex() if threadsafe else None
+        self._guard: AbstractContextManager[Any] = self._mutex if self._mutex is not None else nullcontext()
+        """What the non-hot methods hold; ``begin`` and ``fire`` inline the mutex's fast path."""
         self._live: dict[Hashable, CState] = {}
         self._gens: dict[Hashable, int] = {}
         self._links: dict[str, dict[Hashable, tuple[Hashable, int]]] = {space: {} for space in (*spec.spaces, *spaces)}
@@ -224,9 +228,17 @@ class Tracker:
         declare, and :class:`ActionError` if an acquire raised (nothing is
         then held).
         """
-        lock = self._lock
-        if lock is not None:
-            lock.acquire()
+        mutex = self._mutex
+        if mutex is not None:  # take the lock (see Mutex), inlined
+            if mutex.tokens:
+                try:
+                    mutex.tokens.pop()
+                except IndexError:  # another thread took it between the look and the pop
+                    mutex.wait()
+            elif mutex.owner == get_ident():
+                mutex = None  # this thread holds it already (poll's steps, an action calling back): not ours to release
+            else:
+                mutex.wait()
         try:
             if self._busy:
                 self._enqueue(key, _BEGIN, payload)
@@ -242,8 +254,11 @@ class Tracker:
                 return
             self._run(partial(self._begin, key, payload))  # partial, not a lambda: a closure slows the path above
         finally:
-            if lock is not None:
-                lock.release()
+            if mutex is not None:  # give it back, inlined
+                mutex.owner = 0
+                mutex.tokens.append(None)
+                if mutex.waiters:
+                    mutex.wake()
 
     def _settle_begin(self) -> None:
         """Decide, once per change of what begin runs, whether it can take the plain path (nothing that calls back)."""
@@ -262,9 +277,17 @@ class Tracker:
         inside an action, which is queued and runs once the current transition
         is complete.
         """
-        lock = self._lock
-        if lock is not None:
-            lock.acquire()
+        mutex = self._mutex
+        if mutex is not None:  # take the lock (see Mutex), inlined
+            if mutex.tokens:
+                try:
+                    mutex.tokens.pop()
+                except IndexError:  # another thread took it between the look and the pop
+                    mutex.wait()
+            elif mutex.owner == get_ident():
+                mutex = None  # this thread holds it already (poll's steps, an action calling back): not ours to release
+            else:
+                mutex.wait()
         try:
             if self._busy:
                 self._enqueue(key, event, payload)
@@ -286,6 +309,8 @@ class Tracker:
             # _fire_inner): do and acquires; the state change, deadlines and releases; on_error if an
             # action before the change raised.
             self._busy = True
+            if mutex is not None:
+                mutex.owner = get_ident()  # Mutex.claim, inlined: before any action runs (one calling back re-enters)
             try:
                 done = 0
                 for action in edge.before:
@@ -326,8 +351,11 @@ class Tracker:
                 self._raise_failures(target.name)
             return target.name
         finally:
-            if lock is not None:
-                lock.release()
+            if mutex is not None:  # give it back, inlined
+                mutex.owner = 0
+                mutex.tokens.append(None)
+                if mutex.waiters:
+                    mutex.wake()
 
     def begin_many(self, keys: Iterable[Hashable], /, **payload: Any) -> None:
         """:meth:`begin` for every key, under one lock, each acquire called once for the batch (see :meth:`fire_many`).
@@ -764,6 +792,8 @@ class Tracker:
         the :class:`ActionError` carries.
         """
         self._busy = True
+        if self._mutex is not None:
+            self._mutex.claim()  # before any action runs: one that calls back is seen as re-entry
         try:
             work()
             if self._queue:
@@ -1162,6 +1192,8 @@ class Tracker:
         count = self.counts[kind] = self.counts[kind] + 1
         anomaly = Anomaly(kind, space, _bounded(ident), _bounded(event))
         self._anomalies.append(anomaly)
+        if self._mutex is not None:
+            self._mutex.claim()  # a log handler or on_anomaly may call back
         if count <= 10 or count % 1000 == 0:  # rate-limited: the first few, then every thousandth
             LOGGER.warning(
                 "%s: %s %s for %s=%r dropped (%d so far)", self.spec.name, kind, event, space, anomaly.id, count
