@@ -578,6 +578,51 @@ def test_raising_acquire_fires_on_error_from_the_source(rig: Rig) -> None:
     assert (failure.action, failure.phase, failure.state) == ("take_lease", "acquire", "failed")
 
 
+def test_one_callable_as_do_and_acquire_is_blamed_for_the_call_that_raised() -> None:
+    """The step tells which of its actions raised by identity: one object bound twice is made two."""
+    spec = kvfsm.parse(
+        """
+kvfsm: 1
+machine: twice
+key: id
+resources:
+  slot: {acquire: grab, release: drop}
+states:
+  a: {initial: true, waits: local}
+  b: {holds: [slot], waits: local}
+  failed: {final: failure}
+transitions:
+  - {event: go, from: a, to: b, do: grab}
+  - {event: fail, from: [a, b], to: failed}
+  - {event: abort, from: [a, b], to: failed}
+ignore:
+  - {event: [fail, abort], in: [failed]}
+on_error: fail
+""",
+        "twice.yaml",
+    )
+    calls: list[str] = []
+
+    def grab(key: Hashable) -> None:  # one function object: every lookup on the driver returns it
+        calls.append("grab")
+        if len(calls) == 2:
+            raise RuntimeError("no slot")
+
+    class Driver:
+        def __init__(self) -> None:
+            self.grab = grab
+            self.drop = lambda key: calls.append("drop")
+
+    tracker = Tracker(spec, Driver())
+    tracker.begin("r1")
+    with pytest.raises(ActionError) as caught:
+        tracker.fire("r1", "go")
+    [failure] = caught.value.failures
+    assert (failure.action, failure.phase) == ("grab", "acquire"), "the second call, the acquire, raised"
+    assert calls == ["grab", "grab"], "the do ran; the acquire raised, so nothing is held and nothing to drop"
+    assert tracker.state("r1") == "failed"
+
+
 def test_raising_release_does_not_skip_the_other_releases(rig: Rig) -> None:
     walk_to(rig, "r1", "transferring")
     rig.driver.faults["free_gpu_blocks"] = RuntimeError("driver lost the block table")

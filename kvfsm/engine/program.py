@@ -13,6 +13,7 @@ import inspect
 from collections import deque
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from ..errors import BindingError
@@ -81,8 +82,9 @@ class CEdge:
         self.acquires = tuple((a, per_key(fn), r, per_key(undo)) for a, fn, r, undo in acquires)
         self.releases = tuple((name, per_key(fn)) for name, fn in releases)
         self.acquire_fns = tuple(acquire[1] for acquire in self.acquires)
-        self.before = (self.do, *self.acquire_fns) if self.do is not None else self.acquire_fns
-        """What runs before the state changes, in order (the do, then the acquires): ``fire``'s first loop."""
+        self.before = _distinct((self.do, *self.acquire_fns) if self.do is not None else self.acquire_fns)
+        """What runs before the state changes, in order (the do, then the acquires): ``fire``'s first loop.
+        Each is a distinct object, so that the one that raised is known by identity."""
         self.release_fns = tuple(fn for _name, fn in self.releases)
         self.prepare = do is not None or bool(acquires)
         """Whether anything runs (and can raise) before the state changes."""
@@ -98,6 +100,18 @@ class CEdge:
     def __repr__(self) -> str:
         src = self.source.name if self.source else "∅"
         return f"<edge {src} -{self.event}-> {self.target.name}>"
+
+
+def _distinct(actions: tuple[Action, ...]) -> tuple[Action, ...]:
+    """``actions`` with any repeated object wrapped in a ``partial`` (the same callable as do and acquire)."""
+    seen: set[int] = set()
+    out = []
+    for action in actions:
+        if id(action) in seen:
+            action = partial(action)
+        seen.add(id(action))
+        out.append(action)
+    return tuple(out)
 
 
 Failed = Mapping[Hashable, BaseException]

@@ -214,6 +214,9 @@ class Tracker:
         self._serial = 0
         self._failures: list[Failure] = []
         self._anomalies: deque[Anomaly] = deque(maxlen=ANOMALY_LIMIT)
+        if observer is not None:  # compiled into every transition, after its releases: the step has no check
+            for edge in self._program.edges():
+                edge.add_tap(partial(self._notify_step, edge))
         self._settle_begin()
 
     # -- lifecycle ---------------------------------------------------------
@@ -312,14 +315,12 @@ class Tracker:
             if mutex is not None:
                 mutex.owner = get_ident()  # Mutex.claim, inlined: before any action runs (one calling back re-enters)
             try:
-                done = 0
                 for action in edge.before:
                     try:
                         action(key, **payload) if payload else action(key)
                     except BaseException as exc:
-                        target = self._on_error(key, source, edge, self._prepare_failed(key, source, edge, done, exc))
+                        target = self._on_error(key, source, edge, self._prepare_failed(key, source, edge, action, exc))
                         break
-                    done += 1  # noqa: SIM113 - enumerate() costs an object per event here
                 else:
                     target = self._live[key] = edge.target
                     if source.after is not None:
@@ -337,8 +338,6 @@ class Tracker:
                             release(key)
                         except BaseException as exc:
                             self._release_failed(key, edge, release, exc, target)
-                    if self._observer is not None:
-                        self._notify(key, event, source.name, target.name)
                 if self._queue and not self._inner:
                     self._drain()
                     target = self._live.get(key, target)  # retired meanwhile: it ended where the step left it
@@ -871,9 +870,6 @@ class Tracker:
                 for key, error in failed.items():
                     self.counts["release_errors"] += 1
                     self._failures.append(Failure(key, edge.event, name, "release", error, target.name))
-        if self._observer is not None:
-            for key in keys:
-                self._notify(key, edge.event, source.name, target.name)
 
     def _prepare_many(
         self,
@@ -945,6 +941,10 @@ class Tracker:
         if self._observer is not None:
             self._notify(key, "begin", "", target.name)
 
+    def _notify_step(self, edge: CEdge, key: Hashable) -> None:
+        """The observer as a tap of ``edge`` (see ``__init__``)."""
+        self._notify(key, edge.event, edge.source.name if edge.source is not None else "", edge.target.name)
+
     def _notify(self, key: Hashable, event: str, source: str, target: str) -> None:
         """Tell the observer; one that raises is reported like a failed action and changes nothing."""
         assert self._observer is not None
@@ -961,8 +961,9 @@ class Tracker:
         self.counts["release_errors"] += 1
         self._failures.append(Failure(key, edge.event, name, "release", exc, target.name))
 
-    def _prepare_failed(self, key: Hashable, source: CState, edge: CEdge, done: int, exc: BaseException) -> int:
-        """Action number ``done`` of ``edge.before`` (the do, then the acquires) raised: record it, undo what it must."""
+    def _prepare_failed(self, key: Hashable, source: CState, edge: CEdge, action: Action, exc: BaseException) -> int:
+        """``action``, one of ``edge.before`` (the do, then the acquires), raised: record it, undo what it must."""
+        done = next(index for index, fn in enumerate(edge.before) if fn is action)  # each is a distinct object
         if edge.do is not None:
             if done == 0:
                 return self._record(key, edge.event, edge.do_name or "", "do", exc, source.name)
