@@ -200,7 +200,8 @@ class Tracker:
         self._retired = {space: RetiredIds(RETIRED_LIMIT) for space in (spec.key, *self._links)}
         """Ids of drained instances, per space (the newest ``RETIRED_LIMIT``): a message naming one is late."""
         self._on_anomaly = on_anomaly
-        self._plain_begin = False
+        self._plain_begin: CState | None = None
+        """The initial state while ``begin`` runs nothing that could call back (its plain path); else None."""
         self._linked: dict[Hashable, list[tuple[str, Hashable]]] = {}
         self._deadlines = Deadlines([state.queue for state in self._program.states])
         self._armed = self._deadlines.armed
@@ -246,9 +247,10 @@ class Tracker:
             if self._busy:
                 self._enqueue(key, _BEGIN, payload)
                 return
-            if self._plain_begin and not payload and key not in self._live:
+            target = self._plain_begin
+            if target is not None and not payload and key not in self._live:
                 # Nothing runs that could call back (no acquire, link or observer; taps may not call): the plain path.
-                target = self._live[key] = self._begin_edge.target
+                self._live[key] = target
                 if target.after is not None:
                     self._deadlines.arm(key, target.index, self._clock() + target.after)
                 if self._begin_taps:
@@ -266,7 +268,8 @@ class Tracker:
     def _settle_begin(self) -> None:
         """Decide, once per change of what begin runs, whether it can take the plain path (nothing that calls back)."""
         edge = self._begin_edge
-        self._plain_begin = not (edge.acquire_fns or edge.links or self._observer is not None or self._closed)
+        plain = not (edge.acquire_fns or edge.links or self._observer is not None or self._closed)
+        self._plain_begin = edge.target if plain else None
 
     def fire(self, key: Hashable, event: str, /, **payload: Any) -> str | None:
         """Apply ``event`` to ``key``'s instance; returns its state afterwards.
@@ -331,7 +334,7 @@ class Tracker:
                         target.queue.append(entry)
                     if target.final:
                         self._finished.append((key, target.name))
-                    if edge.links:
+                    if payload and edge.links:  # no payload, no id to link
                         self._link_carried(key, edge, payload)
                     for release in edge.release_fns:
                         try:
