@@ -1,7 +1,7 @@
 """The Tracker's lock: re-entrant, and taking it uncontended costs a deque pop.
 
 ``threading.RLock().acquire()`` parses its arguments on every call: an
-acquire and release cost 60–75 ns on CPython 3.11, a quarter of what a
+acquire and release cost 65–75 ns on CPython 3.11, a quarter of what a
 hand-written tracker spends on a whole ``fire``, and the Tracker takes its
 lock once per call. This lock is a single token in a deque:
 

@@ -8,8 +8,8 @@ of the armed entry per key, and the driver methods bound once. ``fire``
 checks legality (unknown event raises, ignored event is a no-op), runs the
 edge's ``do``/acquire actions, changes state, disarms and arms the deadline,
 runs the releases and records a finished request. What it leaves out is
-exactly what the Tracker adds on top: the lock (``threadsafe=True`` adds the
-same one), run-to-completion queueing, error isolation per action and
+exactly what the Tracker adds on top: the lock (``threadsafe=True`` adds an
+``RLock``, as a connector author would), run-to-completion queueing, error isolation per action and
 ``on_error``, payload checks, counters, generations, observers.
 
 The tables are written out by hand, as a connector author would, not derived

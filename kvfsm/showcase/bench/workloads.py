@@ -220,8 +220,9 @@ def lifecycle(report: BenchReport, sizes: Sizes, spec: Spec) -> None:
 
     Single-thread: ``Tracker(threadsafe=False)`` against the plain hand-written
     tracker. Thread-safe: the default ``Tracker`` (one lock per call) against
-    the hand-written tracker with the same lock. The default Tracker against
-    the lock-free hand-written one is shown too, without a target.
+    the hand-written tracker with the ``RLock`` its author would take. The
+    default Tracker against the lock-free hand-written one is
+    ``lifecycle_vs_handwritten``.
     """
     n = sizes.lifecycle_n
     keys = keys_for(n)
