@@ -21,6 +21,33 @@ from kvfsm.engine.mutex import Mutex
 
 JOIN = 30.0
 
+SPEC = kvfsm.parse(
+    """
+kvfsm: 1
+machine: callback
+key: id
+states:
+  a: {initial: true, waits: local}
+  b: {waits: local}
+  c: {final: success}
+  failed: {final: failure}
+transitions:
+  - {event: go, from: a, to: b, do: work}
+  - {event: end, from: b, to: c}
+  - {event: fail, from: [a, b], to: failed}
+  - {event: abort, from: [a, b], to: failed}
+ignore:
+  - {event: [fail, abort], in: [c, failed]}
+on_error: fail
+""",
+    "callback.yaml",
+)
+
+
+class Idle:
+    def work(self, key: str) -> None:
+        pass
+
 
 @pytest.fixture(autouse=True)
 def no_rescue(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -125,27 +152,6 @@ def test_an_exception_inside_releases() -> None:
 
 def test_another_thread_waits_while_an_action_calls_back() -> None:
     """A Tracker action that calls back is re-entry (queued, no wait); another thread's call waits for the step."""
-    spec = kvfsm.parse(
-        """
-kvfsm: 1
-machine: callback
-key: id
-states:
-  a: {initial: true, waits: local}
-  b: {waits: local}
-  c: {final: success}
-  failed: {final: failure}
-transitions:
-  - {event: go, from: a, to: b, do: work}
-  - {event: end, from: b, to: c}
-  - {event: fail, from: [a, b], to: failed}
-  - {event: abort, from: [a, b], to: failed}
-ignore:
-  - {event: [fail, abort], in: [c, failed]}
-on_error: fail
-""",
-        "callback.yaml",
-    )
     seen: list[str | None] = []
     entered = threading.Event()
     proceed = threading.Event()
@@ -161,7 +167,7 @@ on_error: fail
                 seen.append(self.tracker.state("y"))  # a query answers at once
 
     driver = Driver()
-    tracker = kvfsm.Tracker(spec, driver)
+    tracker = kvfsm.Tracker(SPEC, driver)
     driver.tracker = tracker
     tracker.begin("x")
     tracker.begin("y")
@@ -192,22 +198,6 @@ on_error: fail
 
 def test_callbacks_outside_a_step_may_call_back_without_deadlock() -> None:
     """on_anomaly and log handlers run under the lock but outside any step: their calls re-enter, they do not wait."""
-    spec = kvfsm.parse(
-        """
-kvfsm: 1
-machine: quiet
-key: id
-states:
-  a: {initial: true, waits: local}
-  done: {final: success}
-transitions:
-  - {event: go, from: a, to: done}
-  - {event: abort, from: a, to: done}
-ignore:
-  - {event: abort, in: [done]}
-""",
-        "quiet.yaml",
-    )
     answers: list[str | None] = []
     tracker: kvfsm.Tracker
 
@@ -218,7 +208,7 @@ ignore:
         def emit(self, record: logging.LogRecord) -> None:
             answers.append(str(tracker.live()))
 
-    tracker = kvfsm.Tracker(spec, object(), on_anomaly=on_anomaly)
+    tracker = kvfsm.Tracker(SPEC, Idle(), on_anomaly=on_anomaly)
     tracker.begin("x")
     handler = Handler()
     logging.getLogger("kvfsm.anomalies").addHandler(handler)
