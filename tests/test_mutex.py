@@ -1,17 +1,22 @@
-"""The Tracker's lock: mutual exclusion, re-entry by its owner, and no lost wakeup.
+"""The Tracker's lock: mutual exclusion, re-entry by its owner, handover to waiters, and no lost wakeup.
 
-The wakeup tests raise ``RECHECK`` to a minute, so a waiter that missed its
-notify would sleep past the join timeout and fail the test instead of being
-rescued by the bounded wait.
+Every test raises ``RECHECK`` to a minute, so a waiter that missed its
+handover would sleep past the join timeout and fail the test instead of being
+rescued by the bounded wait. Threads are daemons: one left blocked fails its
+test instead of hanging the run.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
+import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -65,13 +70,27 @@ def fast_switching() -> Iterator[None]:
         sys.setswitchinterval(interval)
 
 
-def run_threads(count: int, target: object) -> None:
-    threads = [threading.Thread(target=target) for _ in range(count)]  # type: ignore[arg-type]
-    for thread in threads:
-        thread.start()
+def start(target: Callable[[], object]) -> threading.Thread:
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread
+
+
+def join(*threads: threading.Thread) -> None:
     for thread in threads:
         thread.join(JOIN)
-    assert not any(thread.is_alive() for thread in threads), "a thread is still blocked: a wakeup was lost"
+    assert not any(thread.is_alive() for thread in threads), "a thread is still blocked: a handover was lost"
+
+
+def run_threads(count: int, target: Callable[[], object]) -> None:
+    join(*[start(target) for _ in range(count)])
+
+
+def wait_for_waiters(mutex: Mutex, count: int) -> None:
+    deadline = time.monotonic() + JOIN
+    while mutex.waiters < count and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert mutex.waiters == count
 
 
 def test_excludes_other_threads(fast_switching: None) -> None:
@@ -107,15 +126,11 @@ def test_a_blocked_waiter_is_woken_by_the_release() -> None:
             got.set()
 
     with mutex:
-        thread = threading.Thread(target=waiter)
-        thread.start()
-        deadline = time.monotonic() + JOIN
-        while mutex.waiters == 0 and time.monotonic() < deadline:
-            time.sleep(0.001)
-        assert mutex.waiters == 1
+        thread = start(waiter)
+        wait_for_waiters(mutex, 1)
         assert not got.is_set()
-    assert got.wait(JOIN), "the waiter was not woken by the release"
-    thread.join(JOIN)
+    assert got.wait(JOIN), "the waiter was not handed the lock by the release"
+    join(thread)
     assert mutex.waiters == 0
     assert not mutex.locked()
 
@@ -144,10 +159,9 @@ def test_an_exception_inside_releases() -> None:
         with mutex:
             done.set()
 
-    thread = threading.Thread(target=other)
-    thread.start()
+    thread = start(other)
     assert done.wait(JOIN)
-    thread.join(JOIN)
+    join(thread)
 
 
 def test_another_thread_waits_while_an_action_calls_back() -> None:
@@ -179,19 +193,14 @@ def test_another_thread_waits_while_an_action_calls_back() -> None:
     def second() -> None:
         results["y"] = tracker.fire("y", "go")
 
-    one = threading.Thread(target=first)
-    one.start()
+    one = start(first)
     assert entered.wait(JOIN)
-    two = threading.Thread(target=second)
-    two.start()
-    deadline = time.monotonic() + JOIN
-    while tracker._mutex is not None and tracker._mutex.waiters == 0 and time.monotonic() < deadline:
-        time.sleep(0.001)
+    two = start(second)
+    assert tracker._mutex is not None
+    wait_for_waiters(tracker._mutex, 1)
     assert "y" not in results, "another thread ran a step while an action of this one was running"
     proceed.set()
-    one.join(JOIN)
-    two.join(JOIN)
-    assert not one.is_alive() and not two.is_alive()
+    join(one, two)
     assert seen == [None, "a"]
     assert results == {"x": "c", "y": "b"}
 
@@ -202,7 +211,7 @@ def test_callbacks_outside_a_step_may_call_back_without_deadlock() -> None:
     tracker: kvfsm.Tracker
 
     def on_anomaly(anomaly: kvfsm.Anomaly) -> None:
-        answers.append(tracker.state("x"))
+        answers.append(str(tracker.census()["a"]))
 
     class Handler(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
@@ -213,12 +222,107 @@ def test_callbacks_outside_a_step_may_call_back_without_deadlock() -> None:
     handler = Handler()
     logging.getLogger("kvfsm.anomalies").addHandler(handler)
     try:
-        thread = threading.Thread(target=lambda: tracker.fire("nobody", "go"))
-        thread.start()
-        thread.join(JOIN)
-        assert not thread.is_alive(), "a callback's call waited for the lock its own thread holds"
+        join(start(lambda: tracker.fire("nobody", "go")))
     finally:
         logging.getLogger("kvfsm.anomalies").removeHandler(handler)
-    assert answers == ["1", "a"]
+    assert answers == ["1", "1"]
     assert tracker.counts["unknown"] == 1
     assert tracker._mutex is not None and not tracker._mutex.locked()
+
+
+def test_a_release_hands_the_lock_to_the_waiter_before_the_releasing_thread_can_take_it_again() -> None:
+    """As with RLock: a thread that releases and at once asks again queues behind the thread already waiting."""
+    mutex = Mutex()
+    order: list[str] = []
+
+    def waiter() -> None:
+        with mutex:
+            order.append("waiter")
+
+    with mutex:
+        thread = start(waiter)
+        wait_for_waiters(mutex, 1)
+    with mutex:  # asked again at once, with the GIL still held: the token was handed over already
+        order.append("releaser")
+    join(thread)
+    assert order == ["waiter", "releaser"]
+
+
+def test_a_waiter_interrupted_by_an_exception_leaves_nothing_behind() -> None:
+    """A KeyboardInterrupt (here: any exception from a signal handler) while waiting: no ticket, no token lost."""
+    mutex = Mutex()
+    release = threading.Event()
+
+    def holder() -> None:
+        with mutex:
+            assert release.wait(JOIN)
+
+    thread = start(holder)
+    wait_for_locked(mutex)
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise TimeoutError("interrupted while waiting")
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        with pytest.raises(TimeoutError), mutex:
+            pytest.fail("the lock was taken while another thread held it")
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert mutex.waiters == 0
+    release.set()
+    join(thread)
+    assert not mutex.locked(), "the token was lost with the interrupted waiter"
+    with mutex:
+        pass
+
+
+def wait_for_locked(mutex: Mutex) -> None:
+    deadline = time.monotonic() + JOIN
+    while not mutex.locked() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert mutex.locked()
+
+
+def test_collector_finalizers_that_call_the_tracker_never_deadlock(fast_switching: None) -> None:
+    """A finalizer runs on whichever thread allocates when the collector triggers, inside any tracker call:
+    one that calls back must re-enter (holder) or wait its turn (waiter), never wait for itself."""
+    tracker = kvfsm.Tracker(SPEC, Idle())
+    threshold = gc.get_threshold()
+
+    class Request:  # aborts its instance when collected: a reference cycle, freed only by the collector
+        def __init__(self, key: object) -> None:
+            self.me = self
+            weakref.finalize(self, tracker.fire, key, "abort")
+
+    errors: list[BaseException] = []
+
+    def worker(name: str) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                for i in range(1_500):
+                    key = (name, i)
+                    tracker.begin(key)
+                    Request(key)
+                    with contextlib.suppress(kvfsm.IllegalTransition):  # aborted by a finalizer already
+                        tracker.fire(key, "go")
+                    tracker.census()  # a 'with' method
+                    if i % 100 == 0:
+                        tracker.finished()
+            except BaseException as exc:
+                errors.append(exc)
+
+        return run
+
+    gc.set_threshold(20)
+    try:
+        join(*[start(worker(name)) for name in "abc"])
+    finally:
+        gc.set_threshold(*threshold)
+    gc.collect()
+    assert errors == []
+    assert tracker.counts["ignored"] + tracker.census()["failed"] > 0, "no finalizer ran"
+    assert tracker._mutex is not None and not tracker._mutex.locked()
+    assert tracker._mutex.waiters == 0

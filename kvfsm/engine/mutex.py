@@ -5,27 +5,31 @@ acquire and release cost 65–75 ns on CPython 3.11, a quarter of what a
 hand-written tracker spends on a whole ``fire``, and the Tracker takes its
 lock once per call. This lock is a single token in a deque:
 
-- a thread takes the lock by popping the token (atomic) and gives it back by
-  appending it; while the token is out, others wait on a condition;
-- the holder records itself as ``owner`` (:meth:`claim`) before it runs
-  anything that could call back into the tracker (a driver action, the
-  observer, ``on_anomaly``, a log handler);
-  taking the token alone does not, which keeps ``begin``'s plain path free of
-  a ``get_ident()`` call;
-- a thread that finds the token out and itself recorded as ``owner`` holds
-  the lock already (an action calling back): it goes on at once, and its
-  inner exit does not give the token back.
+- a thread takes the lock by popping the token (atomic) and records itself
+  as ``owner``; it gives the lock back by clearing ``owner`` and appending
+  the token;
+- a thread that finds itself recorded as ``owner`` holds the lock already (a
+  driver action or a collector finalizer calling back): it goes on at once,
+  and its inner exit does not give the token back;
+- a thread that finds the token out waits on a ticket of its own, queued
+  oldest first, and a release hands the token straight to the oldest ticket:
+  as with ``RLock``, the releasing thread cannot take the lock back before a
+  waiter runs, so a busy thread cannot starve the others.
 
 ``Tracker.begin`` and ``Tracker.fire`` inline taking and giving back (a
 method call costs what the lock saves); every other method holds the lock
-with ``with``, which records the owner at once.
+with ``with``.
 
-No wakeup is lost: a waiter counts itself in ``waiters``, under the
-condition's lock, before it tries for the token, and a releaser puts the
-token back before it reads ``waiters``; so either the waiter finds the token
-or the releaser finds the waiter and notifies it under that same lock. Each
-wait is bounded all the same (``RECHECK``), so that a memory model weaker than
-the GIL's could delay a waiter but never strand it.
+No wakeup is lost: a waiter queues its ticket under ``_guard`` only after it
+found the token out, and a releaser appends the token before it reads
+``waiters``; so either the waiter finds the token, or the releaser finds the
+waiter and hands the token over under ``_guard``. Each wait is bounded all the
+same (``RECHECK``), so that a memory model weaker than the GIL's could delay
+a waiter, never strand it.
+
+Like every lock taken by Python code, an asynchronous exception (a
+``KeyboardInterrupt``) that lands between taking the token and recording the
+owner leaves the lock taken; a signal handler must not call the tracker.
 """
 
 from __future__ import annotations
@@ -33,50 +37,73 @@ from __future__ import annotations
 import threading
 from collections import deque
 from threading import get_ident
+from typing import Any
 
-RECHECK = 0.05
-"""Seconds a contended waiter sleeps before it looks at the token again without being woken."""
+RECHECK = 0.5
+"""Seconds a waiter blocks before it looks at the token again without being handed it."""
 
 
 class Mutex:
     """A re-entrant lock held with ``with`` (``Tracker.begin`` and ``fire`` inline the same steps)."""
 
-    __slots__ = ("tokens", "owner", "waiters", "_depth", "_cond")
+    __slots__ = ("tokens", "owner", "waiters", "_depth", "_guard", "_queue")
 
     def __init__(self) -> None:
         self.tokens: deque[None] = deque((None,))
         """Holds the one token while the lock is free."""
         self.owner = 0
-        """``get_ident()`` of the holder once it has recorded itself; 0 before that and while the lock is free."""
+        """``get_ident()`` of the thread holding the lock; 0 while it is free."""
         self.waiters = 0
-        """Threads blocked in :meth:`wait`: a release that sees some wakes one."""
+        """Tickets queued: a release that sees some hands the token over."""
         self._depth = 0
         """``with`` blocks the owner opened while it already held the lock (only the owner touches it)."""
-        self._cond = threading.Condition(threading.Lock())
-
-    def claim(self) -> None:
-        """Record the calling thread, which holds the token, as owner: before it runs code that may call back."""
-        self.owner = get_ident()
+        self._guard = threading.Lock()
+        """Guards the queue of tickets; held for a few steps at a time, never while blocking."""
+        self._queue: deque[Any] = deque()
+        """A locked ticket per waiting thread, oldest first; a handover unlocks one."""
 
     def wait(self) -> None:
-        """Block until the token is back, and take it."""
-        with self._cond:
+        """Block until the token is ours: found in the deque, or handed over by a release."""
+        ticket = threading.Lock()  # made before _guard is held: allocating may run the collector
+        ticket.acquire()
+        with self._guard:
+            if self._take():
+                return
+            self._queue.append(ticket)
             self.waiters += 1
-            try:
-                while True:
-                    try:
-                        self.tokens.pop()
-                    except IndexError:
-                        self._cond.wait(RECHECK)
-                    else:
+        try:
+            while not ticket.acquire(timeout=RECHECK):
+                with self._guard:
+                    if ticket in self._queue and self._take():  # back in the deque, never handed over
+                        self._queue.remove(ticket)
+                        self.waiters -= 1
                         return
-            finally:
-                self.waiters -= 1
+        except BaseException:
+            with self._guard:
+                if ticket in self._queue:
+                    self._queue.remove(ticket)
+                    self.waiters -= 1
+                    raise
+            self._release()  # handed over meanwhile: the token is ours to pass on
+            raise
 
-    def wake(self) -> None:
-        """Wake one waiter (the token is back)."""
-        with self._cond:
-            self._cond.notify()
+    def _take(self) -> bool:
+        """Pop the token if it is there. Runs under ``_guard``, where nothing may allocate (a collector
+        finalizer calling back would wait for ``_guard`` forever): so a look first, not a raised IndexError."""
+        if not self.tokens:
+            return False
+        try:
+            self.tokens.pop()
+        except IndexError:  # a thread that does not wait won the race for it (possible only without a GIL)
+            return False
+        return True
+
+    def hand_over(self) -> None:
+        """Give the token, just put back, to the oldest waiter: the releasing thread cannot take it again first."""
+        with self._guard:
+            if self._queue and self._take():
+                self.waiters -= 1
+                self._queue.popleft().release()
 
     def locked(self) -> bool:
         """Whether some thread holds the lock (a snapshot, for tests and diagnostics)."""
@@ -96,8 +123,11 @@ class Mutex:
     def __exit__(self, kind: object, value: object, traceback: object) -> None:
         if self._depth:
             self._depth -= 1
-            return
+        else:
+            self._release()
+
+    def _release(self) -> None:
         self.owner = 0
         self.tokens.append(None)
         if self.waiters:
-            self.wake()
+            self.hand_over()

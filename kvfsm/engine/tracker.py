@@ -154,9 +154,7 @@ class Tracker:
         the spec's; ``spaces`` declares the id spaces that :meth:`link` and
         :meth:`fire_by` accept besides the spec's key. ``threadsafe=False``
         skips the lock every call takes (about 50 ns a call here, a seventh of
-        a ``fire``): only for a tracker that one thread alone ever calls. The
-        clock, a key's ``__hash__`` and ``__eq__``, and taps must not call the
-        tracker (an action, the observer and ``on_anomaly`` may: see above).
+        a ``fire``): only for a tracker that one thread alone ever calls.
         """
         if not isinstance(spec, Spec):
             spec = load(spec)
@@ -233,16 +231,16 @@ class Tracker:
         then held).
         """
         mutex = self._mutex
-        if mutex is not None:  # take the lock (see Mutex), inlined
-            if mutex.tokens:
+        if mutex is not None:  # Mutex.__enter__, inlined
+            me = get_ident()
+            if mutex.owner == me:
+                mutex = None  # this thread holds it already (poll's steps, an action calling back): not ours to give back
+            else:
                 try:
                     mutex.tokens.pop()
-                except IndexError:  # another thread took it between the look and the pop
+                except IndexError:
                     mutex.wait()
-            elif mutex.owner == get_ident():
-                mutex = None  # this thread holds it already (poll's steps, an action calling back): not ours to release
-            else:
-                mutex.wait()
+                mutex.owner = me
         try:
             if self._busy:
                 self._enqueue(key, _BEGIN, payload)
@@ -259,11 +257,11 @@ class Tracker:
                 return
             self._run(partial(self._begin, key, payload))  # partial, not a lambda: a closure slows the path above
         finally:
-            if mutex is not None:  # give it back, inlined
+            if mutex is not None:  # Mutex.__exit__, inlined
                 mutex.owner = 0
                 mutex.tokens.append(None)
                 if mutex.waiters:
-                    mutex.wake()
+                    mutex.hand_over()
 
     def _settle_begin(self) -> None:
         """Decide, once per change of what begin runs, whether it can take the plain path (nothing that calls back)."""
@@ -284,16 +282,16 @@ class Tracker:
         is complete.
         """
         mutex = self._mutex
-        if mutex is not None:  # take the lock (see Mutex), inlined
-            if mutex.tokens:
+        if mutex is not None:  # Mutex.__enter__, inlined
+            me = get_ident()
+            if mutex.owner == me:
+                mutex = None  # this thread holds it already (poll's steps, an action calling back): not ours to give back
+            else:
                 try:
                     mutex.tokens.pop()
-                except IndexError:  # another thread took it between the look and the pop
+                except IndexError:
                     mutex.wait()
-            elif mutex.owner == get_ident():
-                mutex = None  # this thread holds it already (poll's steps, an action calling back): not ours to release
-            else:
-                mutex.wait()
+                mutex.owner = me
         try:
             if self._busy:
                 self._enqueue(key, event, payload)
@@ -315,8 +313,6 @@ class Tracker:
             # _fire_inner): do and acquires; the state change, deadlines and releases; on_error if an
             # action before the change raised.
             self._busy = True
-            if mutex is not None:
-                mutex.owner = get_ident()  # Mutex.claim, inlined: before any action runs (one calling back re-enters)
             try:
                 for action in edge.before:
                     try:
@@ -353,11 +349,11 @@ class Tracker:
                 self._raise_failures(target.name)
             return target.name
         finally:
-            if mutex is not None:  # give it back, inlined
+            if mutex is not None:  # Mutex.__exit__, inlined
                 mutex.owner = 0
                 mutex.tokens.append(None)
                 if mutex.waiters:
-                    mutex.wake()
+                    mutex.hand_over()
 
     def begin_many(self, keys: Iterable[Hashable], /, **payload: Any) -> None:
         """:meth:`begin` for every key, under one lock, each acquire called once for the batch (see :meth:`fire_many`).
@@ -794,8 +790,6 @@ class Tracker:
         the :class:`ActionError` carries.
         """
         self._busy = True
-        if self._mutex is not None:
-            self._mutex.claim()  # before any action runs: one that calls back is seen as re-entry
         try:
             work()
             if self._queue:
@@ -1196,8 +1190,6 @@ class Tracker:
         count = self.counts[kind] = self.counts[kind] + 1
         anomaly = Anomaly(kind, space, _bounded(ident), _bounded(event))
         self._anomalies.append(anomaly)
-        if self._mutex is not None:
-            self._mutex.claim()  # a log handler or on_anomaly may call back
         if count <= 10 or count % 1000 == 0:  # rate-limited: the first few, then every thousandth
             LOGGER.warning(
                 "%s: %s %s for %s=%r dropped (%d so far)", self.spec.name, kind, event, space, anomaly.id, count
