@@ -234,7 +234,7 @@ class Tracker:
         if mutex is not None:  # Mutex.__enter__, inlined
             me = get_ident()
             if mutex.owner == me:
-                mutex = None  # this thread holds it already (poll's steps, an action calling back): not ours to give back
+                mutex = None  # held by this thread already (poll's steps, an action calling back): not ours
             else:
                 try:
                     mutex.tokens.pop()
@@ -285,7 +285,7 @@ class Tracker:
         if mutex is not None:  # Mutex.__enter__, inlined
             me = get_ident()
             if mutex.owner == me:
-                mutex = None  # this thread holds it already (poll's steps, an action calling back): not ours to give back
+                mutex = None  # held by this thread already (poll's steps, an action calling back): not ours
             else:
                 try:
                     mutex.tokens.pop()
