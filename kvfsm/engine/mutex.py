@@ -84,7 +84,7 @@ class Mutex:
                     self._queue.remove(ticket)
                     self.waiters -= 1
                     raise
-            self._release()  # handed over meanwhile: the token is ours to pass on
+            self.__exit__(None, None, None)  # handed over meanwhile: the token is ours to pass on
             raise
 
     def _take(self) -> bool:
@@ -123,10 +123,7 @@ class Mutex:
     def __exit__(self, kind: object, value: object, traceback: object) -> None:
         if self._depth:
             self._depth -= 1
-        else:
-            self._release()
-
-    def _release(self) -> None:
+            return
         self.owner = 0
         self.tokens.append(None)
         if self.waiters:
