@@ -55,7 +55,7 @@ class CEdge:
 
     __slots__ = (
         "acquire_fns", "acquires", "bare", "batch_acquires", "batch_do", "batch_releases", "before", "do", "do_name",
-        "event", "links", "prepare", "release_fns", "releases", "source", "target",
+        "event", "links", "release_fns", "releases", "source", "target",
     )  # fmt: skip
 
     def __init__(
@@ -86,9 +86,7 @@ class CEdge:
         """What runs before the state changes, in order (the do, then the acquires): ``fire``'s first loop.
         Each is a distinct object, so that the one that raised is known by identity."""
         self.release_fns = tuple(fn for _name, fn in self.releases)
-        self.prepare = do is not None or bool(acquires)
-        """Whether anything runs (and can raise) before the state changes."""
-        self.bare = self if not self.prepare else CEdge(event, source, target, None, None, (), self.releases)
+        self.bare = self if not self.before else CEdge(event, source, target, None, None, (), self.releases)
         """This edge without the actions that can raise: how on_error is taken when its own action fails."""
 
     def add_tap(self, tap: Callable[[Hashable], object]) -> None:

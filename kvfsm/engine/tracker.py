@@ -832,7 +832,7 @@ class Tracker:
         Keys an action failed for leave the batch there: their earlier
         acquires are undone and on_error fires for each, as in ``fire``.
         """
-        if edge.prepare:
+        if edge.before:  # anything that can raise before the state changes
             if edge.batch_do is not None:
                 keys = self._prepare_many(keys, source, edge, edge.batch_do, edge.do_name or "", "do", -1, payload)
             for done, acquire in enumerate(edge.batch_acquires):
