@@ -215,7 +215,8 @@ class Tracker:
         self._anomalies: deque[Anomaly] = deque(maxlen=ANOMALY_LIMIT)
         if observer is not None:  # compiled into every transition, after its releases: the step has no check
             for edge in self._program.edges():
-                edge.add_tap(partial(self._notify_step, edge))
+                source = edge.source.name if edge.source is not None else ""
+                edge.add_tap(partial(self._notify, event=edge.event, source=source, target=edge.target.name))
         self._settle_begin()
 
     # -- lifecycle ---------------------------------------------------------
@@ -937,10 +938,6 @@ class Tracker:
             tap(key)
         if self._observer is not None:
             self._notify(key, "begin", "", target.name)
-
-    def _notify_step(self, edge: CEdge, key: Hashable) -> None:
-        """The observer as a tap of ``edge`` (see ``__init__``)."""
-        self._notify(key, edge.event, edge.source.name if edge.source is not None else "", edge.target.name)
 
     def _notify(self, key: Hashable, event: str, source: str, target: str) -> None:
         """Tell the observer; one that raises is reported like a failed action and changes nothing."""
