@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..drivers.cpu_offload import LOAD_SPEC, STORE_SPEC, CpuOffload
-from ..drivers.kv_cache import BlockCopier, Copier, Copy
+from ..drivers.kv_cache import BlockCopier, Copier, Copy, KVCache
 from ..engine import Tracker
 from ..errors import ActionError
 from .vllm_api import (
@@ -444,11 +444,26 @@ class CpuOffloadWorker:
     def __init__(self, offload: CpuOffload, copier: Copier | None = None) -> None:
         self.gpu_cache = offload.gpu_cache
         self.cpu_cache = offload.cpu_cache
+        self.num_cpu_blocks = offload.cpu_pool.num_blocks
         self.copier: Copier = copier if copier is not None else BlockCopier()
         self._meta: CpuOffloadMetadata | None = None
         self._jobs: dict[int, str] = {}
         """Copies submitted and not yet over: job id -> 'load' or 'store'."""
         self._report = CpuOffloadWorkerMeta()
+
+    def attach(self, gpu_cache: KVCache) -> None:
+        """Copy to and from ``gpu_cache``, the engine's own KV cache, with a CPU tier of the same per-block shape."""
+        self.gpu_cache = gpu_cache
+        pinned = gpu_cache.device.type == "cuda"
+        self.cpu_cache = KVCache.like(gpu_cache, self.num_cpu_blocks, "cpu", pin_memory=pinned)
+
+    def _caches(self) -> tuple[KVCache, KVCache]:
+        if self.gpu_cache.device.type == "meta":
+            raise RuntimeError(
+                "the worker has no KV cache to copy: the engine must register its cache first "
+                "(vLLM calls register_kv_caches before the first step)"
+            )
+        return self.gpu_cache, self.cpu_cache
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         if not isinstance(connector_metadata, CpuOffloadMetadata):
@@ -461,8 +476,9 @@ class CpuOffloadWorker:
     def start_load_kv(self, forward_context: object, **kwargs: Any) -> None:
         """Start this step's loads. They are async: vLLM keeps each request waiting until it is reported."""
         for job in self._meta.loads if self._meta else ():
+            gpu, cpu = self._caches()
             self._jobs[job.job_id] = "load"
-            self.copier.submit(Copy(job.job_id, self.cpu_cache, job.src_blocks, self.gpu_cache, job.dst_blocks))
+            self.copier.submit(Copy(job.job_id, cpu, job.src_blocks, gpu, job.dst_blocks))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Nothing to wait for: a request runs only after its whole load is reported."""
@@ -473,8 +489,9 @@ class CpuOffloadWorker:
     def wait_for_save(self) -> None:
         """Start this step's stores (blocks of requests that finished, which no forward writes any more)."""
         for job in self._meta.stores if self._meta else ():
+            gpu, cpu = self._caches()
             self._jobs[job.job_id] = "store"
-            self.copier.submit(Copy(job.job_id, self.gpu_cache, job.src_blocks, self.cpu_cache, job.dst_blocks))
+            self.copier.submit(Copy(job.job_id, gpu, job.src_blocks, cpu, job.dst_blocks))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Collect the copies that are over (by job id, for the scheduler half); ``(None, None)`` to vLLM.

@@ -136,7 +136,10 @@ class CpuOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = self._scheduler_half(BlockPool(self.num_gpu_blocks))
         else:
-            self._worker = CpuOffloadWorker(CpuOffload(self.layout, self.num_gpu_blocks, self.settings.num_cpu_blocks))
+            # No bytes until vLLM registers its KV cache: the worker copies into vLLM's tensors, never its own.
+            self._worker = CpuOffloadWorker(
+                CpuOffload(self.layout, self.num_gpu_blocks, self.settings.num_cpu_blocks, device="meta")
+            )
 
     def _scheduler_half(self, gpu_pool: BlockPool) -> CpuOffloadScheduler:
         """Bookkeeping only: the bytes live in the worker, so the scheduler's caches are on the meta device."""
@@ -201,20 +204,32 @@ class CpuOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         """One KV-cache group (the constructor refuses more), so this is :meth:`request_finished`."""
         return self.request_finished(request, block_ids[0])
 
+    def has_pending_push_work(self) -> bool:
+        """Keep the engine stepping while a store still holds vLLM's blocks (vLLM's OffloadingConnector does the
+        same): otherwise a store planned by the last request's finish would wait for the next request, and
+        ``reset_prefix_cache()`` would find its blocks still referenced."""
+        return self.scheduler_half.stores.live() > 0
+
     def shutdown(self) -> None:
         if self._scheduler is not None:
             self._scheduler.shutdown()
 
     # -- worker side ------------------------------------------------------------------
 
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Copy into vLLM's own per-layer caches (what vLLM 0.32 and 0.33 register), in its backend's layout.
+
+        The CPU tier is allocated here, one tensor per layer shaped like
+        vLLM's, in pinned memory when vLLM's cache is on a GPU.
+        """
+        self.worker_half.attach(KVCache.of_layers(list(kv_caches.values()), self.num_gpu_blocks, self.layout))
+
     def register_cross_layers_kv_cache(self, kv_cache: torch.Tensor, attn_backend: Any = None) -> None:
-        """Copy into vLLM's own cache when it is one block-major tensor, as loads and stores then need no staging."""
+        """Copy into vLLM's own cache when it is one block-major tensor (``(blocks, layers, block_size, heads, head)``)."""
         cache = KVCache.wrap(kv_cache)
-        if cache.layout != self.worker_half.cpu_cache.layout:
-            raise ValueError(
-                f"vLLM's KV cache has layout {cache.layout}, the CPU cache {self.worker_half.cpu_cache.layout}"
-            )
-        self.worker_half.gpu_cache = cache
+        if cache.layout != self.layout:
+            raise ValueError(f"vLLM's KV cache has layout {cache.layout}, the KV-cache config says {self.layout}")
+        self.worker_half.attach(cache)
 
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
         super().bind_connector_metadata(connector_metadata)

@@ -1,11 +1,13 @@
 """KV caches as torch tensors shaped like vLLM's, and batched block copies between them.
 
-A cache is stored block-major — ``(blocks, layers, block_size, heads, head_size)``,
-vLLM's cross-layer layout — and exposed layer-major through :attr:`KVCache.layers`,
-a ``(layers, blocks, block_size, heads, head_size)`` view, which is what an
-attention layer indexes. Block-major storage makes one block one contiguous
-run of bytes, so moving ``n`` blocks is ``n`` large memcpys issued by a single
-batched call instead of ``layers × n`` small ones.
+A cache kvfsm allocates is stored block-major — ``(blocks, layers, block_size,
+heads, head_size)``, vLLM's cross-layer layout — and exposed layer-major
+through :attr:`KVCache.layers`. Block-major storage makes one block one
+contiguous run of bytes, so moving ``n`` blocks is ``n`` large memcpys issued
+by a single batched call instead of ``layers × n`` small ones. vLLM's own
+cache, one tensor per layer, is adopted as it is (:meth:`KVCache.of_layers`):
+a connector must read and write the tensors the model attends over, never a
+copy of them.
 """
 
 from __future__ import annotations
@@ -43,28 +45,40 @@ class KVLayout:
 
 
 class KVCache:
-    """``num_blocks`` KV blocks on one device; block ids are the ones a :class:`BlockPool` hands out."""
+    """``num_blocks`` KV blocks on one device; block ids are the ones a :class:`BlockPool` hands out.
 
-    __slots__ = ("_rows", "device", "layout", "num_blocks", "storage")
+    The bytes are one or more *parts*, tensors whose dim 0 indexes blocks. A
+    cache kvfsm allocates is one block-major part; vLLM's own cache, adopted
+    with :meth:`of_layers`, is one part per attention layer, in whatever
+    layout vLLM's attention backend chose. A copy moves block ``b`` of every
+    part, so it never needs to know the layout inside a block.
+    """
+
+    __slots__ = ("_rows", "device", "layout", "num_blocks", "parts")
 
     def __init__(
         self, layout: KVLayout, num_blocks: int, device: str | torch.device = "cpu", *, pin_memory: bool = False
     ) -> None:
         """``pin_memory`` page-locks a CPU cache so CUDA copies to and from it are asynchronous DMA."""
+        shape = (num_blocks, layout.num_layers, layout.block_size, layout.num_kv_heads, layout.head_size)
+        storage = torch.zeros(shape, dtype=layout.dtype, device=torch.device(device), pin_memory=pin_memory)
+        self._adopt(layout, num_blocks, (storage,))
+
+    def _adopt(self, layout: KVLayout, num_blocks: int, parts: tuple[torch.Tensor, ...]) -> None:
         self.layout = layout
         self.num_blocks = num_blocks
-        self.device = torch.device(device)
-        shape = (num_blocks, layout.num_layers, layout.block_size, layout.num_kv_heads, layout.head_size)
-        self.storage = torch.zeros(shape, dtype=layout.dtype, device=self.device, pin_memory=pin_memory)
-        self._rows: tuple[torch.Tensor, ...] = self.storage.view(num_blocks, -1).unbind(0)
-        """One flat view per block, made once, so a copy never builds views block by block."""
+        self.parts = parts
+        self.device = parts[0].device
+        # One view per block, made once, so a copy never builds views block by block; for vLLM's
+        # per-layer caches (many parts, perhaps 10^5 blocks) they are made per copy instead.
+        self._rows: tuple[torch.Tensor, ...] | None = parts[0].unbind(0) if len(parts) == 1 else None
 
     @classmethod
     def wrap(cls, storage: torch.Tensor) -> KVCache:
         """Adopt an existing block-major cache ``(blocks, layers, block_size, heads, head_size)``.
 
-        This is how a worker uses the KV cache vLLM allocated (its cross-layer
-        layout, ``register_cross_layers_kv_cache``) instead of a copy.
+        This is how a worker uses the KV cache vLLM allocated in its cross-layer
+        layout (``register_cross_layers_kv_cache``) instead of a copy.
         """
         if storage.dim() != 5 or not storage.is_contiguous():
             raise ValueError(
@@ -73,12 +87,65 @@ class KVCache:
             )
         blocks, layers, block_size, heads, head_size = storage.shape
         cache = cls.__new__(cls)
-        cache.layout = KVLayout(layers, block_size, heads, head_size, storage.dtype)
-        cache.num_blocks = blocks
-        cache.device = storage.device
-        cache.storage = storage
-        cache._rows = storage.view(blocks, -1).unbind(0)
+        cache._adopt(KVLayout(layers, block_size, heads, head_size, storage.dtype), blocks, (storage,))
         return cache
+
+    @classmethod
+    def of_layers(cls, tensors: Sequence[torch.Tensor], num_blocks: int, layout: KVLayout) -> KVCache:
+        """Adopt vLLM's per-layer caches (``register_kv_caches``) without copying: block ``b`` of the result is
+        block ``b`` of every layer.
+
+        Each tensor's block dimension is the one whose size is ``num_blocks``
+        (``[blocks, heads, block_size, 2*head]`` on vLLM's CPU backend,
+        ``[2, blocks, block_size, heads, head]`` for FlashAttention,
+        ``[blocks, block_size, latent]`` for MLA), or a multiple of it when the
+        attention kernel splits each block into smaller ones. ``layout`` is
+        what the connector was configured for; the tensors must hold exactly
+        ``layout.block_bytes`` per block between them.
+        """
+        if not tensors:
+            raise ValueError("vLLM registered no KV cache tensors")
+        parts = tuple(_block_major(t, num_blocks, i) for i, t in enumerate(tensors))
+        devices = {p.device for p in parts}
+        if len(devices) != 1:
+            raise ValueError(f"vLLM's KV cache tensors are on several devices ({sorted(map(str, devices))})")
+        held = sum(_part_block_bytes(p) for p in parts)
+        if held != layout.block_bytes:
+            raise ValueError(
+                f"vLLM's {len(parts)} KV cache tensors hold {held} B per block, but the KV-cache config describes "
+                f"{layout.block_bytes} B ({layout}); the connector and the engine disagree on the model"
+            )
+        cache = cls.__new__(cls)
+        cache._adopt(layout, num_blocks, parts)
+        return cache
+
+    @classmethod
+    def like(
+        cls, other: KVCache, num_blocks: int, device: str | torch.device = "cpu", *, pin_memory: bool = False
+    ) -> KVCache:
+        """A new zeroed cache of ``num_blocks`` blocks whose every block has ``other``'s parts and shapes (a CPU
+        tier for vLLM's cache, say), so blocks copy between the two one for one."""
+        parts = tuple(
+            torch.zeros((num_blocks, *p.shape[1:]), dtype=p.dtype, device=torch.device(device), pin_memory=pin_memory)
+            for p in other.parts
+        )
+        cache = cls.__new__(cls)
+        cache._adopt(other.layout, num_blocks, parts)
+        return cache
+
+    @property
+    def signature(self) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
+        """Each part's per-block shape and dtype: two caches whose signatures match copy blocks one for one."""
+        return tuple((tuple(p.shape[1:]), p.dtype) for p in self.parts)
+
+    @property
+    def storage(self) -> torch.Tensor:
+        """The block-major tensor ``(blocks, layers, block_size, heads, head_size)`` of a one-part cache."""
+        if len(self.parts) != 1:
+            raise AttributeError(
+                f"this cache is {len(self.parts)} per-layer tensors (vLLM's own); read blocks with block_bytes()"
+            )
+        return self.parts[0]
 
     @property
     def layers(self) -> torch.Tensor:
@@ -86,15 +153,44 @@ class KVCache:
         return self.storage.permute(1, 0, 2, 3, 4)
 
     def block(self, block: int) -> torch.Tensor:
-        """One block across all layers, ``(layers, block_size, heads, head_size)`` (a view)."""
+        """One block across all layers, ``(layers, block_size, heads, head_size)`` (a view; one-part caches)."""
         return self.storage[block]
 
+    def block_bytes(self, block: int) -> bytes:
+        """Block ``block``'s bytes in every part, in part order: what a test compares across caches and engines."""
+        return b"".join(
+            p[block].contiguous().cpu().view(torch.uint8).numpy().tobytes() for p in self.parts
+        )
+
     def rows(self, blocks: Sequence[int]) -> list[torch.Tensor]:
-        """Flat views of ``blocks``, gathered in C (``itemgetter``), not by a Python loop."""
+        """Views of ``blocks`` in every part, block by block, part by part; gathered in C for a one-part cache."""
         if not blocks:
             return []
-        picked = itemgetter(*blocks)(self._rows)
-        return [picked] if len(blocks) == 1 else list(picked)
+        if self._rows is not None:
+            picked = itemgetter(*blocks)(self._rows)
+            return [picked] if len(blocks) == 1 else list(picked)
+        return [p[b] for b in blocks for p in self.parts]
+
+
+def _block_major(tensor: torch.Tensor, num_blocks: int, index: int) -> torch.Tensor:
+    """A view of ``tensor`` with its block dimension first (kernel blocks of one block merged into it)."""
+    exact = [d for d, n in enumerate(tensor.shape) if n == num_blocks]
+    split = [d for d, n in enumerate(tensor.shape) if n > num_blocks and n % num_blocks == 0]
+    dims = exact or split
+    if len(dims) != 1:
+        raise ValueError(
+            f"cannot tell the block dimension of vLLM's KV cache tensor {index} (shape {tuple(tensor.shape)}, "
+            f"{num_blocks} blocks): {'several dimensions' if dims else 'no dimension'} fit"
+        )
+    d = dims[0]
+    part = tensor.movedim(d, 0)
+    if part.shape[0] != num_blocks:  # the kernel's blocks: block b is kernel blocks [b*r, (b+1)*r)
+        part = part.unflatten(0, (num_blocks, part.shape[0] // num_blocks))
+    return part
+
+
+def _part_block_bytes(part: torch.Tensor) -> int:
+    return part[0].numel() * part.element_size()
 
 
 def copy_blocks(
@@ -102,14 +198,14 @@ def copy_blocks(
 ) -> int:
     """Copy block ``src_blocks[i]`` of ``src`` into block ``dst_blocks[i]`` of ``dst``; returns the bytes moved.
 
-    One ``torch._foreach_copy_`` over per-block views: every block is one
-    contiguous memcpy (a DMA between devices), all issued by one call. A
+    One ``torch._foreach_copy_`` over per-block views: every block of every
+    part is one memcpy (a DMA between devices), all issued by one call. A
     gather (``index_select``) into a staging buffer and a scatter
     (``index_copy_``) would touch every byte twice; ``kvfsm.showcase.bench.offload``
     measures both against one contiguous ``copy_``.
     """
-    if src.layout != dst.layout:
-        raise ValueError(f"cannot copy between KV layouts {src.layout} and {dst.layout}")
+    if src.signature != dst.signature:
+        raise ValueError(f"cannot copy between KV layouts {src.layout} and {dst.layout} (parts {src.signature} and {dst.signature})")
     if len(src_blocks) != len(dst_blocks):
         raise ValueError(f"{len(src_blocks)} source blocks but {len(dst_blocks)} destination blocks")
     if not src_blocks:

@@ -196,6 +196,15 @@ def make_request(request_id: str, prompt: list[int], max_tokens: int, block_size
     )
 
 
+
+def engine_kv_caches(config: KVCacheConfig) -> dict[str, torch.Tensor]:
+    """Per-layer KV caches laid out as vLLM's CPU attention backend allocates them, ``[blocks, kv_heads,
+    block_size, 2 * head_size]``: what a real engine hands ``register_kv_caches``."""
+    group = config.kv_cache_groups[0]
+    spec = group.kv_cache_spec
+    shape = (config.num_blocks, spec.num_kv_heads, spec.block_size, 2 * spec.head_size)
+    return {name: torch.zeros(shape, dtype=spec.dtype) for name in group.layer_names}
+
 class Engine:
     """vLLM's Scheduler with a kvfsm connector, stepped with fake model outputs and checked after every step.
 
@@ -441,6 +450,7 @@ class RealEngine(Engine):
         self.connector = connector
         connector.set_clock(lambda: float(self.now))
         self._worker = CpuOffloadConnector(self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config)
+        self._worker.register_kv_caches(engine_kv_caches(self.kv_cache_config))
         self.copier = DelayedCopier(
             lambda: self.now,
             self.rng,
