@@ -222,7 +222,8 @@ class CpuOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         The CPU tier is allocated here, one tensor per layer shaped like
         vLLM's, in pinned memory when vLLM's cache is on a GPU.
         """
-        self.worker_half.attach(KVCache.of_layers(list(kv_caches.values()), self.num_gpu_blocks, self.layout))
+        placements = self._kv_cache_config.kv_cache_tensors
+        self.worker_half.attach(KVCache.of_layers(kv_caches, self.num_gpu_blocks, self.layout, placements))
 
     def register_cross_layers_kv_cache(self, kv_cache: torch.Tensor, attn_backend: Any = None) -> None:
         """Copy into vLLM's own cache when it is one block-major tensor (``(blocks, layers, block_size, heads, head)``)."""

@@ -12,7 +12,7 @@ copy of them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Protocol
@@ -91,29 +91,42 @@ class KVCache:
         return cache
 
     @classmethod
-    def of_layers(cls, tensors: Sequence[torch.Tensor], num_blocks: int, layout: KVLayout) -> KVCache:
-        """Adopt vLLM's per-layer caches (``register_kv_caches``) without copying: block ``b`` of the result is
-        block ``b`` of every layer.
+    def of_layers(
+        cls,
+        tensors: Mapping[str, torch.Tensor] | Sequence[torch.Tensor],
+        num_blocks: int,
+        layout: KVLayout,
+        placements: Sequence[Placement] = (),
+    ) -> KVCache:
+        """Adopt vLLM's own KV cache (``register_kv_caches``) without copying: block ``b`` of the result is block
+        ``b`` of every layer.
 
-        Each tensor's block dimension is the one whose size is ``num_blocks``
-        (``[blocks, heads, block_size, 2*head]`` on vLLM's CPU backend,
-        ``[2, blocks, block_size, heads, head]`` for FlashAttention,
-        ``[blocks, block_size, latent]`` for MLA), or a multiple of it when the
-        attention kernel splits each block into smaller ones. ``layout`` is
-        what the connector was configured for; the tensors must hold exactly
-        ``layout.block_bytes`` per block between them.
+        With ``placements`` (vLLM's ``KVCacheConfig.kv_cache_tensors``) the
+        blocks are read from vLLM's allocation as vLLM itself reads them: each
+        layer's region of its backing storage, ``num_blocks`` pages of
+        ``block_stride`` bytes (the whole packed block when blocks are
+        outermost), whatever shape the attention backend gives the tensor.
+        Without them, each tensor's block dimension is the one dimension whose
+        size is ``num_blocks``. Either way the cache must hold exactly
+        ``layout.block_bytes`` per block, the connector's view of the model.
         """
         if not tensors:
             raise ValueError("vLLM registered no KV cache tensors")
-        parts = tuple(_block_major(t, num_blocks, i) for i, t in enumerate(tensors))
+        if placements:
+            if not isinstance(tensors, Mapping):
+                raise TypeError("reading vLLM's placements needs the tensors by layer name")
+            parts = _placed_regions(tensors, num_blocks, placements)
+        else:
+            listed = list(tensors.values()) if isinstance(tensors, Mapping) else list(tensors)
+            parts = tuple(_block_major(t, num_blocks, i) for i, t in enumerate(listed))
         devices = {p.device for p in parts}
         if len(devices) != 1:
             raise ValueError(f"vLLM's KV cache tensors are on several devices ({sorted(map(str, devices))})")
         held = sum(_part_block_bytes(p) for p in parts)
         if held != layout.block_bytes:
             raise ValueError(
-                f"vLLM's {len(parts)} KV cache tensors hold {held} B per block, but the KV-cache config describes "
-                f"{layout.block_bytes} B ({layout}); the connector and the engine disagree on the model"
+                f"vLLM's KV cache holds {held} B per block in {len(parts)} tensors, but the KV-cache config "
+                f"describes {layout.block_bytes} B ({layout}); the connector and the engine disagree on the model"
             )
         cache = cls.__new__(cls)
         cache._adopt(layout, num_blocks, parts)
@@ -131,6 +144,34 @@ class KVCache:
         )
         cache = cls.__new__(cls)
         cache._adopt(other.layout, num_blocks, parts)
+        return cache
+
+    @classmethod
+    def over_rows(cls, rows: torch.Tensor, like: KVCache) -> KVCache:
+        """``rows``, a contiguous uint8 ``(blocks, block_bytes)`` tensor, seen as a cache with ``like``'s parts and
+        shapes (no copy): block ``b`` is row ``b``, ``like``'s parts end to end in part order.
+
+        Each block is then one run of bytes, what a store puts from and gets
+        into, while blocks still copy between ``like`` and the rows one for
+        one (:func:`copy_blocks`). Row ``b`` holds :meth:`block_bytes` of block ``b``.
+        """
+        if rows.dtype != torch.uint8 or rows.dim() != 2 or not rows.is_contiguous():
+            raise ValueError(
+                f"rows must be a contiguous uint8 (blocks, block_bytes) tensor, got {rows.dtype} {tuple(rows.shape)}"
+            )
+        sizes = [_part_block_bytes(p) for p in like.parts]
+        if sum(sizes) != rows.shape[1]:
+            raise ValueError(f"rows of {rows.shape[1]} B cannot hold blocks of {sum(sizes)} B ({like.signature})")
+        parts, offset = [], 0
+        for part, size in zip(like.parts, sizes, strict=True):
+            try:
+                typed = rows[:, offset : offset + size].view(part.dtype)
+            except RuntimeError as exc:  # a part of a wider dtype that would start at an unaligned byte
+                raise ValueError(f"a {part.dtype} part at byte {offset} of each row is not aligned: {exc}") from exc
+            parts.append(typed.unflatten(1, tuple(part.shape[1:])))  # type: ignore[no-untyped-call]
+            offset += size
+        cache = cls.__new__(cls)
+        cache._adopt(like.layout, rows.shape[0], tuple(parts))
         return cache
 
     @property
@@ -162,6 +203,13 @@ class KVCache:
             p[block].contiguous().cpu().view(torch.uint8).numpy().tobytes() for p in self.parts
         )
 
+    def poison(self, blocks: Sequence[int]) -> None:
+        """Overwrite ``blocks`` in every part with garbage (NaN, or all bits set): what a failed copy leaves."""
+        if blocks:
+            index = torch.tensor(list(blocks), device=self.device)
+            for p in self.parts:
+                p.index_fill_(0, index, float("nan") if p.is_floating_point() else torch.iinfo(p.dtype).max)
+
     def rows(self, blocks: Sequence[int]) -> list[torch.Tensor]:
         """Views of ``blocks`` in every part, block by block, part by part; gathered in C for a one-part cache."""
         if not blocks:
@@ -172,21 +220,58 @@ class KVCache:
         return [p[b] for b in blocks for p in self.parts]
 
 
+class Placement(Protocol):
+    """Where vLLM put a set of layers in its allocation (vLLM's ``KVCacheTensor``): layer ``l``'s page of block
+    ``b`` starts ``offset + l * layer_stride + b * block_stride`` bytes in."""
+
+    layers: list[str]
+    layer_stride: int
+    block_stride: int
+    offset: int
+
+
+def _placed_regions(
+    tensors: Mapping[str, torch.Tensor], num_blocks: int, placements: Sequence[Placement]
+) -> tuple[torch.Tensor, ...]:
+    """Byte views ``(num_blocks, block_stride)`` of vLLM's allocation, one per layer region (one in all when
+    blocks are outermost); regions that alias the same bytes count once."""
+    parts: list[torch.Tensor] = []
+    seen: set[tuple[torch.device, int]] = set()
+    for place in placements:
+        name = next((n for n in place.layers if n in tensors), None)
+        if name is None:
+            continue
+        span = num_blocks * place.block_stride
+        if place.layer_stride >= span:  # layer-outermost: each layer a region of its own
+            start, span = place.offset, len(place.layers) * place.layer_stride
+        else:  # block-outermost: one region, each block the pages of every layer
+            start = 0
+        tensor = tensors[name]
+        raw = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())
+        if raw.numel() < start + span:
+            raise ValueError(
+                f"vLLM's KV cache {name!r} has {raw.numel()} B of storage, less than the {span} B placed at {start}"
+            )
+        for region in raw[start : start + span].view(-1, num_blocks, place.block_stride):
+            key = (region.device, region.data_ptr())
+            if key not in seen:
+                seen.add(key)
+                parts.append(region)
+    if not parts:
+        raise ValueError(f"none of vLLM's placements names a registered layer ({sorted(tensors)[:4]}...)")
+    return tuple(parts)
+
+
 def _block_major(tensor: torch.Tensor, num_blocks: int, index: int) -> torch.Tensor:
-    """A view of ``tensor`` with its block dimension first (kernel blocks of one block merged into it)."""
-    exact = [d for d, n in enumerate(tensor.shape) if n == num_blocks]
-    split = [d for d, n in enumerate(tensor.shape) if n > num_blocks and n % num_blocks == 0]
-    dims = exact or split
+    """A view of ``tensor`` with its block dimension, the one of size ``num_blocks``, first."""
+    dims = [d for d, n in enumerate(tensor.shape) if n == num_blocks]
     if len(dims) != 1:
         raise ValueError(
             f"cannot tell the block dimension of vLLM's KV cache tensor {index} (shape {tuple(tensor.shape)}, "
-            f"{num_blocks} blocks): {'several dimensions' if dims else 'no dimension'} fit"
+            f"{num_blocks} blocks): {'several dimensions' if dims else 'no dimension'} fit; pass vLLM's "
+            "placements (KVCacheConfig.kv_cache_tensors)"
         )
-    d = dims[0]
-    part = tensor.movedim(d, 0)
-    if part.shape[0] != num_blocks:  # the kernel's blocks: block b is kernel blocks [b*r, (b+1)*r)
-        part = part.unflatten(0, (num_blocks, part.shape[0] // num_blocks))
-    return part
+    return tensor.movedim(dims[0], 0)
 
 
 def _part_block_bytes(part: torch.Tensor) -> int:

@@ -47,7 +47,7 @@ def make_tiny_model(path: str | Path, *, seed: int = 0, layers: int = 2) -> Path
         show_progress=False,
     )
     tok.train_from_iterator(CORPUS, trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")  # type: ignore[no-untyped-call]
     fast.save_pretrained(path)
     config = LlamaConfig(
         vocab_size=tok.get_vocab_size(),
@@ -61,10 +61,10 @@ def make_tiny_model(path: str | Path, *, seed: int = 0, layers: int = 2) -> Path
         bos_token_id=tok.token_to_id("<s>"),
         eos_token_id=tok.token_to_id("</s>"),
         tie_word_embeddings=False,
-        torch_dtype="float32",
+        dtype="float32",
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = LlamaForCausalLM(config)  # type: ignore[no-untyped-call]
     with torch.no_grad():  # a wider spread than the init's 0.02, so greedy tokens depend on every input
         for p in model.parameters():
             if p.dim() > 1:

@@ -47,7 +47,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
@@ -159,9 +159,15 @@ def vllm_config(
 
 
 def kv_cache_config(config: EngineConfig) -> KVCacheConfig:
+    """One full-attention layer, its blocks placed in one allocation as vLLM's CPU backend places them."""
     spec = FullAttentionSpec(block_size=config.block_size, num_kv_heads=1, head_size=4, dtype=torch.float16)
+    page = spec.page_size_bytes
+    size = config.num_gpu_blocks * page
+    placement = KVCacheTensor(size=size, layers=["layer"], layer_stride=size, block_stride=page)
     return KVCacheConfig(
-        num_blocks=config.num_gpu_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)]
+        num_blocks=config.num_gpu_blocks,
+        kv_cache_tensors=[placement],
+        kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
     )
 
 
@@ -198,12 +204,18 @@ def make_request(request_id: str, prompt: list[int], max_tokens: int, block_size
 
 
 def engine_kv_caches(config: KVCacheConfig) -> dict[str, torch.Tensor]:
-    """Per-layer KV caches laid out as vLLM's CPU attention backend allocates them, ``[blocks, kv_heads,
-    block_size, 2 * head_size]``: what a real engine hands ``register_kv_caches``."""
-    group = config.kv_cache_groups[0]
-    spec = group.kv_cache_spec
-    shape = (config.num_blocks, spec.num_kv_heads, spec.block_size, 2 * spec.head_size)
-    return {name: torch.zeros(shape, dtype=spec.dtype) for name in group.layer_names}
+    """Per-layer KV caches allocated as vLLM's CPU attention backend allocates them, views of one buffer shaped
+    ``[blocks, kv_heads, block_size, 2 * head_size]``: what a real engine hands ``register_kv_caches``."""
+    spec = config.kv_cache_groups[0].kv_cache_spec
+    caches = {}
+    for place in config.kv_cache_tensors:
+        raw = torch.zeros(place.size, dtype=torch.uint8)
+        for i, name in enumerate(place.layers):
+            region = raw[place.offset + i * place.layer_stride :][: config.num_blocks * place.block_stride]
+            shape = (config.num_blocks, spec.num_kv_heads, spec.block_size, 2 * spec.head_size)
+            caches[name] = region.view(spec.dtype).view(shape)
+    return caches
+
 
 class Engine:
     """vLLM's Scheduler with a kvfsm connector, stepped with fake model outputs and checked after every step.

@@ -82,7 +82,7 @@ class DelayedCopier:
                 later.append((due, c))
             elif self.rng.random() < self.failure_rate:
                 self.failed += 1
-                c.dst.storage[torch.tensor(c.dst_blocks, device=c.dst.device)] = -1.0
+                c.dst.poison(c.dst_blocks)
                 done.append((c.job, CopyFailed(f"job {c.job}: simulated DMA error")))
             else:
                 copy_blocks(c.src, c.src_blocks, c.dst, c.dst_blocks)
