@@ -11,8 +11,10 @@ import zlib
 from collections.abc import Sequence
 
 import torch
+from typing_extensions import TypeVar
 
 from ..block_pool import BlockPool
+from .memory import BlockLayout, BlockMemory
 
 
 def kv_pattern(request_id: str, position: int, lo: int, hi: int) -> torch.Tensor:
@@ -34,6 +36,14 @@ class KVBlocks:
     def base(self) -> int:
         return int(self.tensor.data_ptr())
 
+    @property
+    def layout(self) -> BlockLayout:
+        """One part, one run per block: what a decode rank reads from (a peer's) or into (its own)."""
+        return BlockLayout.contiguous(self.base, self.block_bytes)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.tensor]
+
     def addr(self, block: int, offset: int = 0) -> int:
         return self.base + block * self.block_bytes + offset
 
@@ -49,3 +59,16 @@ class KVBlocks:
             for position, block in enumerate(blocks, first)
             if not torch.equal(self.tensor[block], kv_pattern(request_id, position, lo, lo + self.block_bytes))
         ]
+
+
+M = TypeVar("M", bound=BlockMemory, default=KVBlocks)
+"""A rank's block memory: kvfsm's own :class:`KVBlocks` unless the rank is given vLLM's cache."""
+
+
+def own_blocks(blocks: M | None, num_blocks: int, block_bytes: int) -> M:
+    """``blocks``, checked against ``num_blocks``; or kvfsm's own :class:`KVBlocks` when none is given."""
+    if blocks is None:
+        return KVBlocks(num_blocks, block_bytes)  # type: ignore[return-value]  # M defaults to KVBlocks
+    if blocks.pool.num_blocks != num_blocks:
+        raise ValueError(f"the rank's memory has {blocks.pool.num_blocks} blocks, not the {num_blocks} it was told")
+    return blocks

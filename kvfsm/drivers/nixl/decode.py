@@ -8,7 +8,9 @@ is :meth:`BlockReader.notif_id`, and every message is reported to the
 driver's :class:`~kvfsm.engine.outbox.Outbox` with the id it really carries,
 so one naming another space's id is caught where it leaves (the spec's
 ``outgoing: read: carries: remote_request_id``). Each block is byte-checked
-after its READ.
+after its READ when the blocks are kvfsm's own (:class:`~.blocks.KVBlocks`); vLLM's KV cache
+(:class:`~.memory.CacheBlocks`) holds the model's bytes, so there the check is
+that every READ ended ``DONE``.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from functools import cache
-from typing import Any
+from typing import Any, Generic
 
 from ...engine import Tracker
 from ...engine.outbox import Outbox
@@ -28,7 +30,8 @@ from ...errors import ActionError, Anomaly
 from ...spec import Spec, load
 from ...spec.bundled import SPECS
 from ..report import Finished, Report
-from .blocks import KVBlocks
+from .blocks import M, own_blocks
+from .memory import BlockLayout, BlockMemory, read_extents
 from .notif import encode, parse
 from .topology import Topology
 from .transport import Extent, TransferError, Transport
@@ -48,7 +51,12 @@ def decode_spec() -> Spec:
 
 @dataclass(frozen=True)
 class PeerInfo:
-    """What a handshake tells the decode side about one prefill rank: its agent and where its blocks are."""
+    """What a handshake tells the decode side about one prefill rank: its agent and where its blocks are.
+
+    ``base`` and ``block_bytes`` describe blocks one after the other in one
+    tensor; ``layout``, when set, says where they really are (vLLM's
+    per-layer cache: one part per layer).
+    """
 
     engine_id: str
     rank: int
@@ -56,13 +64,39 @@ class PeerInfo:
     metadata: bytes
     base: int
     block_bytes: int
+    layout: BlockLayout | None = None
+
+    @classmethod
+    def of(cls, engine_id: str, rank: int, agent: Transport, layout: BlockLayout) -> PeerInfo:
+        """A rank's entry in its engine's handshake: its agent's name and metadata, and its blocks' layout."""
+        return cls(engine_id, rank, agent.name, agent.metadata(), layout.parts[0].base, layout.block_bytes, layout)
+
+    @property
+    def block_layout(self) -> BlockLayout:
+        """Where block ``b``'s bytes are on the peer."""
+        return self.layout if self.layout is not None else BlockLayout.contiguous(self.base, self.block_bytes)
 
     def to_json(self) -> dict[str, Any]:
-        return {**self.__dict__, "metadata": base64.b64encode(self.metadata).decode()}
+        out: dict[str, Any] = {
+            "engine_id": self.engine_id, "rank": self.rank, "agent": self.agent,
+            "metadata": base64.b64encode(self.metadata).decode(), "base": self.base, "block_bytes": self.block_bytes,
+        }  # fmt: skip
+        if self.layout is not None:
+            out["layout"] = self.layout.to_json()
+        return out
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> PeerInfo:
-        return cls(**{**data, "metadata": base64.b64decode(data["metadata"])})
+        """Parse a peer's entry (it came off the network): a missing or mistyped field is a ValueError naming it."""
+        try:
+            layout = data.get("layout")
+            return cls(
+                str(data["engine_id"]), int(data["rank"]), str(data["agent"]),
+                base64.b64decode(data["metadata"], validate=True), int(data["base"]), int(data["block_bytes"]),
+                None if layout is None else BlockLayout.from_json(layout),
+            )  # fmt: skip
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ValueError(f"not a NIXL peer entry ({type(exc).__name__}: {exc})") from None
 
 
 class BlockMismatch(RuntimeError):
@@ -88,7 +122,7 @@ class BlockReader:
     :meth:`release_reads`): each lives exactly as long as its resource.
     """
 
-    def __init__(self, rank: int, topology: Topology, agent: Transport, blocks: KVBlocks) -> None:
+    def __init__(self, rank: int, topology: Topology, agent: Transport, blocks: BlockMemory) -> None:
         self.rank = rank
         self.topology = topology
         self.agent = agent
@@ -160,6 +194,7 @@ class BlockReader:
         plan = self.topology.plan(self.rank)
         message = self.notif(key, load)
         remote_blocks = load.remote_blocks[len(load.remote_blocks) - len(load.blocks) :]
+        layout = self.blocks.layout
         handles: list[object] = []
         try:
             for piece in plan.reads:
@@ -167,11 +202,14 @@ class BlockReader:
                 if not load.blocks:  # a full prefix hit reads nothing but still tells the peer
                     self.agent.send_notif(peer.agent, self._outgoing(key, message))
                     continue
-                local: list[Extent] = [(self.blocks.addr(b, piece.dst), piece.length) for b in load.blocks]
-                remote: list[Extent] = [
-                    (peer.base + b * peer.block_bytes + piece.src, piece.length) for b in remote_blocks
-                ]
+                local: list[Extent]
+                remote: list[Extent]
+                local, remote = read_extents(
+                    layout, load.blocks, piece.dst, peer.block_layout, remote_blocks, piece.src, piece.length
+                )
                 handles.append(self.agent.read(peer.agent, local, remote, self._outgoing(key, message)))
+                self.stats["reads"] += 1
+                self.stats["descriptors"] += len(local)
         except BaseException:
             for handle in handles:
                 self.agent.release(handle)
@@ -206,7 +244,11 @@ class BlockReader:
     # -- the check --------------------------------------------------------------------
 
     def verify_blocks(self, key: Hashable, /) -> None:
-        """Byte-check every block against the prefill's KV for the request; a mismatch fails the load."""
+        """Byte-check every block against the prefill's KV for the request; a mismatch fails the load.
+
+        vLLM's cache holds the model's bytes, which nothing here can predict:
+        every READ ended ``DONE`` (the only way to ``complete``) is the check.
+        """
         load = self._loads[key]
         lo, _ = self.topology.range(self.rank, self.topology.decode_tp)
         first = len(load.remote_blocks) - len(load.blocks)
@@ -214,7 +256,9 @@ class BlockReader:
         if wrong:
             raise BlockMismatch(f"request {key!r}: blocks {wrong} do not hold {load.remote_request_id!r}'s KV")
         load.verified = True
-        self.stats["blocks_verified"] += len(load.blocks)
+        self.stats["blocks_read"] += len(load.blocks)
+        if wrong is not None:
+            self.stats["blocks_verified"] += len(load.blocks)
 
     def observe(self, key: Hashable) -> set[str]:
         held = set()
@@ -231,7 +275,7 @@ class BlockReader:
         return peer
 
 
-class DecodeRank:
+class DecodeRank(Generic[M]):
     """One decode TP rank: blocks registered with its agent, a tracker of loads, transfer handles polled per step."""
 
     def __init__(
@@ -246,14 +290,17 @@ class DecodeRank:
         reader: type[BlockReader] = BlockReader,
         observer: Observer | None = None,
         on_anomaly: Callable[[Anomaly], None] | None = None,
+        blocks: M | None = None,
     ) -> None:
         """``observer`` and ``on_anomaly`` go to the tracker (a journal is both); a misaddressed message is an
-        anomaly too."""
+        anomaly too. ``blocks`` is the memory READs land in (vLLM's cache, :class:`~.memory.CacheBlocks`);
+        without it the rank owns ``num_blocks`` :class:`KVBlocks`."""
         self.rank = rank
         self.topology = topology
         self.agent = agent
-        self.blocks = KVBlocks(num_blocks, topology.block_bytes(topology.decode_tp))
-        agent.register(self.blocks.tensor)
+        self.blocks: M = own_blocks(blocks, num_blocks, topology.block_bytes(topology.decode_tp))
+        for tensor in self.blocks.tensors():
+            agent.register(tensor)
         self.driver = reader(rank, topology, agent, self.blocks)
         self.tracker = Tracker(
             decode_spec(), self.driver, params=params, clock=clock, observer=observer, on_anomaly=on_anomaly
@@ -263,10 +310,30 @@ class DecodeRank:
         self.errors: list[ActionError] = []
 
     def handshake(self, peers: Sequence[PeerInfo]) -> None:
-        """Make the prefill ranks known (vLLM's ``add_remote_agent`` after the side-channel handshake)."""
+        """Make the prefill ranks known (vLLM's ``add_remote_agent`` after the side-channel handshake); a rank
+        already known under the same engine is replaced (its engine restarted)."""
         for peer in peers:
             self.agent.add_peer(peer.metadata)
             self.driver.peers[(peer.engine_id, peer.rank)] = peer
+
+    def knows(self, engine_id: str) -> bool:
+        """Whether a handshake with ``engine_id`` has made its ranks known."""
+        return any(engine == engine_id for engine, _rank in self.driver.peers)
+
+    def fail_load(
+        self, request_id: str, remote_request_id: str, remote_engine_id: str, block_ids: Sequence[int],
+        remote_block_ids: Sequence[int],
+    ) -> None:  # fmt: skip
+        """A load that cannot start (no handshake with its prefill engine): it ends ``failed`` at once, and its
+        blocks are reported invalid with the next finished_recving, as vLLM does after a failed handshake."""
+        self.tracker.begin(
+            request_id,
+            remote_request_id=remote_request_id,
+            remote_engine_id=remote_engine_id,
+            block_ids=list(block_ids),
+            remote_block_ids=list(remote_block_ids),
+        )  # fmt: skip
+        self._fire(request_id, "fail")
 
     def start_load(
         self, request_id: str, remote_request_id: str, remote_engine_id: str, block_ids: Sequence[int],

@@ -15,7 +15,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Hashable, Sequence
 from functools import cache
-from typing import Any
+from typing import Any, Generic
 
 from ...engine import Tracker
 from ...engine.tracker import Observer
@@ -23,7 +23,8 @@ from ...errors import Anomaly
 from ...spec import Spec, load
 from ...spec.bundled import SPECS
 from ..report import Finished, Report
-from .blocks import KVBlocks
+from .blocks import KVBlocks, M, own_blocks
+from .memory import BlockMemory
 from .notif import parse
 from .topology import Topology
 from .transport import Transport
@@ -43,7 +44,7 @@ class BlockHolder:
     :meth:`free_blocks`, so it lives exactly as long as the blocks are held.
     """
 
-    def __init__(self, blocks: KVBlocks, report: Report | None = None) -> None:
+    def __init__(self, blocks: BlockMemory, report: Report | None = None) -> None:
         self.blocks = blocks
         self.pool = blocks.pool
         self.report = report if report is not None else Report()
@@ -73,7 +74,7 @@ class BlockHolder:
         return {"kv_blocks"} if self.pool.held_by(self.holder(key)) else set()
 
 
-class PrefillRank:
+class PrefillRank(Generic[M]):
     """One prefill TP rank: blocks registered with its agent, a tracker of held requests, notifications in."""
 
     def __init__(
@@ -87,13 +88,17 @@ class PrefillRank:
         clock: Callable[[], float] = time.monotonic,
         observer: Observer | None = None,
         on_anomaly: Callable[[Anomaly], None] | None = None,
+        blocks: M | None = None,
     ) -> None:
-        """``observer`` and ``on_anomaly`` go to the tracker: a journal is both."""
+        """``observer`` and ``on_anomaly`` go to the tracker: a journal is both. ``blocks`` is the memory the
+        decode side READs (vLLM's cache, :class:`~.memory.CacheBlocks`); without it the rank owns
+        ``num_blocks`` :class:`KVBlocks`."""
         self.rank = rank
         self.topology = topology
         self.agent = agent
-        self.blocks = KVBlocks(num_blocks, topology.block_bytes(topology.prefill_tp))
-        agent.register(self.blocks.tensor)
+        self.blocks: M = own_blocks(blocks, num_blocks, topology.block_bytes(topology.prefill_tp))
+        for tensor in self.blocks.tensors():
+            agent.register(tensor)
         self.driver = BlockHolder(self.blocks)
         self.tracker = Tracker(
             prefill_spec(), self.driver, params=params, clock=clock, observer=observer, on_anomaly=on_anomaly
@@ -108,10 +113,18 @@ class PrefillRank:
         """The latest ids the anomalies named, for a message that shows them."""
 
     def compute(self, request_id: str, n_blocks: int) -> list[int]:
-        """The prefill forward pass: allocate ``n_blocks`` for the request and write its KV into them."""
-        blocks = self.blocks.pool.allocate(request_id, n_blocks)
+        """The prefill forward pass: allocate ``n_blocks`` for the request and write its KV into them.
+
+        Only kvfsm's own blocks: in vLLM's cache the model writes the KV.
+        """
+        memory = self.blocks
+        if not isinstance(memory, KVBlocks):
+            raise TypeError(
+                f"compute() writes a test pattern into KVBlocks; this rank's blocks are {type(memory).__name__}"
+            )
+        blocks = memory.pool.allocate(request_id, n_blocks)
         lo, _ = self.topology.range(self.rank, self.topology.prefill_tp)
-        self.blocks.fill(blocks, request_id, lo)
+        memory.fill(blocks, request_id, lo)
         return blocks
 
     def request_finished(self, request_id: str, block_ids: Sequence[int]) -> None:
@@ -170,7 +183,7 @@ class PrefillRank:
         return self.blocks.pool.holdings()
 
 
-def engine_stats(ranks: Sequence[PrefillRank]) -> dict[str, Any]:
+def engine_stats(ranks: Sequence[PrefillRank[Any]]) -> dict[str, Any]:
     """A prefill engine's ranks summed: held requests per rank, leaked holders, outcomes, counts, anomalies."""
     outcomes: Counter[str] = Counter()
     counts: Counter[str] = Counter()
