@@ -195,6 +195,14 @@ class PoolMachine(RuleBasedStateMachine):
         if owner is None:
             self.hashes[block] = block_hash
 
+    @rule()
+    def reset_prefix_cache(self) -> None:
+        held = any(self.model.values())
+        assert self.pool.reset_prefix_cache() is not held, "a reset is refused exactly while a block is held"
+        if not held:
+            self.hashes.clear()
+            assert self.pool.lookup([100]) == []
+
     @invariant()
     def the_pool_matches_the_model(self) -> None:
         self.pool.check()

@@ -204,6 +204,11 @@ class CpuOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         """One KV-cache group (the constructor refuses more), so this is :meth:`request_finished`."""
         return self.request_finished(request, block_ids[0])
 
+    def reset_cache(self) -> bool:
+        """Empty the CPU tier (``reset_prefix_cache(reset_connector=True)``); False while a hit is pinned or a
+        copy is under way, as vLLM's own reset refuses while blocks are held."""
+        return self.scheduler_half.offload.cpu_pool.reset_prefix_cache()
+
     def has_pending_push_work(self) -> bool:
         """Keep the engine stepping while a store still holds vLLM's blocks (vLLM's OffloadingConnector does the
         same): otherwise a store planned by the last request's finish would wait for the next request, and

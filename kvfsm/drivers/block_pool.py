@@ -202,6 +202,17 @@ class BlockPool:
     def hash_of(self, block: int) -> BlockHash | None:
         return self._hash_of[block]
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every published hash, as vLLM's ``BlockPool.reset_prefix_cache`` does; refused (False, nothing
+        changed) while any block is held, since a holder may be a pin on a hit or a copy under way."""
+        with self._lock:
+            if self._held:
+                return False
+            self.evictions += len(self._cached)
+            self._cached.clear()
+            self._hash_of = [None] * self.num_blocks
+            return True
+
     @property
     def num_cached(self) -> int:
         return len(self._cached)

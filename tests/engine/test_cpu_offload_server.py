@@ -36,6 +36,11 @@ def test_completions_after_cpu_hits_match_the_engine_without_a_connector(
     # was empty, and the prompts after the first of a prefix may find it in vLLM's cache again.
     hits = after["vllm:external_prefix_cache_hits_total"] - before.get("vllm:external_prefix_cache_hits_total", 0)
     assert hits >= 4 * 96, f"only {hits} prompt tokens came from the connector"
+    # Emptying the connector's tier too (reset_external): the next pass recomputes everything, same tokens.
+    offload_server.reset_prefix_cache(connector=True)
+    third = offload_server.complete_all(prompts[:4], concurrency=4)
+    assert third == want[:4]
+    assert offload_server.metrics()["vllm:external_prefix_cache_hits_total"] == after["vllm:external_prefix_cache_hits_total"]
 
 
 def test_bench_serve_prefix_repetition_at_concurrency_16_fails_nothing(offload_server: Any, tiny_model: Path) -> None:

@@ -135,10 +135,12 @@ class Server:
         with ThreadPoolExecutor(concurrency) as pool:
             return list(pool.map(lambda p: self.complete(p, max_tokens=max_tokens), prompts))
 
-    def reset_prefix_cache(self, *, timeout: float = 30.0) -> None:
-        """Reset vLLM's GPU prefix cache, retrying while a transfer still holds blocks (vLLM says to retry)."""
+    def reset_prefix_cache(self, *, connector: bool = False, timeout: float = 30.0) -> None:
+        """Reset vLLM's GPU prefix cache (and the connector's, with ``connector``), retrying while a transfer still
+        holds blocks, as vLLM says to."""
         deadline = time.monotonic() + timeout
-        while not self.post("/reset_prefix_cache")["success"]:
+        path = "/reset_prefix_cache" + ("?reset_external=true" if connector else "")
+        while not self.post(path)["success"]:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"vLLM's blocks were still held {timeout} s after the requests ended")
             time.sleep(0.1)
@@ -198,3 +200,24 @@ def bench_serve(
             raise RuntimeError(f"vllm bench serve failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
         result: dict[str, Any] = json.loads((Path(tmp) / "bench.json").read_text())
         return result
+
+
+BENCH_KEYS = ("completed", "failed", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "request_throughput",
+              "output_throughput", "duration")  # fmt: skip
+"""What :func:`compare_serving` keeps of each ``bench serve`` result."""
+
+
+def compare_serving(
+    model: str | Path, connectors: Sequence[str], *, num_prompts: int = 64, concurrency: int = 16
+) -> dict[str, dict[str, float]]:
+    """``bench serve`` (prefix repetition) against a server with no connector and one per name in
+    ``connectors``, one server at a time on this machine; each row keeps :data:`BENCH_KEYS`."""
+    from .offline import connector_config
+
+    rows: dict[str, dict[str, float]] = {}
+    for name in ("none", *connectors):
+        with Server(model, connector_config(name)) as server:
+            server.wait_ready()
+            result = bench_serve(server.url, model, num_prompts=num_prompts, concurrency=concurrency)
+        rows[name] = {k: float(result.get(k, 0.0)) for k in BENCH_KEYS}
+    return rows
