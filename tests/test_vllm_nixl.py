@@ -7,7 +7,11 @@ vLLM's ``KVConnectorModelRunnerMixin``, and the ranks' outputs are merged by
 vLLM's own ``KVOutputAggregator``. The prefill "forward pass" writes each
 request's KV bytes into every rank's blocks; the decode side byte-checks
 every block it READs. MLA, prefill TP 2, decode TP 1: decode READs rank 0
-and notifies rank 1 with ``send_notif`` (seed 004's path).
+and notifies rank 1 with ``send_notif`` (seed 004's path). The ranks own
+their blocks (``kv_cache: "own"``: there is no model, so no vLLM cache), and
+the handshake goes as in an engine: the workers' ``get_handshake_metadata``
+to the prefill scheduler's ``set_xfer_handshake_metadata`` (what vLLM's
+engine core does), served on the pyzmq side channel the decode worker asks.
 """
 
 from __future__ import annotations
@@ -30,13 +34,15 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
-from kvfsm.adapters.vllm_nixl import VLLM, Directory, NixlConnector, NixlSettings
+from kvfsm.adapters.vllm_nixl import VLLM, NixlConnector, NixlSettings, embedded_fabric, forget_fabric
+from kvfsm.drivers.nixl import PeerInfo
+from kvfsm.drivers.nixl.side_channel import GET_META, PROTOCOL, Handshake, HandshakeError, SideChannel, fetch
 from kvfsm.showcase.sim.real import EngineConfig, kv_cache_config, make_request, model_output, vllm_config
 
 pytestmark = pytest.mark.vllm
 
 CONFIG = EngineConfig(num_gpu_blocks=32, block_size=16)
-TOPOLOGY = {"prefill_tp": 2, "decode_tp": 1, "mla": True, "kv_bytes": 256}
+TOPOLOGY = {"prefill_tp": 2, "decode_tp": 1, "mla": True, "kv_bytes": 256, "kv_cache": "own"}
 ABORT_TIMEOUT = 50.0
 """In steps: the ranks' clock is the step count."""
 PROMPT = list(range(1, 3 * 16 + 6))  # 4 blocks, the last one partial
@@ -61,9 +67,13 @@ class Engine:
         assert isinstance(self.scheduler.connector, NixlConnector)
         self.now = 0.0
         self.workers = [self._worker(rank) for rank in range(tp)]
+        # What vLLM's engine core does once the workers registered their caches: their handshakes to the scheduler.
+        handshakes = {(0, rank): w.get_handshake_metadata() for rank, w in enumerate(self.workers)}
+        self.scheduler.connector.set_xfer_handshake_metadata_pp_aware(handshakes)
         self.aggregator = KVOutputAggregator(tp)
         self.params: dict[str, dict[str, Any]] = {}
         """kv_transfer_params of the requests that finished, by request id."""
+        self.finish_reasons: dict[str, str] = {}
         self.call = ""
         """The connector call under way, for :meth:`record`."""
         self.fired: set[tuple[str, str, str]] = set()
@@ -122,6 +132,8 @@ class Engine:
         merged = self.aggregator.aggregate(outputs)
         for engine_outputs in self.scheduler.update_from_output(out, merged).values():
             for o in engine_outputs.outputs:
+                if o.finish_reason is not None:
+                    self.finish_reasons[o.request_id] = str(o.finish_reason)
                 if o.finish_reason is not None and o.kv_transfer_params is not None:
                     self.params[o.request_id] = o.kv_transfer_params
 
@@ -174,7 +186,8 @@ class Pair:
         for engine in (self.prefill, self.decode):
             for w in engine.workers:
                 w.shutdown()
-        Directory.forget(self.fabric)
+            engine.scheduler.connector.shutdown()
+        forget_fabric(self.fabric)
 
 
 @pytest.fixture(params=["embedded", pytest.param("nixl", marks=pytest.mark.nixl)])
@@ -215,7 +228,7 @@ def test_an_abort_mid_read_releases_the_handle_reports_the_blocks_and_the_expiry
     params = pair.prefill_one("p-1")
     p0 = pair.prefill.workers[0].prefill
     assert p0 is not None
-    pair.prefill.workers[0].directory.fabric.stop(p0.agent.name)  # the READ from rank 0 stays PROC
+    embedded_fabric(pair.fabric).stop(p0.agent.name)  # the READ from rank 0 stays PROC
     pair.decode.add("d-1", dict(params), max_tokens=3)
     pair.step()
     assert pair.decode.scheduler.requests["d-1"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -257,11 +270,77 @@ def test_the_seed_shaped_reader_is_caught_where_it_sends_and_where_the_id_is_dro
         pair.close()
 
 
+def test_a_prefill_engine_that_is_gone_fails_the_loads_after_one_bounded_handshake() -> None:
+    pair = Pair(handshake_timeout=0.5)
+    try:
+        params = pair.prefill_one("p-1")
+        channel = pair.prefill.scheduler.connector.side_channel
+        assert channel is not None and (params["remote_host"], params["remote_port"]) == (channel.host, channel.port)
+        channel.close()  # nobody answers on the side channel any more
+        pair.decode.add("d-1", dict(params), max_tokens=2)
+        pair.decode.add("d-2", dict(params), max_tokens=2)
+        t0 = time.monotonic()
+        pair.step()
+        waited = time.monotonic() - t0
+        assert 0.5 <= waited < 1.0, "one handshake timed out; the second load did not wait again"
+        worker = pair.decode.workers[0]
+        assert worker.handshakes == {"failed": 1, "skipped": 1}
+        pair.until(lambda: len(pair.decode.finish_reasons) == 2, steps=20)
+        # Both loads reported every block invalid; kv_load_failure_policy 'recompute' (EngineConfig's) ran them here.
+        assert pair.decode.finish_reasons == {"d-1": "length", "d-2": "length"}
+        assert worker.decode is not None and worker.decode.outcomes == {"failed": 2}
+        assert pair.decode.free_blocks() == pair.idle[1] and not pair.decode.connector_holders()
+    finally:
+        pair.close()
+
+
+def test_a_request_prefilled_by_an_earlier_start_of_the_prefill_engine_is_not_read_from_the_new_one() -> None:
+    pair = Pair()
+    try:
+        params = pair.prefill_one("p-1")
+        pair.decode.add("d-1", {**params, "remote_incarnation": "a-start-long-gone"}, max_tokens=2)
+        pair.until(lambda: "d-1" in pair.decode.finish_reasons, steps=20)
+        worker = pair.decode.workers[0]
+        assert worker.handshakes == {"failed": 1} and pair.decode.finish_reasons == {"d-1": "length"}  # recomputed
+        assert worker.decode is not None and worker.decode.driver.stats["reads"] == 0
+    finally:
+        pair.close()
+
+
+def test_the_side_channel_refuses_what_is_not_a_handshake_request_and_keeps_serving() -> None:
+    import zmq
+
+    peer = PeerInfo("p", 0, "p/prefill-0", b"agent-metadata", 4096, 256)
+    with SideChannel(Handshake("p", "start-1", (peer,))) as channel:
+        context = zmq.Context()
+        try:
+            for frames in ([b"kvfsm-nixl/9", GET_META], [PROTOCOL], [PROTOCOL, b"GET_ALL"]):
+                sock = context.socket(zmq.REQ)
+                sock.setsockopt(zmq.RCVTIMEO, 5000)
+                sock.connect(channel.endpoint)
+                sock.send_multipart(frames)
+                assert sock.recv_multipart()[0] == b"error"
+                sock.close(linger=0)
+        finally:
+            context.term()
+        answer = fetch(channel.host, channel.port, timeout=5.0)
+        assert answer == Handshake("p", "start-1", (peer,)) and answer.ranks("p", 1) == [peer]
+        assert channel.stats.served == 1 and channel.stats.refused == {"protocol": 1, "frames": 1, "request": 1}
+        with pytest.raises(ValueError, match="announced ranks \\[0\\]; this side expects prefill TP 2"):
+            answer.ranks("p", 2)
+    with pytest.raises(HandshakeError, match=r"did not answer within 0\.2 s"):
+        fetch(channel.host, channel.port, timeout=0.2)
+
+
 def test_settings_refuse_what_the_connector_does_not_read() -> None:
-    with pytest.raises(ValueError, match="'fabric': 'embedded:<name>'"):
+    with pytest.raises(ValueError, match=r"'fabric': 'nixl' \(real NIXL agents\) or 'embedded:<name>'"):
         NixlSettings.parse({"prefill_tp": 2})
-    with pytest.raises(ValueError, match=r"\['side_channel_port'\], which NixlConnector does not read"):
-        NixlSettings.parse({"fabric": "embedded:x", "side_channel_port": 5600})
+    with pytest.raises(ValueError, match=r"\['kv_lease_duration'\], which NixlConnector does not read"):
+        NixlSettings.parse({"fabric": "embedded:x", "kv_lease_duration": 30})
+    with pytest.raises(ValueError, match="'kv_cache' is 'vllm'"):
+        NixlSettings.parse({"fabric": "nixl", "kv_cache": "mine"})
+    with pytest.raises(ValueError, match="unknown faults"):
+        NixlSettings.parse({"fabric": "nixl", "inject": {"rate": 1.0, "faults": ["lost"]}})
     with pytest.raises(ValueError, match="is not a BlockReader subclass"):
         NixlSettings.parse({"fabric": "embedded:x", "reader": "kvfsm.drivers.nixl:Topology"})
 
@@ -276,7 +355,7 @@ def test_each_connector_call_fires_on_each_rank_what_the_table_in_docs_nixl_says
     params = pair.prefill_one("p-2")  # an abort mid-read, then the expiry of the rank never told
     p0 = pair.prefill.workers[0].prefill
     assert p0 is not None
-    pair.prefill.workers[0].directory.fabric.stop(p0.agent.name)
+    embedded_fabric(pair.fabric).stop(p0.agent.name)
     pair.decode.add("d-2", dict(params), max_tokens=2)
     pair.step()
     pair.decode.scheduler.finish_requests("d-2", RequestStatus.FINISHED_ABORTED)

@@ -3,102 +3,126 @@
 Configure vLLM with::
 
     KVTransferConfig(kv_connector="NixlConnector", kv_connector_module_path="kvfsm.adapters.vllm_nixl",
-                     kv_role="kv_producer",            # or kv_consumer / kv_both
+                     kv_role="kv_producer",            # the prefill engine; the decode engine: kv_consumer
                      engine_id="prefill-0",
-                     kv_connector_extra_config={"fabric": "embedded:pd", "prefill_tp": 2, "decode_tp": 1,
-                                                "mla": True, "kv_bytes": 4096})
+                     kv_connector_extra_config={"fabric": "nixl", "side_channel_port": 5600})
 
 As in vLLM, a prefill request carries ``kv_transfer_params={"do_remote_decode":
 True}``; its ``request_finished`` keeps the blocks (``delay_free``) and
 returns the params the decode request is given (``do_remote_prefill``,
 ``remote_request_id`` = the prefill's own id, ``remote_engine_id``,
-``remote_block_ids``). The decode scheduler answers ``get_num_new_matched_tokens``
-with the whole prompt, loaded asynchronously; its worker READs the blocks
-from the prefill ranks and notifies each with ``remote_request_id``.
+``remote_block_ids``, and where the prefill's side channel is:
+``remote_host``, ``remote_port``, ``remote_incarnation``). The decode
+scheduler answers ``get_num_new_matched_tokens`` with the whole prompt,
+loaded asynchronously; its worker READs the blocks from the prefill ranks
+and notifies each with ``remote_request_id``.
+
+**The blocks are vLLM's KV cache.** ``register_kv_caches`` hands each worker
+vLLM's per-layer tensors; they are adopted as they are
+(:meth:`~kvfsm.drivers.kv_cache.KVCache.of_layers`) and registered with the
+rank's NIXL agent, and a READ has one descriptor per (layer, block): it lands
+where the decode engine's attention reads. (``kv_cache: "own"`` gives each
+rank a tensor of its own instead, with a byte pattern the decode side checks:
+for vLLM's Scheduler driven by a test, with no model.)
+
+**The handshake crosses processes** as vLLM's does: each prefill worker's
+``get_handshake_metadata`` (its agent's metadata and where its blocks are)
+reaches the scheduler's ``set_xfer_handshake_metadata`` through vLLM's engine
+core, which serves them all on a pyzmq side channel
+(:mod:`kvfsm.drivers.nixl.side_channel`, ``side_channel_host`` /
+``side_channel_port``, port 0 picks a free one); a decode worker asks the
+``remote_host``/``remote_port`` a request names, once per prefill engine
+start (``remote_incarnation``), with ``handshake_timeout``.
 
 Each WORKER role is one TP rank (``tp_rank`` in the extra config, else
 vLLM's tensor-parallel rank): a :class:`~kvfsm.drivers.nixl.PrefillRank`
 (``nixl_prefill.yaml``) and/or a :class:`~kvfsm.drivers.nixl.DecodeRank`
 (``nixl_decode.yaml``) by ``kv_role``; which call fires which event on which
-rank is the table in docs/nixl.md §3. vLLM's batched calls drive the
-trackers in batches: a step's notifications go to ``deliver_many`` and its
-finished READs to ``fire_many``.
-
-The transport is the embedded fabric (``fabric: "embedded:<name>"``) or real
-NIXL agents, UCX over DRAM (``fabric: "nixl:<name>"``, needs ``kvfsm[nixl]``);
-either way every engine runs in one process, and the handshake is a
-directory of prefill ranks by engine, standing in for vLLM's ZMQ side
-channel. The rank's KV blocks are its own registered tensor, the stand-in for
-vLLM's KV cache (a real deployment registers ``register_kv_caches``'
-tensors instead, which this connector does not do yet).
+rank is the table in docs/nixl.md §3. The transport is real NIXL agents, UCX
+over DRAM (``fabric: "nixl"``, needs ``kvfsm[nixl]``), or the in-process
+embedded fabric (``fabric: "embedded:<name>"``: every engine in one process).
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 import time
-from collections.abc import Callable, Hashable, Mapping
-from dataclasses import dataclass, field
+import uuid
+from collections import Counter
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
 )
 
-from ..drivers.nixl import BlockReader, DecodeRank, Fabric, PeerInfo, PrefillRank, Topology
-from ..drivers.nixl.transport import Transport
+from ..drivers.kv_cache import KVCache, KVLayout
+from ..drivers.nixl import BlockReader, DecodeRank, Fabric, PeerInfo, PrefillRank, Topology, decode_spec
+from ..drivers.nixl.faults import FAULTS, FaultyAgent
+from ..drivers.nixl.memory import BlockMemory, CacheBlocks, segments
+from ..drivers.nixl.side_channel import Handshake, HandshakeError, SideChannel, fetch, new_incarnation
+from ..drivers.nixl.transport import TransferError, Transport
 from .vllm_api import RequestStatus
+
+log = logging.getLogger(__name__)
 
 VLLM = "vllm"
 """The ranks' pool holder of every block: vLLM's allocator owns them; the connector's holds sit on top."""
 
 EMBEDDED = "embedded:"
-REAL = "nixl:"
-REMOTE_KEYS = ("remote_engine_id", "remote_request_id", "remote_block_ids")
-"""What a decode request's kv_transfer_params must carry (vLLM's connector also needs host and port)."""
+REAL = "nixl"
+REMOTE_KEYS = ("remote_engine_id", "remote_request_id", "remote_block_ids", "remote_host", "remote_port")
+"""What a decode request's kv_transfer_params must carry (what the prefill's request_finished returned)."""
+
+_FABRICS: dict[str, Fabric] = {}
 
 
-@dataclass
-class Directory:
-    """The prefill ranks of each engine, and the embedded fabric if agents are not real: the handshake vLLM does
-    over its side channel."""
+def embedded_fabric(name: str) -> Fabric:
+    """The embedded fabric called ``name`` (the ``fabric`` setting), made on first use: every engine on it is in
+    this process."""
+    return _FABRICS.setdefault(name, Fabric())
 
-    fabric: Fabric = field(default_factory=Fabric)
-    peers: dict[str, dict[int, PeerInfo]] = field(default_factory=dict)
 
-    REGISTRY: ClassVar[dict[str, Directory]] = {}
+def forget_fabric(name: str) -> None:
+    """Drop an embedded fabric, so a later engine of the same name starts on an empty one."""
+    _FABRICS.pop(name, None)
 
-    @classmethod
-    def named(cls, name: str) -> Directory:
-        """The directory called ``name`` (the ``fabric`` setting), made on first use."""
-        return cls.REGISTRY.setdefault(name, cls())
 
-    @classmethod
-    def forget(cls, name: str) -> None:
-        """Drop a directory, so a later engine of the same name starts on an empty fabric."""
-        cls.REGISTRY.pop(name, None)
+@dataclass(frozen=True)
+class Inject:
+    """Faults injected in front of a decode rank's agent (``inject`` in the extra config): for fault tests."""
 
-    def handshake(self, engine_id: str) -> list[PeerInfo]:
-        """Every prefill rank of ``engine_id`` (empty: that engine is unknown here)."""
-        return list(self.peers.get(engine_id, {}).values())
+    rate: float
+    faults: tuple[str, ...] = FAULTS
+    seed: int = 0
 
 
 @dataclass(frozen=True)
 class NixlSettings:
-    """``kv_connector_extra_config``: the fabric, the topology, this worker's rank, the deadlines, the reader."""
+    """``kv_connector_extra_config``: the fabric, the topology, the KV memory, this worker's rank, the deadlines,
+    the side channel, the reader, injected faults."""
 
     fabric: str
     topology: Topology
     tp_rank: int | None = None
     params: Mapping[str, float] = field(default_factory=dict)
     reader: type[BlockReader] = BlockReader
+    kv_cache: str = "vllm"
+    side_channel_host: str = "127.0.0.1"
+    side_channel_port: int = 0
+    handshake_timeout: float = 5.0
+    inject: Inject | None = None
 
     KNOWN: ClassVar[frozenset[str]] = frozenset(
-        {"fabric", "prefill_tp", "decode_tp", "mla", "kv_bytes", "tp_rank", "abort_timeout", "read_timeout", "reader"}
-    )
+        {"fabric", "prefill_tp", "decode_tp", "mla", "kv_bytes", "tp_rank", "abort_timeout", "read_timeout", "reader",
+         "kv_cache", "side_channel_host", "side_channel_port", "handshake_timeout", "inject"}
+    )  # fmt: skip
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any]) -> NixlSettings:
@@ -108,10 +132,17 @@ class NixlSettings:
                 f"kv_connector_extra_config has {unknown}, which NixlConnector does not read; it reads {sorted(cls.KNOWN)}"
             )
         fabric = str(extra.get("fabric", ""))
-        if not any(fabric.startswith(kind) and fabric != kind for kind in (EMBEDDED, REAL)):
+        if not (
+            fabric == REAL or fabric.startswith(REAL + ":") or (fabric.startswith(EMBEDDED) and fabric != EMBEDDED)
+        ):
             raise ValueError(
-                f"NixlConnector needs kv_connector_extra_config 'fabric': 'embedded:<name>' (kvfsm's in-process "
-                f"NIXL stand-in) or 'nixl:<name>' (real NIXL agents), every engine in this process; not {fabric!r}"
+                f"NixlConnector needs kv_connector_extra_config 'fabric': 'nixl' (real NIXL agents) or "
+                f"'embedded:<name>' (kvfsm's in-process NIXL stand-in, every engine in this process); not {fabric!r}"
+            )
+        kv_cache = str(extra.get("kv_cache", "vllm"))
+        if kv_cache not in ("vllm", "own"):
+            raise ValueError(
+                f"kv_connector_extra_config 'kv_cache' is 'vllm' (vLLM's KV cache) or 'own', not {kv_cache!r}"
             )
         topology = Topology(
             prefill_tp=int(extra.get("prefill_tp", 1)),
@@ -121,7 +152,15 @@ class NixlSettings:
         )
         params = {k: float(extra[k]) for k in ("abort_timeout", "read_timeout") if k in extra}
         rank = int(extra["tp_rank"]) if "tp_rank" in extra else None
-        return cls(fabric, topology, rank, params, _reader(str(extra.get("reader", ""))))
+        return cls(
+            fabric, topology, rank, params, _reader(str(extra.get("reader", ""))), kv_cache,
+            str(extra.get("side_channel_host", "127.0.0.1")), int(extra.get("side_channel_port", 0)),
+            float(extra.get("handshake_timeout", 5.0)), _inject(extra.get("inject")),
+        )  # fmt: skip
+
+    @property
+    def read_timeout(self) -> float:
+        return float(self.params.get("read_timeout", decode_spec().params["read_timeout"]))
 
 
 def _reader(ref: str) -> type[BlockReader]:
@@ -138,6 +177,20 @@ def _reader(ref: str) -> type[BlockReader]:
     return cls
 
 
+def _inject(spec: Any) -> Inject | None:
+    if spec is None:
+        return None
+    if not isinstance(spec, Mapping) or "rate" not in spec or set(spec) - {"rate", "faults", "seed"}:
+        raise ValueError(
+            f"kv_connector_extra_config 'inject' is {{'rate': R, 'faults': [...], 'seed': N}}, not {spec!r}"
+        )
+    faults = tuple(spec.get("faults", FAULTS))
+    unknown = set(faults) - set(FAULTS)
+    if unknown:
+        raise ValueError(f"kv_connector_extra_config 'inject': unknown faults {sorted(unknown)}; choose from {FAULTS}")
+    return Inject(float(spec["rate"]), faults, int(spec.get("seed", 0)))
+
+
 @dataclass(frozen=True)
 class LoadOrder:
     """Decode: READ the prefill's ``remote_block_ids`` of ``remote_request_id`` into ``block_ids``."""
@@ -147,6 +200,10 @@ class LoadOrder:
     remote_request_id: str
     remote_engine_id: str
     remote_block_ids: list[int]
+    remote_host: str = ""
+    remote_port: int = 0
+    remote_incarnation: str = ""
+    """Which start of the prefill engine computed the blocks (a handshake with another start is stale)."""
 
 
 @dataclass(frozen=True)
@@ -167,8 +224,16 @@ class NixlMetadata(KVConnectorMetadata):  # type: ignore[misc]
     """Requests vLLM finished since the last step: a READ still running for one is aborted."""
 
 
+@dataclass
+class NixlHandshakeMetadata(KVConnectorHandshakeMetadata):  # type: ignore[misc]
+    """One prefill worker rank's handshake entry, from ``get_handshake_metadata`` to the scheduler's side channel."""
+
+    peer: PeerInfo
+
+
 class NixlConnector(KVConnectorBase_V1):  # type: ignore[misc]
-    """P/D over NIXL READs: the scheduler plans, each worker rank's Trackers hold, read, notify and report."""
+    """P/D over NIXL READs: the scheduler plans and serves the handshake, each worker rank's Trackers hold, read,
+    notify and report."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -177,51 +242,86 @@ class NixlConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.engine_id = str(config.engine_id)
         self.kv_role = str(config.kv_role)
         self.block_size = int(vllm_config.cache_config.block_size)
-        self.directory = Directory.named(self.settings.fabric)
         self.clock: Callable[[], float] = time.monotonic
         """What the ranks' deadlines read; a test may set it before the first request."""
-        # scheduler side: this step's plan
+        # scheduler side: this step's plan, and the side channel the prefill ranks are found on
         self._meta = NixlMetadata()
+        self.side_channel: SideChannel | None = None
         # worker side
-        self.prefill: PrefillRank | None = None
-        self.decode: DecodeRank | None = None
+        self.prefill: PrefillRank[BlockMemory] | None = None
+        self.decode: DecodeRank[BlockMemory] | None = None
         self._invalid: set[int] = set()
+        self._known: dict[str, str] = {}
+        """Prefill engines this decode rank has shaken hands with, and the incarnation it met."""
+        self._refused: dict[tuple[str, str, int, str], float] = {}
+        """Handshakes that failed, and when: not retried for ``read_timeout``, so a dead prefill costs one wait."""
+        self.handshakes: Counter[str] = Counter()
+        """``done`` and ``failed`` handshakes, ``skipped`` loads failed at once by an earlier failure."""
+        self._kv_cache_config = kv_cache_config
         if role == KVConnectorRole.WORKER:
-            self._make_ranks(int(kv_cache_config.num_blocks))
+            self.num_blocks = int(kv_cache_config.num_blocks)
+            if self.settings.kv_cache == "own":
+                self._make_ranks(None)
+
+    # -- the ranks --------------------------------------------------------------------
 
     def _agent(self, name: str) -> Transport:
-        """A real NIXL agent (``nixl:`` fabrics) or one on the directory's embedded fabric."""
-        if self.settings.fabric.startswith(REAL):
-            from ..drivers.nixl.agent import NixlAgent
+        """A real NIXL agent (a name unique to this start) or one on the embedded fabric."""
+        if self.settings.fabric.startswith(EMBEDDED):
+            return embedded_fabric(self.settings.fabric).agent(name)
+        from ..drivers.nixl.agent import NixlAgent
 
-            return NixlAgent(name)
-        return self.directory.fabric.agent(name)
+        return NixlAgent(f"{name}/{uuid.uuid4().hex[:8]}")
 
-    def _make_ranks(self, num_blocks: int) -> None:
+    def _make_ranks(self, memory: CacheBlocks | None) -> None:
+        """This worker's ranks, over vLLM's cache (``memory``) or, without it, over blocks of their own."""
         s = self.settings
         rank = s.tp_rank if s.tp_rank is not None else _tp_rank()
-        params = dict(s.params)
+        topology = s.topology if memory is None else _topology_of(s.topology, memory.block_bytes)
         if self.kv_role in ("kv_producer", "kv_both"):
-            prefill_params = {k: v for k, v in params.items() if k == "abort_timeout"}
             agent = self._agent(f"{self.engine_id}/prefill-{rank}")
-            self.prefill = PrefillRank(rank, s.topology, agent, num_blocks, params=prefill_params, clock=self._now)
-            self.prefill.blocks.pool.allocate(VLLM, num_blocks)
-            b = self.prefill.blocks
-            self.directory.peers.setdefault(self.engine_id, {})[rank] = PeerInfo(
-                self.engine_id, rank, agent.name, agent.metadata(), b.base, b.block_bytes
+            params = {k: v for k, v in s.params.items() if k == "abort_timeout"}
+            self.prefill = PrefillRank(
+                rank, topology, agent, self.num_blocks, params=params, clock=self._now, blocks=memory
             )
+            self.prefill.blocks.pool.allocate(VLLM, self.num_blocks)
         if self.kv_role in ("kv_consumer", "kv_both"):
-            decode_params = {k: v for k, v in params.items() if k == "read_timeout"}
             agent = self._agent(f"{self.engine_id}/decode-{rank}")
+            if s.inject is not None:
+                agent = FaultyAgent(agent, s.inject.rate, s.inject.seed, s.inject.faults)
+            params = {k: v for k, v in s.params.items() if k == "read_timeout"}
             self.decode = DecodeRank(
-                rank, s.topology, agent, num_blocks, params=decode_params, clock=self._now, reader=s.reader
+                rank, topology, agent, self.num_blocks, params=params, clock=self._now, reader=s.reader, blocks=memory
             )
-            self.decode.blocks.pool.allocate(VLLM, num_blocks)
+            if self.prefill is None or self.prefill.blocks is not self.decode.blocks:
+                self.decode.blocks.pool.allocate(VLLM, self.num_blocks)
 
     def _now(self) -> float:
         return self.clock()
 
     # -- scheduler side -------------------------------------------------------------
+
+    def set_xfer_handshake_metadata(self, metadata: Mapping[int, Any]) -> None:
+        """vLLM's engine core hands over every worker's :meth:`get_handshake_metadata`: serve them on the side
+        channel, where a decode worker finds them by the ``remote_host``/``remote_port`` of a request."""
+        peers = []
+        for rank, meta in sorted(metadata.items()):
+            if meta is None:
+                continue
+            if not isinstance(meta, NixlHandshakeMetadata):
+                raise TypeError(
+                    f"rank {rank}'s handshake metadata is a {type(meta).__name__}, not NixlHandshakeMetadata"
+                )
+            peers.append(meta.peer)
+        if not peers:
+            return  # a decode-only engine: nothing to serve
+        handshake = Handshake(self.engine_id, new_incarnation(), tuple(peers))
+        handshake.ranks(self.engine_id, self.settings.topology.prefill_tp)  # every rank, or a clear error now
+        if self.side_channel is not None:
+            self.side_channel.close()
+        s = self.settings
+        self.side_channel = SideChannel(handshake, host=s.side_channel_host, port=s.side_channel_port)
+        log.info("NixlConnector %s: side channel on %s", self.engine_id, self.side_channel.endpoint)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """With ``do_remote_prefill``: every prompt token not computed locally, loaded asynchronously."""
@@ -247,7 +347,8 @@ class NixlConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._meta.loads.append(
             LoadOrder(
                 request.request_id, local, str(params["remote_request_id"]), str(params["remote_engine_id"]),
-                [int(b) for b in params["remote_block_ids"]],
+                [int(b) for b in params["remote_block_ids"]], str(params["remote_host"]), int(params["remote_port"]),
+                str(params.get("remote_incarnation", "")),
             )
         )  # fmt: skip
         params["do_remote_prefill"] = False
@@ -264,6 +365,12 @@ class NixlConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return False, None
         if not block_ids:
             return False, None
+        channel = self.side_channel
+        if channel is None:
+            raise RuntimeError(
+                f"NixlConnector of engine {self.engine_id!r} ({self.kv_role}) has no side channel: vLLM never called "
+                "set_xfer_handshake_metadata with its workers' handshakes, so no decode engine could find its blocks"
+            )
         self._meta.holds.append(HoldOrder(request.request_id, list(block_ids)))
         return True, {
             "do_remote_prefill": True,
@@ -271,6 +378,9 @@ class NixlConnector(KVConnectorBase_V1):  # type: ignore[misc]
             "remote_block_ids": list(block_ids),
             "remote_engine_id": self.engine_id,
             "remote_request_id": request.request_id,
+            "remote_host": channel.host,
+            "remote_port": channel.port,
+            "remote_incarnation": channel.handshake.incarnation,
             "tp_size": self.settings.topology.prefill_tp,
         }
 
@@ -278,17 +388,39 @@ class NixlConnector(KVConnectorBase_V1):  # type: ignore[misc]
         for rank in (self.prefill, self.decode):
             if rank is not None:
                 rank.tracker.close()
+        if self.side_channel is not None:
+            self.side_channel.close()
+            self.side_channel = None
 
     # -- worker side ------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Nothing: each rank registers its own block tensor with its agent (see the module docstring)."""
+        """Adopt vLLM's per-layer KV cache (what vLLM 0.32 and 0.33 register) and register it with the ranks' agents:
+        the decode side READs straight into the blocks the model attends over."""
+        if self.settings.kv_cache == "own":
+            raise ValueError(
+                "NixlConnector has kv_cache 'own' (blocks of its own, for a scheduler without a model), but vLLM "
+                "registered its KV cache: drop 'kv_cache' from kv_connector_extra_config to transfer vLLM's blocks"
+            )
+        if self.prefill is not None or self.decode is not None:
+            raise RuntimeError("register_kv_caches called twice: the ranks already registered vLLM's cache")
+        cache = KVCache.of_layers(list(kv_caches.values()), self.num_blocks, _layout_of(self._kv_cache_config))
+        self._make_ranks(CacheBlocks(cache))
+
+    def get_handshake_metadata(self) -> NixlHandshakeMetadata | None:
+        """This rank's entry of its engine's handshake (prefill roles): its agent and where its blocks are."""
+        if self.prefill is None:
+            return None
+        return NixlHandshakeMetadata(
+            PeerInfo.of(self.engine_id, self.prefill.rank, self.prefill.agent, self.prefill.blocks.layout)
+        )
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """This step's aborts, holds and READs, in that order."""
         meta = self._get_connector_metadata()
         if not isinstance(meta, NixlMetadata):
             raise TypeError(f"expected NixlMetadata, got {type(meta).__name__}")
+        self._require_ranks()
         if self.decode is not None:
             for rid in sorted(meta.finished):
                 if self.decode.tracker.state(rid) is not None and rid in self.decode.driver.reading():
@@ -299,19 +431,64 @@ class NixlConnector(KVConnectorBase_V1):  # type: ignore[misc]
         for load in meta.loads:
             self._load(load)
 
+    def _require_ranks(self) -> None:
+        if self.prefill is None and self.decode is None:
+            raise RuntimeError(
+                f"NixlConnector of engine {self.engine_id!r} has no blocks: vLLM has not called register_kv_caches "
+                "(kv_cache 'own' gives a scheduler without a model blocks of its own)"
+            )
+
     def _load(self, load: LoadOrder) -> None:
         decode = self.decode
         if decode is None:
             raise RuntimeError(f"NixlConnector of engine {self.engine_id!r} is {self.kv_role}: it cannot load")
-        if not any(engine == load.remote_engine_id for engine, _rank in decode.driver.peers):
-            peers = self.directory.handshake(load.remote_engine_id)
-            if not peers:  # vLLM: a failed handshake reports the request done with its blocks invalid
-                decode.driver.report.recv(load.request_id, load.block_ids)
-                return
-            decode.handshake(peers)
+        try:
+            self._handshake(decode, load)
+        except HandshakeError as exc:  # vLLM: a failed handshake reports the request done with its blocks invalid
+            log.warning("NixlConnector %s: request %s cannot load: %s", self.engine_id, load.request_id, exc)
+            decode.fail_load(
+                load.request_id, load.remote_request_id, load.remote_engine_id, load.block_ids, load.remote_block_ids
+            )
+            return
         decode.start_load(
             load.request_id, load.remote_request_id, load.remote_engine_id, load.block_ids, load.remote_block_ids
         )
+
+    def _handshake(self, decode: DecodeRank[BlockMemory], load: LoadOrder) -> None:
+        """Know ``load``'s prefill engine, in the start that computed its blocks: ask its side channel once."""
+        engine = load.remote_engine_id
+        met = self._known.get(engine)
+        if met is not None and (not load.remote_incarnation or met == load.remote_incarnation):
+            return
+        key = (engine, load.remote_host, load.remote_port, load.remote_incarnation)
+        now = self._now()
+        refused = self._refused.get(key)
+        if refused is not None and now - refused < self.settings.read_timeout:
+            self.handshakes["skipped"] += 1
+            raise HandshakeError(f"the handshake with {engine!r} failed {now - refused:.1f} s ago; not retried yet")
+        try:
+            answer = fetch(load.remote_host, load.remote_port, timeout=self.settings.handshake_timeout)
+            if load.remote_incarnation and answer.incarnation != load.remote_incarnation:
+                raise HandshakeError(
+                    f"{engine!r} at {load.remote_host}:{load.remote_port} is incarnation {answer.incarnation!r}, but "
+                    f"the request was prefilled by {load.remote_incarnation!r}: that start of the engine is gone"
+                )
+            peers = answer.ranks(engine, decode.topology.prefill_tp)
+            self._check_layouts(decode, peers)
+            decode.handshake(peers)
+        except (HandshakeError, ValueError, TransferError) as exc:
+            self._refused[key] = now
+            self.handshakes["failed"] += 1
+            raise HandshakeError(str(exc)) from exc
+        self._known[engine] = answer.incarnation
+        self.handshakes["done"] += 1
+
+    @staticmethod
+    def _check_layouts(decode: DecodeRank[BlockMemory], peers: Sequence[PeerInfo]) -> None:
+        """Every READ the plan makes fits both sides' blocks (ValueError otherwise: the engines run different models)."""
+        ranks = {p.rank: p for p in peers}
+        for piece in decode.topology.plan(decode.rank).reads:
+            segments(decode.blocks.layout, piece.dst, ranks[piece.prefill_rank].block_layout, piece.src, piece.length)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Nothing per layer: a request runs only after its whole READ is reported."""
@@ -337,6 +514,65 @@ class NixlConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def get_block_ids_with_load_errors(self) -> set[int]:
         invalid, self._invalid = self._invalid, set()
         return invalid
+
+    # -- what it did ------------------------------------------------------------------
+
+    def live(self) -> int:
+        """Tracker instances still live on this worker's ranks (0 once every held block and every load is over)."""
+        return sum(rank.tracker.live() for rank in (self.prefill, self.decode) if rank is not None)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters of this half: the side channel (scheduler), or each rank's outcomes and transfers (worker)."""
+        out: dict[str, Any] = {"engine_id": self.engine_id, "kv_role": self.kv_role}
+        if self.side_channel is not None:
+            channel = self.side_channel
+            out["side_channel"] = {
+                "endpoint": channel.endpoint, "served": channel.stats.served, "refused": dict(channel.stats.refused),
+                "incarnation": channel.handshake.incarnation,
+            }  # fmt: skip
+        if self.prefill is not None:
+            p = self.prefill
+            out["prefill"] = {
+                "live": p.tracker.live(), "outcomes": dict(p.outcomes), "counts": dict(p.counts),
+                "anomalies": dict(p.anomalies), "held_blocks": _held(p.blocks.pool.holdings()),
+            }  # fmt: skip
+        if self.decode is not None:
+            d = self.decode
+            injected = d.agent.injected if isinstance(d.agent, FaultyAgent) else Counter()
+            out["decode"] = {
+                "live": d.tracker.live(), "outcomes": dict(d.outcomes), "transfers": dict(d.driver.stats),
+                "handshakes": dict(self.handshakes), "action_errors": len(d.errors), "injected": dict(injected),
+                "held_blocks": _held(d.blocks.pool.holdings()),
+            }  # fmt: skip
+        return out
+
+
+def _held(holdings: Mapping[Hashable, tuple[int, ...]]) -> int:
+    """Blocks the connector holds on top of vLLM's own allocation."""
+    return sum(len(blocks) for holder, blocks in holdings.items() if holder != VLLM)
+
+
+def _layout_of(kv_cache_config: Any) -> KVLayout:
+    """The KV block layout of vLLM's ``KVCacheConfig`` (one full-attention group: K and V of each layer)."""
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ValueError(
+            f"NixlConnector serves one KV-cache group, this model has {len(groups)}; run vLLM with "
+            "disable_hybrid_kv_cache_manager=True or a model with one attention type"
+        )
+    spec = groups[0].kv_cache_spec
+    return KVLayout(2 * len(groups[0].layer_names), spec.block_size, spec.num_kv_heads, spec.head_size, spec.dtype)
+
+
+def _topology_of(configured: Topology, block_bytes: int) -> Topology:
+    """The configured topology with the block size vLLM's cache really has (one rank's share of every head)."""
+    if not configured.mla and configured.prefill_tp != configured.decode_tp:
+        raise ValueError(
+            f"prefill TP {configured.prefill_tp} and decode TP {configured.decode_tp} without MLA need READs of a "
+            "slice of the heads of each layer; NixlConnector reads whole blocks of vLLM's cache (equal TP, or MLA)"
+        )
+    tp = 1 if configured.mla else configured.prefill_tp
+    return replace(configured, kv_bytes=block_bytes * tp)
 
 
 def _tp_rank() -> int:
