@@ -109,8 +109,17 @@ def layout_of(kv_cache_config: Any) -> tuple[KVLayout, int]:
             "run vLLM with disable_hybrid_kv_cache_manager=True or a model with one attention type"
         )
     spec = groups[0].kv_cache_spec
+    # A layer's page is K and V (two tensors' worth) for attention, one latent for MLA: vLLM's own page size
+    # says which, so the connector's block is exactly the bytes vLLM keeps per block.
+    tensor_bytes = spec.block_size * spec.num_kv_heads * spec.head_size * torch.empty((), dtype=spec.dtype).element_size()
+    per_layer, rest = divmod(int(spec.page_size_bytes), tensor_bytes)
+    if rest or per_layer < 1:
+        raise ValueError(
+            f"vLLM's page of {spec.page_size_bytes} B is not a whole number of {tensor_bytes} B tensors "
+            f"({type(spec).__name__}, padded?): this connector copies unpadded attention or MLA pages only"
+        )
     layout = KVLayout(
-        num_layers=2 * len(groups[0].layer_names),  # K and V of each attention layer
+        num_layers=per_layer * len(groups[0].layer_names),
         block_size=spec.block_size,
         num_kv_heads=spec.num_kv_heads,
         head_size=spec.head_size,
