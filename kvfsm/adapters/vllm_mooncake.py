@@ -14,6 +14,14 @@ kept by vLLM (``delay_free``) until the worker reports it in
 is owed is recorded by their releases, so a store call that raises can no
 longer keep a request's blocks forever.
 
+The worker moves the bytes of vLLM's own KV cache, whatever layout vLLM
+registered (``register_kv_caches``: one tensor per layer; or the cross-layer
+cache): its registered block buffer is a staging copy, one row per vLLM
+block, so each store key is one run of bytes. A store job copies vLLM's
+blocks into their rows before it puts them; a load copies the rows it got
+into vLLM's blocks before it reports them, so a request vLLM resumes after
+finished_recving attends over the loaded KV.
+
 Unlike the CPU-offload connector, phase A pins nothing: the store may evict a
 hit before the worker reads it (vLLM's connector has the same window). The
 worker then reports every block of that load invalid and vLLM recomputes
@@ -24,7 +32,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Hashable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -36,6 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from ..drivers.kv_cache import KVCache
 from ..drivers.mooncake import BlockBuffer, EmbeddedMaster, KVStore, MooncakeStoreWorker, block_key, connect
 from ..drivers.mooncake.embedded import connect_embedded
 from .vllm_api import RequestStatus
@@ -71,6 +80,20 @@ class MooncakeStoreMetadata(KVConnectorMetadata):  # type: ignore[misc]
     saves: list[SaveOrder] = field(default_factory=list)
     finished: set[str] = field(default_factory=set)
     """Requests vLLM finished since the last step: a load still running for one is aborted."""
+
+
+@dataclass
+class StoreConnectorStats:
+    """What the scheduler side asked for: lookups in the store, the hits, the loads and stores it ordered."""
+
+    lookups: int = 0
+    """Prefixes asked of the store (``batch_is_exist``); vLLM asks again each step a request waits."""
+    hits: int = 0
+    hit_tokens: int = 0
+    loads_sent: int = 0
+    load_blocks_sent: int = 0
+    stores_sent: int = 0
+    store_blocks_sent: int = 0
 
 
 @dataclass(frozen=True)
@@ -125,8 +148,11 @@ class MooncakeStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[m
         self._hits: dict[str, tuple[int, list[Any]]] = {}
         """Phase A's answer per request: (first block, hashes of the hit); side-effect free, re-asked each step."""
         self._meta = MooncakeStoreMetadata()
+        self.scheduler_stats = StoreConnectorStats()
         # worker side
         self._worker: MooncakeStoreWorker | None = None
+        self._kv_cache: KVCache | None = None
+        """vLLM's KV cache, once registered: the bytes the worker stores and loads."""
         self._invalid: set[int] = set()
         if role == KVConnectorRole.WORKER:
             self._worker = self._make_worker(time.monotonic)
@@ -134,6 +160,8 @@ class MooncakeStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[m
     def _make_worker(self, clock: Callable[[], float]) -> MooncakeStoreWorker:
         buffer = BlockBuffer(self.num_gpu_blocks, self.layout.block_bytes)
         buffer.pool.allocate(VLLM, self.num_gpu_blocks)  # vLLM owns every block; jobs pin on top
+        if self._kv_cache is not None:
+            buffer.attach(self._kv_cache)
         return MooncakeStoreWorker(
             self.store,
             buffer,
@@ -168,6 +196,7 @@ class MooncakeStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[m
         hashes = list(request.block_hashes[first:last])
         hits = 0
         if hashes:
+            self.scheduler_stats.lookups += 1
             answer = self.store.batch_is_exist([block_key(self.settings.prefix, h) for h in hashes])
             for code in answer:
                 if code != 1:
@@ -177,7 +206,10 @@ class MooncakeStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[m
             self._hits.pop(request.request_id, None)
             return 0, False
         self._hits[request.request_id] = (first, hashes[:hits])
-        return (first + hits) * self.block_size - num_computed_tokens, True
+        tokens = (first + hits) * self.block_size - num_computed_tokens
+        self.scheduler_stats.hits += 1
+        self.scheduler_stats.hit_tokens += tokens
+        return tokens, True
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Order the load of the hit into the request's new blocks (none if vLLM wants no external tokens)."""
@@ -188,6 +220,8 @@ class MooncakeStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[m
         n = -(-num_external_tokens // self.block_size)
         block_ids = list(blocks.get_block_ids()[0][first : first + n])
         self._meta.loads.append(LoadOrder(request.request_id, block_ids, hashes[:n]))
+        self.scheduler_stats.loads_sent += 1
+        self.scheduler_stats.load_blocks_sent += len(block_ids)
 
     def build_connector_meta(self, scheduler_output: Any) -> MooncakeStoreMetadata:
         meta, self._meta = self._meta, MooncakeStoreMetadata()
@@ -207,6 +241,8 @@ class MooncakeStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[m
         self._meta.saves.append(
             SaveOrder(request.request_id, list(block_ids[:full]), list(request.block_hashes[:full]))
         )
+        self.scheduler_stats.stores_sent += 1
+        self.scheduler_stats.store_blocks_sent += full
         return True, None
 
     def request_finished_all_groups(
@@ -218,7 +254,35 @@ class MooncakeStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[m
         if self._worker is not None:
             self._worker.close()
 
+    def stats(self) -> dict[str, int]:
+        """This instance's counters: the scheduler's (:class:`StoreConnectorStats`) in the SCHEDULER role, the
+        worker's (:meth:`MooncakeStoreWorker.stats`: loads and stores by outcome, blocks moved, ``live``) in the
+        WORKER role. vLLM builds one of each; read both for the whole picture."""
+        if self._worker is not None:
+            return self._worker.stats()
+        return asdict(self.scheduler_stats)
+
     # -- worker side ------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Store and load vLLM's own per-layer caches (what vLLM 0.32 and 0.33 register), read where vLLM's
+        KV-cache config places each layer's blocks, whatever shape its attention backend gives the tensors."""
+        placements = self._kv_cache_config.kv_cache_tensors
+        self._attach(KVCache.of_layers(kv_caches, self.num_gpu_blocks, self.layout, placements))
+
+    def register_cross_layers_kv_cache(self, kv_cache: torch.Tensor, attn_backend: Any = None) -> None:
+        """Store and load vLLM's own cache when it is one block-major tensor (``(blocks, layers, block_size, heads,
+        head)``)."""
+        cache = KVCache.wrap(kv_cache)
+        if cache.layout != self.layout:
+            raise ValueError(f"vLLM's KV cache has layout {cache.layout}, the KV-cache config says {self.layout}")
+        self._attach(cache)
+
+    def _attach(self, cache: KVCache) -> None:
+        if cache.num_blocks != self.num_gpu_blocks:
+            raise ValueError(f"vLLM registered {cache.num_blocks} KV blocks, the KV-cache config {self.num_gpu_blocks}")
+        self.worker.buffer.attach(cache)
+        self._kv_cache = cache
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Give the worker this step's aborts, loads and stores; its threads do the store calls."""
@@ -226,6 +290,11 @@ class MooncakeStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[m
         if not isinstance(meta, MooncakeStoreMetadata):
             raise TypeError(f"expected MooncakeStoreMetadata, got {type(meta).__name__}")
         w = self.worker
+        if (meta.loads or meta.saves) and w.buffer.engine is None:
+            raise RuntimeError(
+                "MooncakeStoreConnector's worker has no KV cache to store or load: the engine must register its "
+                "cache first (vLLM calls register_kv_caches before the first step)"
+            )
         for rid in meta.finished:
             if w.load.route("request_id", rid) is not None:
                 w.abort(rid)  # vLLM aborted it mid-load: the load reports it, the store calls stop

@@ -9,7 +9,8 @@
   :class:`FaultyStore`: fault injection in front of either;
 - :class:`MasterProcess`: a real ``mooncake_master`` on loopback;
 - :class:`BlockBuffer`: the blocks of one :class:`~kvfsm.drivers.block_pool.BlockPool`
-  as rows of one registered tensor;
+  as rows of one registered tensor, the staging copy of an engine's own KV
+  cache once attached (:meth:`BlockBuffer.attach`);
 - :class:`Report` / :class:`Finished`: what vLLM is owed, recorded by the drivers' releases.
 """
 

@@ -210,7 +210,8 @@ class StoreSender:
         self.stats["blocks_deduped"] += len(keys) - len(rec.missing)
 
     def put_blocks(self, job: Hashable, /) -> None:
-        """Put the missing blocks straight from the registered buffer (``batch_put_from``).
+        """Put the missing blocks from the registered buffer (``batch_put_from``), the engine's bytes gathered
+        into it first.
 
         A key another writer put meanwhile answers 0 and keeps that writer's
         value, which is the same KV: keys are content hashes.
@@ -221,7 +222,11 @@ class StoreSender:
         if not rec.missing:
             return
         keys = [rec.keys[i] for i in rec.missing]
-        ptrs = [self.buffer.ptr(rec.blocks[i]) for i in rec.missing]
+        blocks = [rec.blocks[i] for i in rec.missing]
+        # The job's pin keeps the engine from reusing these blocks, and a finished request writes none of them.
+        if self.buffer.engine is not None:
+            self.stats["bytes_gathered"] += self.buffer.gather(blocks)
+        ptrs = [self.buffer.ptr(b) for b in blocks]
         sizes = [self.buffer.block_bytes] * len(keys)
         check_codes("batch_put_from", keys, self.store.batch_put_from(keys, ptrs, sizes))
         self.stats["blocks_put"] += len(keys)
@@ -364,7 +369,13 @@ class StoreLoader:
     # -- the work ----------------------------------------------------------------
 
     def load_into_blocks(self, load: Hashable, /) -> None:
-        """Fill the allocated blocks from the store (``batch_get_into``); a short or failed read raises."""
+        """Fill the allocated blocks from the store (``batch_get_into``); a short or failed read raises.
+
+        A block counts as filled only once the engine's block holds the bytes:
+        each complete read is scattered from the buffer into the engine's
+        cache before it is recorded, so the report (``recv_report``'s release)
+        can never run ahead of the copy.
+        """
         with self._lock:
             hit, owed = self._hits.get(load), self._owed.get(load)
         if hit is None or owed is None:
@@ -376,8 +387,11 @@ class StoreLoader:
         answer = list(self.store.batch_get_into(keys, [self.buffer.ptr(b) for b in blocks], [size] * n))
         if len(answer) != n:
             raise StoreError("batch_get_into", keys, [C.INTERNAL_ERROR] * n, f"{len(answer)} answers for {n} keys")
+        complete = [b for b, got in zip(blocks, answer, strict=True) if got == size]
+        if self.buffer.engine is not None:
+            self.stats["bytes_scattered"] += self.buffer.scatter(complete)
         with self._lock:
-            owed.filled.update(b for b, got in zip(blocks, answer, strict=True) if got == size)
+            owed.filled.update(complete)
             filled = len(owed.filled)
         self.stats["blocks_loaded"] += filled
         if filled < n:

@@ -249,6 +249,35 @@ class MooncakeStoreWorker:
         """Queue tasks not yet done, both queues (``queue.Queue.unfinished_tasks``)."""
         return self.sender.queue.unfinished_tasks + self.loader.queue.unfinished_tasks
 
+    def stats(self) -> dict[str, int]:
+        """What the worker did, a snapshot: store jobs and loads by how they ended, the blocks and bytes moved.
+
+        Final states count whether or not :meth:`get_finished` drained them
+        yet; ``live`` is what is not final, ``owed`` the reports not yet taken.
+        """
+        ended = Counter(self.outcomes)
+        for name, tracker in (("send", self.send), ("load", self.load)):
+            for state, n in tracker.census().items():
+                if n and tracker.spec.states[state].is_final:
+                    ended[f"{name}:{state}"] += n
+        return {
+            "stores_done": ended["send:stored"],
+            "stores_failed": ended["send:failed"] + ended["send:expired"],
+            "stores_dropped": ended["send:aborted"] + ended["send:preempted"],
+            "blocks_stored": self.sender.stats["blocks_put"],
+            "blocks_deduped": self.sender.stats["blocks_deduped"],
+            "bytes_gathered": self.sender.stats["bytes_gathered"],
+            "loads_done": ended["load:loaded"],
+            "loads_failed": ended["load:failed"] + ended["load:expired"],
+            "loads_aborted": ended["load:aborted"],
+            "blocks_loaded": self.loader.stats["blocks_loaded"],
+            "bytes_scattered": self.loader.stats["bytes_scattered"],
+            "action_errors": len(self.failures),
+            "bugs": len(self.bugs),
+            "live": self.live(),
+            "owed": self.report.owed(),
+        }
+
     # -- internals -------------------------------------------------------------------
 
     def _end_request(self, request_id: Hashable, event: str) -> None:

@@ -132,12 +132,24 @@ def run(model: str, connector: str, prompts: list[list[int]], *, passes: int = 2
 
 
 def connector_stats(connector: Any) -> dict[str, Any]:
-    """The scheduler-side counters of a kvfsm connector, and how many of its instances are still live."""
+    """The scheduler-side counters of a kvfsm connector, and how many of its instances are still live.
+
+    A connector whose worker keeps its own counters (MooncakeStoreConnector:
+    loads and stores by outcome, blocks moved, ``live``) has them merged in,
+    read from vLLM's worker-role connector, which runs in this process.
+    """
     half = getattr(connector, "scheduler_half", None)
     if half is not None:  # CpuOffloadConnector
         return {**asdict(half.stats), "live": half.live()}
     stats = getattr(connector, "stats", None)
-    return dict(stats() if callable(stats) else stats or {})
+    out = dict(stats() if callable(stats) else stats or {})
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    worker = get_kv_transfer_group() if has_kv_transfer_group() else None
+    worker_stats = getattr(worker, "stats", None)
+    if worker is not None and worker is not connector and callable(worker_stats):
+        out.update(worker_stats())
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
