@@ -19,7 +19,7 @@ and notifies each with ``remote_request_id``.
 
 **The blocks are vLLM's KV cache.** ``register_kv_caches`` hands each worker
 vLLM's per-layer tensors; they are adopted as they are
-(:meth:`~kvfsm.drivers.kv_cache.KVCache.of_layers`) and registered with the
+(:meth:`~kvfsm.drivers.kv_cache.KVCache.of_layers`, by vLLM's placements) and registered with the
 rank's NIXL agent, and a READ has one descriptor per (layer, block): it lands
 where the decode engine's attention reads. (``kv_cache: "own"`` gives each
 rank a tensor of its own instead, with a byte pattern the decode side checks:
@@ -404,7 +404,9 @@ class NixlConnector(KVConnectorBase_V1):  # type: ignore[misc]
             )
         if self.prefill is not None or self.decode is not None:
             raise RuntimeError("register_kv_caches called twice: the ranks already registered vLLM's cache")
-        cache = KVCache.of_layers(list(kv_caches.values()), self.num_blocks, _layout_of(self._kv_cache_config))
+        config = self._kv_cache_config
+        placements = getattr(config, "kv_cache_tensors", None) or ()  # where vLLM put each layer's blocks
+        cache = KVCache.of_layers(kv_caches, self.num_blocks, _layout_of(config), placements)
         self._make_ranks(CacheBlocks(cache))
 
     def get_handshake_metadata(self) -> NixlHandshakeMetadata | None:
