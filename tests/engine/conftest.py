@@ -19,14 +19,10 @@ from typing import Any
 
 import pytest
 
-ENGINE_ENV = {
-    "VLLM_TARGET_DEVICE": "cpu",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "HF_HUB_OFFLINE": "1",
-    "VLLM_LOGGING_LEVEL": "WARNING",
-    "TOKENIZERS_PARALLELISM": "false",
-}
-"""What every engine process runs with: the CPU platform, 1 GiB of KV cache, no hub."""
+try:  # kvfsm.showcase needs kvfsm[showcase]; without it (and vLLM) these tests skip anyway
+    from kvfsm.showcase.engine.offline import ENGINE_ENV
+except ImportError:
+    ENGINE_ENV = {}
 
 
 def require_engine() -> None:
@@ -53,7 +49,14 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def engine_env(**extra: str) -> dict[str, str]:
-    return {**os.environ, **ENGINE_ENV, **extra}
+    return {**os.environ, **ENGINE_ENV, "VLLM_LOGGING_LEVEL": "WARNING", **extra}
+
+
+@pytest.fixture(name="engine_env")
+def engine_env_fixture() -> dict[str, str]:
+    """The environment of an engine subprocess (vLLM must be installed: the test skips or fails otherwise)."""
+    require_engine()
+    return engine_env()
 
 
 @pytest.fixture(scope="session")

@@ -30,6 +30,14 @@ from typing import Any
 BLOCK_SIZE = 32
 """vLLM's CPU attention needs a multiple of 32."""
 
+ENGINE_ENV = {
+    "VLLM_TARGET_DEVICE": "cpu",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+"""Every engine process here: the CPU platform, 1 GiB of KV cache, no model hub."""
+
 
 def prefix_prompts(
     *, prefixes: int = 4, per_prefix: int = 6, prefix_len: int = 96, suffix_len: int = 32, seed: int = 0
@@ -96,9 +104,8 @@ def settle(llm: Any, *, timeout: float = 30.0) -> int:
 def run(model: str, connector: str, prompts: list[list[int]], *, passes: int = 2, max_tokens: int = 8,
         extra: dict[str, Any] | None = None) -> EngineRun:
     """Generate ``prompts`` ``passes`` times on one engine, resetting vLLM's prefix cache between passes."""
-    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    for name, value in ENGINE_ENV.items():
+        os.environ.setdefault(name, value)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig

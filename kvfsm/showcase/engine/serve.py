@@ -25,15 +25,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from .offline import BLOCK_SIZE
-
-ENGINE_ENV = {
-    "VLLM_TARGET_DEVICE": "cpu",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "HF_HUB_OFFLINE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-}
-"""Every engine process here: the CPU platform, 1 GiB of KV cache, no model hub."""
+from .offline import BLOCK_SIZE, ENGINE_ENV
 
 
 def free_port() -> int:

@@ -34,6 +34,9 @@ def make_tiny_model(path: str | Path, *, seed: int = 0, layers: int = 2) -> Path
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
