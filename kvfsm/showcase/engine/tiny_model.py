@@ -36,7 +36,7 @@ def make_tiny_model(path: str | Path, *, seed: int = 0, layers: int = 2) -> Path
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
     from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
