@@ -5,15 +5,20 @@
 - :class:`DecodeRank` / :class:`BlockReader`: ``specs/nixl_decode.yaml``, READs
   that notify with the prefill's request id, byte-checked blocks;
 - :class:`Topology`: who reads whom under heterogeneous TP and MLA;
+- :class:`BlockLayout` / :class:`CacheBlocks`: where a rank's blocks are (vLLM's
+  per-layer KV cache included), and the READ descriptors between two layouts;
 - :mod:`.notif`: the ``remote_request_id:world_size`` message, parsed with a guard;
 - :class:`Fabric` / :class:`EmbeddedAgent`: an in-process stand-in for NIXL
   agents; ``kvfsm.drivers.nixl.agent.NixlAgent`` the real one (imports ``nixl``);
-- :class:`PeerProcess`: prefill ranks with real agents in a subprocess.
+- :class:`PeerProcess`: prefill ranks with real agents in a subprocess;
+- :mod:`.side_channel`: the handshake across engine processes over pyzmq
+  (imports ``zmq``).
 """
 
 from .blocks import KVBlocks, kv_pattern
 from .decode import REMOTE_ID, BlockMismatch, BlockReader, DecodeRank, Load, PeerInfo, decode_spec
 from .embedded import EmbeddedAgent, Fabric
+from .memory import BlockLayout, BlockMemory, CacheBlocks
 from .notif import Notif, encode, parse
 from .prefill import BlockHolder, PrefillRank, prefill_spec
 from .topology import ReadPlan, Slice, Topology
@@ -22,8 +27,11 @@ from .transport import TransferError, Transport, XferState
 __all__ = [
     "REMOTE_ID",
     "BlockHolder",
+    "BlockLayout",
+    "BlockMemory",
     "BlockMismatch",
     "BlockReader",
+    "CacheBlocks",
     "DecodeRank",
     "EmbeddedAgent",
     "Fabric",
