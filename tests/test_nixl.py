@@ -266,3 +266,45 @@ def test_the_kvfsm_test_command_prints_the_seed_readers_story_and_fails(capsys: 
     out = capsys.readouterr().out
     assert "sent read to nixl_prefill with 'req-1', the key (space request_id); the spec says it carries " in out
     assert main([*argv, "kvfsm.showcase.nixl_seed:correct_reader"]) == 0
+
+
+def test_a_read_between_vllm_shaped_caches_moves_each_layers_block_with_a_descriptor_per_run() -> None:
+    import torch
+
+    from kvfsm.drivers.kv_cache import KVCache, KVLayout
+    from kvfsm.drivers.nixl import CacheBlocks
+
+    # FlashAttention's per-layer shape [2, blocks, block_size, heads, head]: each layer's block is two runs, K and V.
+    layout = KVLayout(num_layers=4, block_size=4, num_kv_heads=2, head_size=8, dtype=torch.float32)
+    torch.manual_seed(0)
+    prefill_cache = KVCache.of_layers([torch.randn(2, 16, 4, 2, 8) for _ in range(2)], 16, layout)
+    decode_cache = KVCache.of_layers([torch.zeros(2, 16, 4, 2, 8) for _ in range(2)], 16, layout)
+    topology = Topology(prefill_tp=1, decode_tp=1, mla=False, kv_bytes=layout.block_bytes)
+    fabric = Fabric()
+    prefill = PrefillRank(0, topology, fabric.agent("p"), 16, blocks=CacheBlocks(prefill_cache))
+    decode = DecodeRank(0, topology, fabric.agent("d"), 16, blocks=CacheBlocks(decode_cache))
+    for rank in (prefill, decode):
+        rank.blocks.pool.allocate("vllm", 16)
+    decode.handshake([PeerInfo.of("E", 0, prefill.agent, prefill.blocks.layout)])
+    prefill.hold("p-1", [3, 4])
+    decode.start_load("d-1", "p-1", "E", [5, 9], [3, 4])
+    decode.step()
+    prefill.step()
+    assert decode.outcomes == {"loaded": 1} and prefill.outcomes == {"read": 1}
+    assert decode.driver.stats == {"reads": 1, "descriptors": 2 * 2 * 2, "blocks_read": 2}  # blocks × layers × K/V
+    assert decode_cache.block_bytes(5) == prefill_cache.block_bytes(3)
+    assert decode_cache.block_bytes(9) == prefill_cache.block_bytes(4)
+    zero = bytes(layout.block_bytes)
+    assert all(decode_cache.block_bytes(b) == zero for b in range(16) if b not in (5, 9)), "nothing else was written"
+
+
+def test_read_extents_cut_where_either_sides_runs_end_and_refuse_blocks_that_differ() -> None:
+    from kvfsm.drivers.nixl.memory import BlockLayout, Part, read_extents
+
+    local = BlockLayout.contiguous(1000, 64)
+    remote = BlockLayout((Part(5000, 16, ((0, 16),)), Part(9000, 48, ((0, 48),))))
+    mine, theirs = read_extents(local, [2], 0, remote, [1], 0, 64)
+    assert mine == [(1000 + 128, 16), (1000 + 128 + 16, 48)] and theirs == [(5000 + 16, 16), (9000 + 48, 48)]
+    assert BlockLayout.from_json(remote.to_json()) == remote
+    with pytest.raises(ValueError, match="the two sides' blocks do not match"):
+        read_extents(local, [0], 0, BlockLayout.contiguous(0, 32), [0], 0, 64)
