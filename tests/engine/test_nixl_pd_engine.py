@@ -22,7 +22,7 @@ import pytest
 
 from kvfsm.showcase.engine.pd import ENGINE_ENV
 
-ABORT_TIMEOUT, READ_TIMEOUT, HANDSHAKE_TIMEOUT = 15.0, 10.0, 3.0
+ABORT_TIMEOUT, READ_TIMEOUT, HANDSHAKE_TIMEOUT = 15.0, 10.0, 5.0
 DEADLINE = HANDSHAKE_TIMEOUT + READ_TIMEOUT
 """The longest a decode request may wait on the connector."""
 SLACK = 5.0
