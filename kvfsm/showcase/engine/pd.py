@@ -569,7 +569,7 @@ class Pair:
     def meet(self, prompt: list[int], max_tokens: int) -> None:
         """One request P then D if the decode side has never loaded: its handshake done, a later READ can be caught
         in flight (a fault phase's point)."""
-        if self.decode.call("stats")["connector"]["loads"] == 0:
+        if self.decode.call("stats")["connector"].get("loads") == 0:  # a connector that does not count: no warm-up
             table = {"meet": prompt}
             params = self.prefill_all(["meet"], table)
             self.submit_decode(["meet"], table, params, max_tokens)
@@ -578,10 +578,16 @@ class Pair:
     def wait_reading(self, count: int, timeout: float = 60.0) -> None:
         """Until the decode connector has ``count`` loads in flight."""
         deadline = time.monotonic() + timeout
-        while self.decode.call("stats")["connector"]["reading"] < count:
+        while self._reading() < count:
             if time.monotonic() > deadline:
                 raise EngineError(f"the decode side never had {count} READs in flight within {timeout} s")
             time.sleep(0.05)
+
+    def _reading(self) -> int:
+        reading = self.decode.call("stats")["connector"].get("reading")
+        if reading is None:
+            raise EngineError(f"connector {self.connector.name!r} does not report 'reading': a fault phase needs it")
+        return int(reading)
 
     def settle(self, timeout: float) -> tuple[bool, dict[str, dict[str, Any]]]:
         """Wait until every live engine holds nothing (no request, no live connector instance, every block free but
