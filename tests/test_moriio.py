@@ -8,14 +8,18 @@ prefill is run at concurrency 512 with lost ``remote_blocks`` to show it hang.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("torch")
 
+import torch
+
 import kvfsm
 import kvfsm.testing
+from kvfsm.drivers.kv_cache import KVCache, KVLayout
 from kvfsm.drivers.moriio import (
     DecodeEngine,
     Fabric,
@@ -31,6 +35,9 @@ from kvfsm.drivers.moriio import (
 )
 from kvfsm.drivers.moriio.cluster import embedded_run
 from kvfsm.drivers.moriio.model import FACTORIES
+from kvfsm.drivers.moriio.producer import BlockWriter
+from kvfsm.drivers.nixl.blocks import KVBlocks
+from kvfsm.drivers.nixl.memory import CacheBlocks
 from kvfsm.explore import explore
 from kvfsm.showcase.moriio_seed import PreFixModelReader, PreFixModelWriter, pre_fix_spec
 from kvfsm.spec.system.loader import read_system_file
@@ -260,3 +267,87 @@ def test_fault_plan_is_deterministic_and_one_fault_per_transfer() -> None:
     assert 150 < sum(plan.count(ids).values()) < 250
     with pytest.raises(ValueError, match="unknown faults"):
         FaultPlan(0.1, ["typo"])
+
+
+# -- vLLM's cache as the blocks, and the guards the real-engine connector relies on ------------
+
+
+def _cache_pair() -> tuple[PrefillEngine, DecodeEngine, KVCache]:
+    """A prefill on kvfsm's own blocks, a decode on a cache laid out like vLLM's: one layer's tensor block-major
+    (one run per block), the other FlashAttention-style ``[2, blocks, ...]`` (K and V apart: two runs per block)."""
+    fabric = Fabric()
+    clock = VirtualClock()
+    layout = KVLayout(num_layers=2, block_size=4, num_kv_heads=2, head_size=8, dtype=torch.float32)  # 512 B a block
+    cache = KVCache.of_layers([torch.zeros(16, 4, 2, 8), torch.zeros(2, 16, 4, 8)], 16, layout)
+    p = PrefillEngine(
+        fabric.endpoint("prefill"), 16, 512, clock=clock, params={"defer_timeout": 1.0, "transfer_timeout": 1.0}
+    )
+    d = DecodeEngine(
+        fabric.endpoint("decode"), 16, 512, "prefill", clock=clock, params={"recv_timeout": 3.0},
+        blocks=CacheBlocks(cache), bound_writes=True,
+    )  # fmt: skip
+    d.borrow_from("vllm")  # vLLM's allocator owns every block; the load pins on top
+    return p, d, cache
+
+
+def _steps(p: PrefillEngine, d: DecodeEngine, n: int = 3) -> None:
+    for _ in range(n):
+        p.step()
+        d.step()
+
+
+def test_writes_land_where_the_decode_sides_layout_says_in_a_cache_of_per_layer_tensors() -> None:
+    p, d, cache = _cache_pair()
+    src = p.compute("p-1", "t-1", 2)
+    d.load("d-1", "t-1", [5, 9])  # vLLM's scheduler allocated these
+    _steps(p, d)
+    assert d.outcomes == {"loaded": 1} and p.outcomes == {"written": 1}
+    assert isinstance(p.blocks, KVBlocks)
+    for s, t in zip(src, [5, 9], strict=True):
+        assert cache.block_bytes(t) == p.blocks.tensor[s].numpy().tobytes()
+    assert all(not any(cache.block_bytes(b)) for b in range(16) if b not in (5, 9))
+    # One write per contiguous run on both sides: 1 for the first layer, 2 (K, V) for the second, per block.
+    assert p.driver.stats["extents_posted"] == 6 and p.driver.stats["bytes_written"] == 2 * 512
+    assert d.stats()["held_blocks"] == 0 and d.blocks.pool.holdings() == {"vllm": tuple(range(16))}
+    assert d.driver.stats["blocks_unchecked"] == 2  # vLLM's cache holds the model's KV: the tokens check it
+
+
+def test_a_decode_side_that_has_the_first_blocks_gets_the_last_computed_ones() -> None:
+    p, d, cache = _cache_pair()
+    src = p.compute("p-1", "t-1", 3)
+    d.load("d-1", "t-1", [7])  # its prefix cache held the first two blocks
+    _steps(p, d)
+    assert d.outcomes == {"loaded": 1}
+    assert isinstance(p.blocks, KVBlocks)
+    assert cache.block_bytes(7) == p.blocks.tensor[src[-1]].numpy().tobytes()
+
+
+def test_remote_blocks_whose_decode_side_stops_waiting_too_soon_are_refused_and_nothing_is_written() -> None:
+    p, d, cache = _cache_pair()
+    p.compute("p-1", "t-1", 2)
+    d.load("d-1", "t-1", [5, 9])  # write_by: 3 s from now (recv_timeout)
+    assert isinstance(p.driver, BlockWriter)
+    p.driver.wall = lambda: time.time() + 2.5  # the message reaches the prefill 2.5 s later: 0.5 s left, writes take 1
+    _steps(p, d)
+    assert p.outcomes == {"failed": 1} and p.stats()["held_blocks"] == 0
+    assert "sooner than a write may take" in str(p.errors[0].__cause__)
+    assert not any(cache.block_bytes(5)) and not any(cache.block_bytes(9))
+    assert d.tracker.state("d-1") == "waiting"  # and it ends at its own deadline
+
+
+@pytest.mark.parametrize("computed_first", [True, False])
+def test_an_aborted_decode_load_tells_the_prefill_which_frees_its_blocks_and_never_writes(computed_first: bool) -> None:
+    p, d, cache = _cache_pair()
+    if computed_first:
+        p.compute("p-1", "t-1", 2)
+    d.load("d-1", "t-1", [5, 9])
+    d.abort("d-1")  # remote_blocks and release reach the prefill in one batch: release goes first
+    _steps(p, d)
+    if not computed_first:
+        p.compute("p-1", "t-1", 2)
+        _steps(p, d)
+    assert d.outcomes == {"aborted": 1} and p.outcomes == {"aborted": 1}
+    assert p.driver.stats["batches_posted"] == 0  # not even posted: on a real fabric it could land at once
+    assert p.stats()["held_blocks"] == 0 and d.stats()["held_blocks"] == 0 and p.tracker.live() == 0
+    assert not any(cache.block_bytes(5)) and not any(cache.block_bytes(9))
+    assert d.anomalies == {}  # no write_done came for blocks given back

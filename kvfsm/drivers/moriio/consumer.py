@@ -5,7 +5,10 @@
 rank's blocks, transport and tracker, and once per step turns ``write_done``
 messages and the statuses of its reads into events. Every block is
 byte-checked against the prefill's KV for the transfer before it counts as
-loaded; a block that was not is reported invalid.
+loaded (on kvfsm's own blocks; vLLM's cache holds the model's KV, which only
+the tokens generated from it can check); a block that was not is reported
+invalid. In WRITE mode an aborted load also sends the prefill a ``release``,
+so a prefill that has not written yet never does.
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ from typing import Any
 from ...engine import Tracker
 from ...spec import Spec
 from ..nixl.blocks import KVBlocks
+from ..nixl.memory import BlockMemory
 from ..report import Finished, Report
-from .messages import Computed, Message, Release, RemoteBlocks, Stats, WriteDone
+from .messages import Computed, LayoutPart, Message, Release, RemoteBlocks, Stats, WriteDone
 from .side import Side
 from .specs import moriio_spec
 from .transport import Extent, Transport, split_statuses
@@ -48,6 +52,8 @@ class Load:
     blocks: tuple[int, ...]
     acks: int = 0
     verified: bool = False
+    peer: str = ""
+    """WRITE mode: the prefill rank this load announces its blocks to (the engine's ``peer`` if empty)."""
 
 
 class BlockLoader:
@@ -56,7 +62,7 @@ class BlockLoader:
     ``_loads[key]`` is the ``dst_blocks`` record (:meth:`pin_dst`, :meth:`unpin_dst`).
     """
 
-    def __init__(self, blocks: KVBlocks, transport: Transport, peer: str, rank: int = 0, acks: int = 1) -> None:
+    def __init__(self, blocks: BlockMemory, transport: Transport, peer: str, rank: int = 0, acks: int = 1) -> None:
         self.blocks = blocks
         self.pool = blocks.pool
         self.transport = transport
@@ -82,13 +88,14 @@ class BlockLoader:
         self.report.recv(key, () if load.verified else load.blocks)
 
     def verify_blocks(self, key: Hashable, /) -> None:
+        """Byte-check the blocks against the prefill's KV; on vLLM's cache (which cannot tell) count them unchecked."""
         load = self._loads[key]
         wrong = self.blocks.wrong(load.blocks, load.transfer_id, 0)
         if wrong:
             self.stats["blocks_wrong"] += len(wrong)
             raise BlockMismatch(f"request {key!r}: blocks {wrong} do not hold transfer {load.transfer_id!r}'s KV")
         load.verified = True
-        self.stats["blocks_verified"] += len(load.blocks)
+        self.stats["blocks_verified" if wrong is not None else "blocks_unchecked"] += len(load.blocks)
 
     def count_done(self, key: Hashable) -> bool:
         """One more prefill rank's write_done for ``key``: True on the last expected one (or if not loading)."""
@@ -103,18 +110,44 @@ class BlockLoader:
 
 
 class WriteReceiver(BlockLoader):
-    """Actions of ``moriio_write_consumer``: tell the prefill side where the blocks are."""
+    """Actions of ``moriio_write_consumer``: tell the prefill side where the blocks are.
+
+    ``announce_to[key]``, set before ``begin``, names the prefill rank of a
+    load when loads go to different prefill engines (vLLM's requests name
+    theirs); it becomes part of the ``dst_blocks`` record. ``recv_timeout``
+    (set by :class:`DecodeEngine` from the spec's params, with ``bound_writes``)
+    puts a ``write_by`` in ``remote_blocks``: when this side will stop waiting
+    and give the blocks back.
+    """
+
+    def __init__(self, blocks: BlockMemory, transport: Transport, peer: str, rank: int = 0, acks: int = 1) -> None:
+        super().__init__(blocks, transport, peer, rank, acks)
+        self.announce_to: dict[Hashable, str] = {}
+        self.recv_timeout = 0.0
+        self.wall: Callable[[], float] = time.time
+        parts = [LayoutPart(p.base, p.stride, list(p.runs)) for p in blocks.layout.parts]
+        self._layout = [] if isinstance(blocks, KVBlocks) else parts
+        self._base = blocks.base if isinstance(blocks, KVBlocks) else 0
 
     def pin_dst(self, key: Hashable, /, transfer_id: str, block_ids: Sequence[int]) -> None:
+        peer = self.announce_to.pop(key, "")
         self._pin(key, transfer_id, block_ids)
+        self._loads[key].peer = peer
 
     def send_remote_blocks(self, key: Hashable, /) -> None:
         load = self._loads[key]
+        write_by = self.wall() + self.recv_timeout if self.recv_timeout > 0 else 0.0
         message = RemoteBlocks(
-            load.transfer_id, self.transport.name, self.blocks.base, self.blocks.block_bytes, list(load.blocks),
-            self.rank,
+            load.transfer_id, self.transport.name, self._base, self.blocks.layout.block_bytes, list(load.blocks),
+            self.rank, self._layout, write_by,
         )  # fmt: skip
-        self.transport.notify(self.peer, message)
+        self.transport.notify(load.peer or self.peer, message)
+        self.stats["blocks_announced"] += len(load.blocks)
+
+    def cancel(self, key: Hashable) -> tuple[str, str] | None:
+        """Where to send the ``release`` of ``key``'s load if it is aborted now: (prefill rank, transfer id)."""
+        load = self._loads.get(key)
+        return None if load is None else (load.peer or self.peer, load.transfer_id)
 
 
 class BlockReader(BlockLoader):
@@ -125,7 +158,7 @@ class BlockReader(BlockLoader):
     the ``peer_release`` one (:meth:`owe_release`, :meth:`send_release`).
     """
 
-    def __init__(self, blocks: KVBlocks, transport: Transport, peer: str, rank: int = 0, acks: int = 1) -> None:
+    def __init__(self, blocks: BlockMemory, transport: Transport, peer: str, rank: int = 0, acks: int = 1) -> None:
         super().__init__(blocks, transport, peer, rank, acks)
         self._sources: dict[Hashable, Source] = {}
         self._batches: dict[Hashable, object] = {}
@@ -150,6 +183,8 @@ class BlockReader(BlockLoader):
     def post_reads(self, key: Hashable, /) -> None:
         load = self._loads[key]
         source = self._sources[key]
+        if not isinstance(self.blocks, KVBlocks):
+            raise TypeError("READ mode reads into kvfsm's own blocks; on vLLM's cache the connector runs WRITE mode")
         n = self.blocks.block_bytes
         if source.block_bytes != n:
             raise ValueError(f"request {key!r}: remote blocks of {source.block_bytes} bytes, local of {n}")
@@ -194,35 +229,72 @@ class DecodeEngine(Side):
         clock: Callable[[], float] = time.monotonic,
         spec: Spec | None = None,
         driver: type[WriteReceiver] | type[BlockReader] | None = None,
+        blocks: BlockMemory | None = None,
+        bound_writes: bool = False,
     ) -> None:
-        super().__init__(transport, num_blocks, block_bytes, mode)
+        """``blocks``: the rank's block memory (vLLM's cache); kvfsm's own ``num_blocks`` × ``block_bytes`` if None.
+        ``peer``: the prefill rank loads announce to unless :meth:`load` names another. ``bound_writes`` (WRITE
+        mode): every ``remote_blocks`` says when this side stops waiting (``recv_timeout`` from now, as
+        ``write_by``), and the prefill refuses writes that could still be in flight then, so none lands in blocks
+        given back, however late the message reached it. Without it, safety rests on the timeouts' order alone
+        (``recv_timeout`` above the prefill's ``defer_timeout + transfer_timeout``), which a prefill that computes
+        a request after its ``remote_blocks`` came does not keep."""
+        super().__init__(transport, num_blocks, block_bytes, mode, blocks)
         kind = driver if driver is not None else WriteReceiver if mode == "write" else BlockReader
         self.driver: BlockLoader = kind(self.blocks, transport, peer, rank, acks)
         spec = spec if spec is not None else moriio_spec(f"{mode}_consumer")
         self.tracker = Tracker(spec, self.driver, params=params, clock=clock)
+        if bound_writes and isinstance(self.driver, WriteReceiver) and "waiting" in spec.states:
+            self.driver.recv_timeout = self.tracker.timeout("waiting") or 0.0
         self.sources: dict[str, Source] = {}
         """READ mode: where the prefill computed each transfer's blocks (its ``computed`` answers)."""
         self.replies: list[Stats] = []
+        self._allocated: set[Hashable] = set()
+        """Requests whose blocks :meth:`start` allocated (the scheduler's part): freed when their load ends."""
 
     def start(self, request_id: str, transfer_id: str, n: int, source: Source | None = None) -> list[int]:
         """Allocate ``n`` blocks and start the load (WRITE: announce them; READ: read ``source``).
 
         Raises :class:`~kvfsm.drivers.block_pool.NoFreeBlocks` when the pool is full.
         """
+        if self.mode == "read" and source is None:
+            raise ValueError(f"request {request_id!r}: READ mode needs the prefill's blocks (source)")
         blocks = self.blocks.pool.allocate(request_id, n)
+        self._allocated.add(request_id)
         if self.mode == "write":
-            self._call(self.tracker.begin, request_id, transfer_id=transfer_id, block_ids=blocks)
-            self._fire(request_id, "announce")
+            self.load(request_id, transfer_id, blocks)
         else:
-            if source is None:
-                self.blocks.pool.release(request_id)
-                raise ValueError(f"request {request_id!r}: READ mode needs the prefill's blocks (source)")
             self._call(self.tracker.begin, request_id, transfer_id=transfer_id, block_ids=blocks, remote_blocks=source)
             self._fire(request_id, "read")
         return blocks
 
+    def load(self, request_id: str, transfer_id: str, block_ids: Sequence[int], peer: str = "") -> None:
+        """WRITE mode: load into ``block_ids``, which the caller allocated (vLLM's scheduler), announcing them to
+        ``peer`` (default: the engine's ``peer``); the caller frees them once the load is reported finished."""
+        if self.mode != "write" or not isinstance(self.driver, WriteReceiver):
+            raise ValueError("load() announces blocks for the prefill to write (WRITE mode); READ mode uses start()")
+        if peer:
+            self.driver.announce_to[request_id] = peer
+        try:
+            self._call(self.tracker.begin, request_id, transfer_id=transfer_id, block_ids=list(block_ids))
+        finally:
+            self.driver.announce_to.pop(request_id, None)
+        self._fire(request_id, "announce")
+
     def abort(self, request_id: str) -> None:
+        """Abort ``request_id``'s load; in WRITE mode tell its prefill rank too (``release``), so that a prefill that
+        has not written yet never writes into blocks given back."""
+        cancel = self.driver.cancel(request_id) if isinstance(self.driver, WriteReceiver) else None
         self._fire(request_id, "abort")
+        if cancel is not None:
+            peer, transfer_id = cancel
+            self.transport.notify(peer, Release(transfer_id, self.driver.rank))
+            self.counts["release_sent"] += 1
+
+    def waiting(self) -> int:
+        """Loads waiting for the prefill side (WRITE: announced, no write_done yet; READ: reads in flight)."""
+        census = self.tracker.census()
+        return census.get("waiting", 0) + census.get("reading", 0)
 
     def step(self, now: float | None = None) -> Finished:
         """Take write_done messages, finish the reads that ended, fire due deadlines; the scheduler frees what finished."""
@@ -235,7 +307,9 @@ class DecodeEngine(Side):
         self._poll(now)
         finished = self.driver.report.take()
         for key in finished.recving:
-            self.blocks.pool.release(key)  # the scheduler's own allocation
+            if key in self._allocated:
+                self._allocated.discard(key)
+                self.blocks.pool.release(key)  # the scheduler's own allocation
         return finished
 
     def on_message(self, message: Message) -> None:
@@ -258,4 +332,5 @@ class DecodeEngine(Side):
             **self.side_stats(),
             "verified_blocks": self.driver.stats["blocks_verified"],
             "blocks_wrong": self.driver.stats["blocks_wrong"],
+            "transfers": dict(self.driver.stats),
         }

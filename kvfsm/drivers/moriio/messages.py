@@ -2,7 +2,8 @@
 
 vLLM's MoRIIO connector sends msgpack dicts over ZMQ: ``remote_blocks`` (decode
 to every prefill rank, WRITE mode), ``write_done`` (prefill to decode, WRITE
-mode) and ``release`` (decode to prefill, READ mode). Every one names the
+mode) and ``release`` (decode to prefill: READ mode, reads over; WRITE mode,
+the decode side gave up, do not write). Every one names the
 ``transfer_id`` both engines agree on, never an engine's own request id.
 ``prefill`` and the stats pair are the commands of the cross-process test
 harness (:mod:`.peer`). :func:`decode` returns None for anything that is not
@@ -17,8 +18,25 @@ from collections.abc import Iterable
 import msgspec
 
 
+class LayoutPart(msgspec.Struct, array_like=True):
+    """One registered tensor's share of every block (:class:`kvfsm.drivers.nixl.memory.Part`): block ``b``'s bytes
+    are ``runs`` (offset in the block, length) from ``base + b * stride``."""
+
+    base: int
+    stride: int
+    runs: list[tuple[int, int]]
+
+
 class RemoteBlocks(msgspec.Struct, tag="remote_blocks"):
-    """Where the decode side's blocks for ``transfer_id`` are: the writer's targets."""
+    """Where the decode side's blocks for ``transfer_id`` are: the writer's targets.
+
+    ``layout`` empty: block ``b`` is ``block_bytes`` contiguous bytes at
+    ``base + b * block_bytes`` (kvfsm's own blocks). Otherwise the blocks are
+    spread as ``layout`` says (vLLM's per-layer cache), ``block_bytes`` in all.
+    ``write_by``: wall-clock time (``time.time()``) at which the decode side
+    stops waiting and gives the blocks back; a write that could still be in
+    flight then must not start (0: no bound).
+    """
 
     transfer_id: str
     peer: str
@@ -26,6 +44,8 @@ class RemoteBlocks(msgspec.Struct, tag="remote_blocks"):
     block_bytes: int
     blocks: list[int]
     decode_rank: int = 0
+    layout: list[LayoutPart] = []
+    write_by: float = 0.0
 
 
 class WriteDone(msgspec.Struct, tag="write_done"):

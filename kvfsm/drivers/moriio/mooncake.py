@@ -11,7 +11,10 @@ request's ``transfer_timeout`` bounds the wait.
 
 The control messages (``remote_blocks``, ``write_done``, ``release``) go
 over ZMQ PUSH/PULL on loopback, as vLLM's MoRIIO connector sends them. A
-peer's name is ``"<TransferEngine session>|<ZMQ endpoint>"``.
+peer's name is ``"<TransferEngine session>|<ZMQ endpoint>"``; a peer that is
+only ever notified (a prefill rank the decode side announces its blocks to)
+may be named by its endpoint alone, ``"|tcp://host:port"`` (:func:`notify_only`),
+as vLLM's router names a prefill engine's notify port.
 """
 
 from __future__ import annotations
@@ -43,11 +46,20 @@ class _Batch:
 class Mailbox:
     """A PULL socket on loopback for this engine's messages, and a PUSH socket per peer it writes to."""
 
-    def __init__(self, host: str = "127.0.0.1", hwm: int = 100_000) -> None:
+    def __init__(self, host: str = "127.0.0.1", hwm: int = 100_000, port: int = 0) -> None:
+        """``port`` 0 binds a free one; another binds that one (a prefill rank the router names by it)."""
         self.context = zmq.Context()
         self.pull = self.context.socket(zmq.PULL)
         self.pull.setsockopt(zmq.RCVHWM, hwm)
-        port = self.pull.bind_to_random_port(f"tcp://{host}")
+        try:
+            if port:
+                self.pull.bind(f"tcp://{host}:{port}")
+            else:
+                port = self.pull.bind_to_random_port(f"tcp://{host}")
+        except zmq.ZMQError as exc:
+            self.pull.close(0)
+            self.context.term()
+            raise TransferError("bind", f"tcp://{host}:{port}", f"{exc} (is another engine on that port?)") from exc
         self.endpoint = f"tcp://{host}:{port}"
         self.hwm = hwm
         self.dropped: Counter[str] = Counter()
@@ -89,13 +101,20 @@ class Mailbox:
 class MooncakeTransport:
     """One engine's TransferEngine (its blocks registered with it) and mailbox."""
 
-    def __init__(self) -> None:
-        self.engine: Any = mooncake_engine()
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        """``port``: the mailbox's (0: a free one)."""
+        self.mailbox = Mailbox(host, port=port)
+        try:
+            self.engine: Any = mooncake_engine()
+        except BaseException:
+            self.mailbox.close()
+            raise
         self.session = f"127.0.0.1:{self.engine.get_rpc_port()}"
-        self.mailbox = Mailbox()
         self.dropped = self.mailbox.dropped
         self.live = 0
         """Batches posted and not yet released."""
+        self.posted: Counter[str] = Counter()
+        """``transfers`` (``transfer_submit_write`` calls), ``bytes`` they carry, ``refused`` (submit answered 0)."""
 
     @property
     def name(self) -> str:
@@ -111,6 +130,9 @@ class MooncakeTransport:
         submit = self.engine.transfer_submit_write
         ids = [submit(session, src, dst, n) for (src, n), dst in zip(local, remote, strict=True)]
         self.live += 1
+        self.posted["transfers"] += len(ids)
+        self.posted["bytes"] += sum(n for _, n in local)
+        self.posted["refused"] += ids.count(0)
         return _Batch(ids)
 
     def read(self, peer: str, local: Sequence[Extent], remote: Sequence[int], uid: str) -> object:
@@ -140,6 +162,11 @@ class MooncakeTransport:
 
     def close(self) -> None:
         self.mailbox.close()
+
+
+def notify_only(host: str, port: int) -> str:
+    """The name of a peer this side only sends messages to, by its mailbox: ``"|tcp://host:port"``."""
+    return f"|tcp://{host}:{port}"
 
 
 def _session(peer: str) -> str:

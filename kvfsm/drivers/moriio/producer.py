@@ -6,7 +6,11 @@ rank's blocks, transport and tracker, and once per step turns the messages
 it received and the statuses of its posted writes into events. Every message
 is routed by ``transfer_id`` (the spec says so); a ``remote_blocks`` that
 arrives before its request was computed is kept until it is (vLLM's deferred
-task the other way round), bounded in number.
+task the other way round), bounded in number. In WRITE mode a ``release``
+from the decode side means it gave up on the transfer (vLLM's MoRIIO sends
+it when a decode request is aborted): the request is aborted, its blocks
+freed and nothing written; one that arrives before the request was computed
+aborts it as soon as it is.
 """
 
 from __future__ import annotations
@@ -21,12 +25,13 @@ from ...engine import Tracker
 from ...spec import Spec
 from ..block_pool import NoFreeBlocks
 from ..nixl.blocks import KVBlocks
+from ..nixl.memory import BlockLayout, BlockMemory, Part, read_extents
 from ..report import Finished, Report
 from .faults import FaultyTransport
 from .messages import Computed, Message, Prefill, Release, RemoteBlocks, Stats, StatsQuery, WriteDone
 from .side import Side
 from .specs import moriio_spec
-from .transport import Extent, Transport, split_statuses
+from .transport import Transport, split_statuses
 
 EARLY_LIMIT = 4096
 """How many remote_blocks for requests not yet computed are kept (vLLM keeps 4096 terminal ids)."""
@@ -51,6 +56,8 @@ class Job:
     transfer_id: str
     blocks: tuple[int, ...]
     written: bool = False
+    sent: tuple[int, int] = (0, 0)
+    """Blocks and bytes the posted batch writes."""
 
 
 class BlockHolder:
@@ -60,7 +67,7 @@ class BlockHolder:
     dropped by :meth:`free_blocks`, so it lives exactly as long as the hold.
     """
 
-    def __init__(self, blocks: KVBlocks, transport: Transport, rank: int = 0) -> None:
+    def __init__(self, blocks: BlockMemory, transport: Transport, rank: int = 0) -> None:
         self.blocks = blocks
         self.pool = blocks.pool
         self.transport = transport
@@ -91,26 +98,51 @@ class BlockWriter(BlockHolder):
     """Actions of ``moriio_write_producer``: post the writes into the decode side's blocks, tell it when they landed.
 
     ``_batches[key]`` is the ``xfer`` record (:meth:`post_writes`,
-    :meth:`release_writes`).
+    :meth:`release_writes`). ``transfer_timeout`` (set by :class:`PrefillEngine`
+    from the spec's params) is how long posted writes may stay in flight: a
+    ``remote_blocks`` whose ``write_by`` comes sooner is refused, so no write
+    can land in blocks the decode side has given back.
     """
 
-    def __init__(self, blocks: KVBlocks, transport: Transport, rank: int = 0) -> None:
+    def __init__(self, blocks: BlockMemory, transport: Transport, rank: int = 0) -> None:
         super().__init__(blocks, transport, rank)
         self._batches: dict[Hashable, tuple[str, object]] = {}
+        self.transfer_timeout = 0.0
+        self.wall: Callable[[], float] = time.time
+        """The clock ``write_by`` is read on: wall time, the one both engines share."""
 
     def post_writes(self, key: Hashable, /, remote_blocks: RemoteBlocks) -> None:
-        """One batch writing every computed block to the decode side's last ``len(blocks)`` blocks."""
+        """One batch writing the computed blocks into the decode side's, aligned at the end.
+
+        The decode side may need fewer blocks than were computed (its own
+        prefix cache had the first ones): the last ``len(remote blocks)`` are
+        written. It may have more: they fill its last ones. A write is one
+        extent per contiguous run on both sides (one per layer and block of
+        vLLM's cache).
+        """
         job = self._jobs[key]
-        targets = remote_blocks.blocks
-        if len(targets) < len(job.blocks):
-            raise ValueError(f"request {key!r}: {len(job.blocks)} blocks to write into {len(targets)} remote ones")
-        n = self.blocks.block_bytes
-        if remote_blocks.block_bytes != n:
-            raise ValueError(f"request {key!r}: remote blocks of {remote_blocks.block_bytes} bytes, local of {n}")
-        local: list[Extent] = [(self.blocks.addr(b), n) for b in job.blocks]
-        remote = [remote_blocks.base + b * n for b in targets[len(targets) - len(job.blocks) :]]
-        batch = self.transport.write(remote_blocks.peer, local, remote, job.transfer_id)
+        if remote_blocks.write_by and self.wall() + self.transfer_timeout > remote_blocks.write_by:
+            raise TimeoutError(
+                f"request {key!r}: the decode side stops waiting for transfer {job.transfer_id!r} in "
+                f"{remote_blocks.write_by - self.wall():.2f} s, sooner than a write may take ({self.transfer_timeout} s)"
+            )
+        if remote_blocks.block_bytes != self.blocks.layout.block_bytes:
+            raise ValueError(
+                f"request {key!r}: remote blocks of {remote_blocks.block_bytes} B, local of "
+                f"{self.blocks.layout.block_bytes} B (the engines must run the same model, block size and dtype)"
+            )
+        n = min(len(job.blocks), len(remote_blocks.blocks))
+        src = job.blocks[len(job.blocks) - n :]
+        dst = remote_blocks.blocks[len(remote_blocks.blocks) - n :]
+        local, remote = read_extents(
+            self.blocks.layout, src, 0, remote_layout(remote_blocks), dst, 0, remote_blocks.block_bytes
+        )
+        batch = self.transport.write(remote_blocks.peer, local, [a for a, _ in remote], job.transfer_id)
         self._batches[key] = (remote_blocks.peer, batch)
+        self.stats["batches_posted"] += 1
+        self.stats["extents_posted"] += len(local)
+        self.stats["blocks_posted"] += n
+        job.sent = (n, sum(size for _, size in local))
 
     def release_writes(self, key: Hashable, /) -> None:
         _, batch = self._batches.pop(key)
@@ -120,6 +152,9 @@ class BlockWriter(BlockHolder):
         peer, _ = self._batches[key]
         job = self._jobs[key]
         job.written = True
+        self.stats["batches_written"] += 1
+        self.stats["blocks_written"] += job.sent[0]
+        self.stats["bytes_written"] += job.sent[1]
         self.transport.notify(peer, WriteDone(job.transfer_id, self.rank))
 
     def statuses(self) -> tuple[list[Hashable], list[Hashable]]:
@@ -130,10 +165,20 @@ class BlockWriter(BlockHolder):
         return super().observe(key) | ({"xfer"} if key in self._batches else set())
 
 
+def remote_layout(message: RemoteBlocks) -> BlockLayout:
+    """Where the decode side's blocks are, as its ``remote_blocks`` says (one run per block without a layout)."""
+    if not message.layout:
+        return BlockLayout.contiguous(message.base, message.block_bytes)
+    layout = BlockLayout(tuple(Part(p.base, p.stride, tuple((o, n) for o, n in p.runs)) for p in message.layout))
+    if layout.block_bytes != message.block_bytes:
+        raise ValueError(f"remote_blocks describes blocks of {layout.block_bytes} B but says {message.block_bytes} B")
+    return layout
+
+
 class BlockLender(BlockHolder):
     """Actions of ``moriio_read_producer``: the blocks wait for the decode side's releases (counted)."""
 
-    def __init__(self, blocks: KVBlocks, transport: Transport, rank: int = 0, acks: int = 1) -> None:
+    def __init__(self, blocks: BlockMemory, transport: Transport, rank: int = 0, acks: int = 1) -> None:
         super().__init__(blocks, transport, rank)
         self.acks = acks
         self._released: Counter[str] = Counter()
@@ -167,17 +212,23 @@ class PrefillEngine(Side):
         clock: Callable[[], float] = time.monotonic,
         spec: Spec | None = None,
         driver: type[BlockWriter] | type[BlockLender] | None = None,
+        blocks: BlockMemory | None = None,
     ) -> None:
-        super().__init__(transport, num_blocks, block_bytes, mode)
+        """``blocks``: the rank's block memory (vLLM's cache); kvfsm's own ``num_blocks`` × ``block_bytes`` if None."""
+        super().__init__(transport, num_blocks, block_bytes, mode, blocks)
         kind = driver if driver is not None else BlockWriter if mode == "write" else BlockLender
         self.driver: BlockHolder = kind(self.blocks, transport, rank)
         if isinstance(self.driver, BlockLender):
             self.driver.acks = acks
         spec = spec if spec is not None else moriio_spec(f"{mode}_producer")
         self.tracker = Tracker(spec, self.driver, params=params, clock=clock)
+        if isinstance(self.driver, BlockWriter) and "writing" in spec.states:
+            self.driver.transfer_timeout = self.tracker.timeout("writing") or 0.0
         self.queued: OrderedDict[str, Prefill] = OrderedDict()
         """Requests waiting for free blocks, in arrival order (vLLM's waiting queue)."""
         self._early: OrderedDict[str, RemoteBlocks] = OrderedDict()
+        self._cancelled: OrderedDict[str, None] = OrderedDict()
+        """WRITE mode: transfers the decode side gave up on before they were computed here."""
         self._computed: OrderedDict[str, None] = OrderedDict()
         """The latest transfer ids computed here: a message for one of them goes to the tracker (late or not)."""
 
@@ -188,19 +239,32 @@ class PrefillEngine(Side):
 
         Raises :class:`NoFreeBlocks` when the pool cannot hold the request (the caller queues it).
         """
+        if not isinstance(self.blocks, KVBlocks):
+            raise TypeError("compute() writes kvfsm's own byte pattern; a rank on vLLM's cache is given blocks (hold)")
         blocks = self.blocks.pool.allocate(request_id, n)
         self.blocks.fill(blocks, transfer_id, 0)
         try:
-            self._call(self.tracker.begin, request_id, transfer_id=transfer_id, block_ids=blocks)
+            self.hold(request_id, transfer_id, blocks)
         finally:
             self.blocks.pool.release(request_id)  # delay_free: the connector's hold keeps them
+        return blocks
+
+    def hold(self, request_id: str, transfer_id: str, block_ids: Sequence[int]) -> None:
+        """request_finished handed over ``block_ids`` (delay_free): hold them for ``transfer_id``'s writes or reads.
+
+        A ``remote_blocks`` that came first is delivered now; a ``release`` that came first aborts at once.
+        """
+        self._call(self.tracker.begin, request_id, transfer_id=transfer_id, block_ids=list(block_ids))
         self._computed[transfer_id] = None
         while len(self._computed) > COMPUTED_LIMIT:
             self._computed.popitem(last=False)
         early = self._early.pop(transfer_id, None)
-        if early is not None:
+        if transfer_id in self._cancelled:
+            del self._cancelled[transfer_id]
+            self.counts["cancelled_early"] += 1
+            self._fire(request_id, "abort")
+        elif early is not None:
             self._deliver("remote_blocks", transfer_id, remote_blocks=early)
-        return blocks
 
     def abort(self, request_id: str) -> None:
         self._fire(request_id, "abort")
@@ -208,8 +272,15 @@ class PrefillEngine(Side):
     # -- once per step ------------------------------------------------------------------
 
     def step(self, now: float | None = None) -> Finished:
-        """Take the messages, finish the writes that ended, fire due deadlines, admit queued requests."""
-        for message in self.transport.messages():
+        """Take the messages, finish the writes that ended, fire due deadlines, admit queued requests.
+
+        Of one step's messages the ``release`` ones go first: a decode side
+        that gave up on a transfer must never see it written, even when its
+        ``remote_blocks`` waited in the same batch (a prefill that was stalled).
+        """
+        messages = self.transport.messages()
+        messages.sort(key=lambda m: not isinstance(m, Release))  # stable: otherwise in arrival order
+        for message in messages:
             self.on_message(message)
         if isinstance(self.driver, BlockWriter):
             done, failed = self.driver.statuses()
@@ -222,13 +293,17 @@ class PrefillEngine(Side):
     def on_message(self, message: Message) -> None:
         if isinstance(message, RemoteBlocks):
             self.counts["remote_blocks"] += 1
-            if message.transfer_id not in self._computed:  # decode was quicker than the forward pass
+            if message.transfer_id in self._cancelled:
+                self.counts["remote_blocks_cancelled"] += 1
+            elif message.transfer_id not in self._computed:  # decode was quicker than the forward pass
                 self._keep_early(message)
             else:
                 self._deliver("remote_blocks", message.transfer_id, remote_blocks=message)
         elif isinstance(message, Release):
             self.counts["release"] += 1
-            if not isinstance(self.driver, BlockLender) or self.driver.count_release(message.transfer_id):
+            if self.mode == "write":
+                self._cancel(message.transfer_id)
+            elif not isinstance(self.driver, BlockLender) or self.driver.count_release(message.transfer_id):
                 self._deliver("release", message.transfer_id)
         elif isinstance(message, Prefill):
             self.queued[message.transfer_id] = message
@@ -238,11 +313,26 @@ class PrefillEngine(Side):
         else:
             self.counts[f"unexpected:{type(message).__name__}"] += 1
 
+    def _cancel(self, transfer_id: str) -> None:
+        """The decode side gave up on ``transfer_id`` (WRITE mode): abort it here, or as soon as it is computed."""
+        key = self.tracker.route("transfer_id", transfer_id)
+        if key is not None:
+            self.counts["cancelled"] += 1
+            self._fire(key, "abort")
+        elif transfer_id not in self._computed:
+            self._early.pop(transfer_id, None)
+            self._cancelled[transfer_id] = None
+            while len(self._cancelled) > EARLY_LIMIT:
+                self._cancelled.popitem(last=False)
+                self.counts["cancelled_dropped"] += 1
+        # else: it has ended already (written, failed, expired): nothing to undo
+
     def stats(self) -> dict[str, object]:
         """Held requests, blocks held, outcomes, counts and anomalies, for the load report."""
         return {
             **self.side_stats(),
             "queued": len(self.queued),
+            "transfers": dict(self.driver.stats),
             "faults": dict(self.transport.injected) if isinstance(self.transport, FaultyTransport) else {},
         }
 
@@ -264,6 +354,7 @@ class PrefillEngine(Side):
             del self.queued[transfer_id]
             if self.mode == "read":
                 b = self.blocks
+                assert isinstance(b, KVBlocks)  # compute() refuses any other memory
                 self.transport.notify(
                     job.reply_to, Computed(transfer_id, self.transport.name, b.base, b.block_bytes, blocks)
                 )

@@ -5,6 +5,12 @@ to :attr:`Side.seconds` (kvfsm's own cost per request, apart from the
 transport's) and keeps an :class:`~kvfsm.errors.ActionError` instead of
 raising it: the tracker has already put the instance in its ``on_error``
 state, so the step goes on with the other requests.
+
+A rank's blocks are kvfsm's own :class:`~kvfsm.drivers.nixl.blocks.KVBlocks`
+(one tensor, a byte pattern per request that the decode side checks) unless
+it is given a :class:`~kvfsm.drivers.nixl.memory.BlockMemory`: vLLM's own KV
+cache (:class:`~kvfsm.drivers.nixl.memory.CacheBlocks`), where the writes land
+in the blocks the model attends over.
 """
 
 from __future__ import annotations
@@ -16,7 +22,8 @@ from typing import Any
 
 from ...engine import Tracker
 from ...errors import ActionError
-from ..nixl.blocks import KVBlocks
+from ..nixl.blocks import own_blocks
+from ..nixl.memory import BlockMemory
 from .transport import Transport
 
 
@@ -25,20 +32,31 @@ class Side:
 
     tracker: Tracker
 
-    def __init__(self, transport: Transport, num_blocks: int, block_bytes: int, mode: str) -> None:
-        """The rank's blocks, registered with ``transport``; ``mode`` is ``write`` or ``read``."""
+    def __init__(
+        self, transport: Transport, num_blocks: int, block_bytes: int, mode: str, blocks: BlockMemory | None = None
+    ) -> None:
+        """The rank's blocks (``blocks``, or kvfsm's own), registered with ``transport``; ``mode`` is ``write`` or
+        ``read``."""
         if mode not in ("write", "read"):
             raise ValueError(f"mode must be 'write' or 'read', not {mode!r}")
         self.mode = mode
         self.transport = transport
-        self.blocks = KVBlocks(num_blocks, block_bytes)
-        transport.register(self.blocks.tensor)
+        self.blocks: BlockMemory = own_blocks(blocks, num_blocks, block_bytes)
+        for tensor in self.blocks.tensors():
+            transport.register(tensor)
         self.counts: Counter[str] = Counter()
         self.outcomes: Counter[str] = Counter()
         self.anomalies: Counter[str] = Counter()
         self.errors: list[ActionError] = []
         self.seconds = 0.0
         """Time spent inside the tracker (begin, fire, deliver, poll): what kvfsm costs this side."""
+        self.owner: Hashable | None = None
+        """The pool holder of blocks the rank only borrows (vLLM's allocator, see :meth:`borrow_from`); None: it owns them."""
+
+    def borrow_from(self, owner: Hashable) -> None:
+        """Every block belongs to ``owner`` (vLLM's allocator): the drivers' holds are pins on top of its hold."""
+        self.blocks.pool.allocate(owner, self.blocks.pool.num_blocks)
+        self.owner = owner
 
     def _call(self, method: Any, *args: Any, **payload: Any) -> None:
         t = time.perf_counter()
@@ -69,10 +87,14 @@ class Side:
             self.anomalies[f"{anomaly.kind}:{anomaly.space}"] += 1
         self.seconds += time.perf_counter() - t
 
+    def held_blocks(self) -> int:
+        """Blocks the connector's holds keep, not counting ``owner``'s (vLLM's allocator, when it lends its cache)."""
+        return sum(len(b) for h, b in self.blocks.pool.holdings().items() if h != self.owner)
+
     def side_stats(self) -> dict[str, object]:
         return {
             "live": self.tracker.live(),
-            "held_blocks": sum(len(b) for b in self.blocks.pool.holdings().values()),
+            "held_blocks": self.held_blocks(),
             "counts": dict(self.counts),
             "outcomes": dict(self.outcomes),
             "anomalies": dict(self.anomalies),
