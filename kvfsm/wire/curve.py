@@ -43,14 +43,19 @@ class _Allowed:
 
 
 class Curve:
-    """The listener's key pair and the client keys it accepts, each issued to one peer name."""
+    """The listener's key pair and the client keys it accepts, each issued to one peer name.
+
+    It holds keys only: each :class:`~kvfsm.wire.Listener` given a curve
+    starts an authenticator of its own (:meth:`authenticate`) and stops it in
+    ``close()``, so a listener restarted with new keys, or a second one with
+    other keys in the same process, never meets a stale one.
+    """
 
     def __init__(self, public: bytes, secret: bytes, clients: Mapping[str, bytes]) -> None:
         self.public = public
         self.secret = secret
         self.names = {key.decode("ascii"): name for name, key in clients.items()}
         """Client public key (Z85 text, the ZAP User-Id) → the peer name it may use."""
-        self._auth: ThreadAuthenticator | None = None
 
     @classmethod
     def generate(cls, peers: Iterable[str]) -> tuple[Curve, dict[str, ClientKey]]:
@@ -62,18 +67,25 @@ class Curve:
             keys[name] = ClientKey(name, cpub, csec, public)
         return cls(public, secret, {name: key.public for name, key in keys.items()}), keys
 
+    def authenticate(self, context: zmq.Context[zmq.Socket[bytes]]) -> ThreadAuthenticator:
+        """Start a ZAP authenticator on ``context`` that allows exactly these client keys; the caller stops it.
+
+        ZAP binds ``inproc://zeromq.zap.01`` once per context, so the context
+        must be one no other authenticator runs on (the listener makes its own).
+        """
+        if not zmq.has("curve"):
+            raise RuntimeError("this libzmq has no CURVE support; install pyzmq's bundled libzmq (pip install pyzmq)")
+        auth = ThreadAuthenticator(context)
+        auth.start()
+        try:
+            auth.configure_curve_callback("*", credentials_provider=_Allowed(k.encode("ascii") for k in self.names))
+        except BaseException:
+            auth.stop()
+            raise
+        return auth
+
     def serve(self, socket: zmq.Socket[bytes]) -> None:
-        """Make ``socket`` a CURVE server and start the authenticator of its context (once)."""
-        if self._auth is None:
-            if not zmq.has("curve"):
-                raise RuntimeError(
-                    "this libzmq has no CURVE support; install pyzmq's bundled libzmq (pip install pyzmq)"
-                )
-            self._auth = ThreadAuthenticator(socket.context)
-            self._auth.start()
-            self._auth.configure_curve_callback(
-                "*", credentials_provider=_Allowed(k.encode("ascii") for k in self.names)
-            )
+        """Make ``socket`` a CURVE server with this key pair (before ``bind``)."""
         socket.curve_secretkey = self.secret
         socket.curve_publickey = self.public
         socket.curve_server = True
@@ -83,6 +95,4 @@ class Curve:
         return user_id is not None and self.names.get(user_id) == peer
 
     def close(self) -> None:
-        if self._auth is not None:
-            self._auth.stop()
-            self._auth = None
+        """Nothing to release: the listener owns the authenticator. Kept for callers written before it did."""
