@@ -49,7 +49,7 @@ from ..errors import BindingError
 from ..spec import Finding, Spec, load
 from ..spec.model import Edge
 from . import codes
-from .read import STOPS, log_lines, why_stopped
+from .read import MAX_LINE, STOPS, log_lines, why_stopped
 from .record import BEGIN, AnomalyLine, Header, Record
 
 DEFAULT_TOLERANCE = 1.0
@@ -270,8 +270,15 @@ class LogChecker:
     # -- input -----------------------------------------------------------------------
 
     def feed(self, raw: bytes) -> None:
-        """Check the next line (as read, newline included if it had one); any bytes at all."""
+        """Check the next line (as read, newline included if it had one); any bytes at all.
+
+        A line longer than :data:`~kvfsm.replay.read.MAX_LINE` is reported by its length and not decoded (the
+        reader hands on only its head: see :func:`~kvfsm.replay.read.bounded_lines`).
+        """
         self._line += 1
+        if len(raw) > MAX_LINE:
+            self._overlong()
+            return
         if not raw.strip():
             return
         try:
@@ -376,6 +383,16 @@ class LogChecker:
                     continue
                 return line
             raise exc from None
+
+    def _overlong(self) -> None:
+        self._report(
+            codes.MALFORMED,
+            self._line,
+            f"not a journal line: it is longer than {MAX_LINE >> 20} MiB, and a journal line is a few hundred bytes; "
+            "it is skipped unread, so what it recorded is missing from the check",
+            "Each line is one JSON object with key, generation, event, from, to and time, as JsonlJournal writes "
+            "it: was something else (a binary, a dump) written into the log?",
+        )
 
     def _malformed(self, raw: bytes, exc: BaseException) -> None:
         why, col = _not_a_line(raw, exc)

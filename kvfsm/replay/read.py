@@ -1,9 +1,15 @@
-"""Reading a journal's lines: plain or gzip (told by its content), and what a read that stops partway means.
+"""Reading a journal's lines: plain or gzip (told by its content), bounded, and what a read that stops partway means.
 
 A log is checked as far as it can be read. The exceptions that stop reading
-partway (corrupt compressed data, a compressed stream cut short, an I/O error)
-are named here once, with what each one says about the log, so the checker
-turns them into a finding at the line where reading stopped.
+partway (corrupt compressed data, a compressed stream cut short, an I/O error,
+a "line" with no newline in :data:`MAX_SKIP` bytes) are named here once, with
+what each one says about the log, so the checker turns them into a finding at
+the line where reading stopped.
+
+Lines are read with a bound: no more than :data:`MAX_LINE` bytes of a line
+are held. A longer line is passed on as its first ``MAX_LINE + 1`` bytes (the
+checker reports it, KVF301, by its length alone) and the rest of it is read
+and dropped, so memory does not grow with the longest line.
 """
 
 from __future__ import annotations
@@ -20,8 +26,21 @@ from typing import BinaryIO, NamedTuple
 GZIP_MAGIC = b"\x1f\x8b"
 """The first two bytes of every gzip stream: a log that starts with them is read as gzip."""
 
-STOPS: tuple[type[BaseException], ...] = (EOFError, OSError, zlib.error)
-"""What reading a log can raise partway: gzip's EOFError (cut short), BadGzipFile (an OSError), zlib.error, I/O."""
+MAX_LINE = 1 << 20
+"""Longest line checked (1 MiB): a journal line is a few hundred bytes, so a longer one is damage."""
+
+MAX_SKIP = 64 << 20
+"""Longest line skipped (64 MiB): past it with no newline, the input is no journal (a device, a disk
+image), and reading stops rather than go on through it."""
+
+
+class NoNewline(Exception):
+    """A line ran on for :data:`MAX_SKIP` bytes with no newline: reading stops there."""
+
+
+STOPS: tuple[type[BaseException], ...] = (EOFError, OSError, zlib.error, NoNewline)
+"""What reading a log can raise partway: gzip's EOFError (cut short), BadGzipFile (an OSError), zlib.error, I/O,
+and :class:`NoNewline`."""
 
 
 class Stop(NamedTuple):
@@ -35,6 +54,8 @@ def why_stopped(exc: BaseException) -> Stop:
     """What one of :data:`STOPS` says about the log (for the finding at the line where reading stopped)."""
     if isinstance(exc, EOFError):
         return Stop(True, "the compressed log ends here, before its gzip end-of-stream marker")
+    if isinstance(exc, NoNewline):
+        return Stop(False, f"no newline in the {MAX_SKIP >> 20} MiB from the start of this line, so this is no journal")
     if isinstance(exc, gzip.BadGzipFile | zlib.error):
         return Stop(False, f"the compressed log is corrupt here ({exc})")
     return Stop(False, f"the log cannot be read past this point ({exc})")
@@ -59,12 +80,32 @@ def log_lines(log: str | os.PathLike[str] | Iterable[bytes]) -> Iterator[Iterabl
     """
     if isinstance(log, str | os.PathLike):
         with open(Path(log), "rb") as raw, _closing_if_new(_sniffed(raw), raw) as stream:
-            yield stream
+            yield bounded_lines(stream)
     elif isinstance(log, io.BufferedReader):
         with _closing_if_new(_sniffed(log), log) as stream:
-            yield stream
+            yield bounded_lines(stream)
+    elif callable(getattr(log, "readline", None)):
+        yield bounded_lines(log)  # type: ignore[arg-type]
     else:
         yield log
+
+
+def bounded_lines(stream: BinaryIO, limit: int = MAX_LINE, skip: int = MAX_SKIP) -> Iterator[bytes]:
+    """``stream``'s lines, each at most ``limit + 1`` bytes: a longer one is cut there and the rest dropped.
+
+    Raises :class:`NoNewline` once a line runs past ``skip`` bytes.
+    """
+    readline = stream.readline
+    while line := readline(limit + 1):
+        if len(line) <= limit:
+            yield line
+            continue
+        size, rest = len(line), line
+        while not rest.endswith(b"\n") and (rest := readline(limit)):
+            size += len(rest)
+            if size > skip:
+                raise NoNewline(size)
+        yield line
 
 
 @contextlib.contextmanager
