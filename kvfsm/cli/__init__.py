@@ -16,8 +16,7 @@ from rich.markup import escape
 
 from ..errors import KvfsmError
 from ..spec import SpecError
-from ..spec.findings import READ_ERROR
-from .common import EXIT_FINDINGS, EXIT_USAGE, Command, err
+from .common import EXIT_FINDINGS, EXIT_USAGE, Command, err, unreadable
 
 __all__ = ["main"]
 
@@ -44,12 +43,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SpecError as exc:
         for f in exc.findings:
             err.print(f"[red]{escape(str(f))}[/]")
-        return EXIT_USAGE if any(f.code == READ_ERROR for f in exc.findings) else EXIT_FINDINGS
+        return EXIT_USAGE if unreadable(exc.findings) else EXIT_FINDINGS
     except (KvfsmError, OSError) as exc:
         err.print(f"[red]kvfsm {args.command}: {escape(str(exc))}[/]")
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
+    except MemoryError:  # every input is bounded; what is left is a search or a run asked to be this big
+        err.print(
+            f"[red]kvfsm {args.command}: out of memory; ask for less (fewer requests or states, a smaller run)[/]"
+        )
+        return EXIT_USAGE
     except Exception as exc:  # an internal bug: say so plainly; the traceback is opt-in
         if os.environ.get("KVFSM_DEBUG"):
             raise

@@ -9,8 +9,7 @@ from pathlib import Path
 from rich.markup import escape
 
 from ..spec import Finding, check
-from ..spec.findings import READ_ERROR
-from .common import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, Subparsers, findings_json, out, print_finding
+from .common import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, Subparsers, findings_json, out, print_finding, unreadable
 
 
 def register(sub: Subparsers) -> None:
@@ -25,7 +24,6 @@ def run(args: argparse.Namespace) -> int:
     findings = [f for _p, fs in reports for f in fs]
     errors = sum(f.severity == "error" for f in findings)
     warnings = len(findings) - errors
-    unreadable = any(f.code == READ_ERROR for f in findings)
     if args.format == "json":
         out.print_json(json.dumps(findings_json(reports)))
     else:
@@ -36,6 +34,6 @@ def run(args: argparse.Namespace) -> int:
                 print_finding(f)
         summary = f"{len(reports)} spec(s): {errors} error(s), {warnings} warning(s)"
         out.print(f"[red]{summary}[/]" if errors else f"[green]{summary}[/]")
-    if unreadable:
+    if unreadable(findings):  # a file, or a role spec a system names, that cannot be read
         return EXIT_USAGE
     return EXIT_FINDINGS if errors else EXIT_OK

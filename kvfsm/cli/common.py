@@ -12,9 +12,19 @@ from rich.console import Console
 from rich.markup import escape
 
 from ..errors import KvfsmError
-from ..spec.findings import Finding
+from ..spec.findings import READ_ERROR, Finding
 
 EXIT_OK, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
+
+UNREADABLE = frozenset({READ_ERROR, "KVF200"})
+"""Findings that say a file could not be read at all: the file named (KVF000) or a role spec a system names
+(KVF200). Any of them makes a command's exit status 2, as a missing or bad path is a usage error."""
+
+
+def unreadable(findings: Sequence[Finding]) -> bool:
+    """Whether a file behind ``findings`` could not be read (exit 2 rather than 1)."""
+    return any(f.code in UNREADABLE for f in findings)
+
 
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)

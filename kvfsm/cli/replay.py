@@ -15,6 +15,7 @@ from ..errors import AnomalyKind
 from ..replay import DEFAULT_TOLERANCE, Limit, LogReport, check_log
 from ..replay.codes import NAMES
 from ..spec import Spec, SpecError, load
+from ..spec.loader import not_regular
 from .common import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, Subparsers, err, findings_json, out, print_finding
 
 
@@ -111,10 +112,11 @@ def run(args: argparse.Namespace) -> int:
         err.print(f"[red]kvfsm replay: {escape(limits)}[/]")
         return EXIT_USAGE
     source: Path | BinaryIO = sys.stdin.buffer if args.log == "-" else Path(args.log)
-    if isinstance(source, Path) and not source.is_file():
-        why = "is a directory" if source.is_dir() else "does not exist"
-        err.print(f"[red]kvfsm replay: log {escape(str(source))} {why}[/]")
-        return EXIT_USAGE
+    if isinstance(source, Path):
+        why = _not_a_log(source)
+        if why:
+            err.print(f"[red]kvfsm replay: log {escape(str(source))} {escape(why)}[/]")
+            return EXIT_USAGE
     report = check_log(
         spec,
         source,
@@ -129,6 +131,25 @@ def run(args: argparse.Namespace) -> int:
     else:
         _render(report, every=args.all)
     return EXIT_OK if report.conforms else EXIT_FINDINGS
+
+
+def _not_a_log(path: Path) -> str:
+    """Why ``path`` cannot be read as a log ("" if it can): it must be a regular file, read line by line.
+
+    A FIFO or a device is refused before it is opened (an empty FIFO would block the open, /dev/zero
+    has no lines); a pipe is read from stdin with ``-``.
+    """
+    try:
+        kind = not_regular(path.stat().st_mode)
+    except FileNotFoundError:
+        return "does not exist"
+    except OSError as exc:
+        return f"cannot be read: {exc.strerror or exc}"
+    if kind is None:
+        return ""
+    if kind == "a directory":
+        return "is a directory; name a journal file in it"
+    return f"is {kind}, not a journal file; read a pipe from stdin with '-' (e.g. zcat LOG.gz | kvfsm replay SPEC -)"
 
 
 def _json(report: LogReport, spec: Path) -> dict[str, object]:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ..errors import KvfsmError
+from ..spec.loader import InputError, read_input
 from ..spec.system import System
 from ..spec.system.channel import Traffic
 from ..spec.system.model import CRASH, CRASHED
@@ -266,19 +267,32 @@ def _loop(d: Mapping[str, Any]) -> int | None:
     return loop
 
 
+MAX_TRACE_BYTES = 4 << 20
+"""Largest trace file read (4 MiB): a shortest counterexample is a few KiB; the bound keeps a wrong
+path (a device, a log) from being read whole."""
+
+
 def read_trace(path: str | Path) -> Trace:
-    """Read a kvfsm-trace/1 JSON file (as ``kvfsm explore --trace`` writes); raises :class:`TraceError`."""
+    """Read a kvfsm-trace/1 JSON file (as ``kvfsm explore --trace`` writes); raises :class:`TraceError`.
+
+    The file is read with a bound (:data:`MAX_TRACE_BYTES`); a device, a FIFO
+    or a folder is refused before it is read.
+    """
     shown = str(path)
     try:
-        text = Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise TraceError("", "no such trace file; write one with 'kvfsm explore SYSTEM --trace FILE'", shown) from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise TraceError("", f"cannot read the trace file: {exc}", shown) from None
+        text = read_input(path, what="trace file", limit=MAX_TRACE_BYTES)
+    except InputError as exc:
+        if exc.problem.startswith("no such"):
+            raise TraceError(
+                "", "no such trace file; write one with 'kvfsm explore SYSTEM --trace FILE'", shown
+            ) from None
+        raise TraceError("", f"{exc.problem}; {exc.fix}", shown) from None
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as exc:
         raise TraceError(f"line {exc.lineno} column {exc.colno}", f"not JSON: {exc.msg}", shown) from None
+    except RecursionError:
+        raise TraceError("", "not a trace: its JSON is nested too deeply to read", shown) from None
     try:
         return Trace.from_dict(doc)
     except TraceError as exc:

@@ -8,11 +8,14 @@ it. It collects every schema error it can before raising.
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 from pathlib import Path
 
 from yaml.nodes import Node, ScalarNode, SequenceNode
 
+from ..errors import KvfsmError
 from .findings import READ_ERROR, Finding, SpecError
 from .model import EventDecl, IgnoreRule, Outgoing, Relation, Resource, Send, Space, Spec, State, Timeout, Transition
 from .schema import NULL, STR, Schema
@@ -376,43 +379,115 @@ def read_text(text: str, path: str = "<string>") -> Spec:
     )
 
 
+# -- reading input files, bounded -------------------------------------------------
+
+MAX_SPEC_BYTES = 1 << 20
+"""Largest spec, system or exemption file read (1 MiB): the bundled specs are a few KiB, and a bound
+keeps a wrong path (a log, a disk image, /dev/zero) from being read whole into memory."""
+
+
+class InputError(KvfsmError):
+    """An input file that cannot be read as text: missing, not a regular file, too large, binary or not UTF-8.
+
+    ``problem`` says what is wrong in words that follow the path (``is a directory, ...``);
+    ``fix`` how to mend it. Each reader wraps it in its own error (a KVF000 finding, a trace error).
+    """
+
+    def __init__(self, path: str, problem: str, fix: str) -> None:
+        self.path, self.problem, self.fix = path, problem, fix
+        super().__init__(f"{path}: {problem}")
+
+
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def not_regular(mode: int) -> str | None:
+    """What a file that is not a regular file is, in words (``a FIFO (named pipe)``); ``None`` for a regular one."""
+    if stat.S_ISREG(mode):
+        return None
+    return next((words for test, words in _KINDS if test(mode)), "not a regular file")
+
+
+def _size(n: int) -> str:
+    return f"{n / (1 << 20):,.1f} MiB" if n >= 1 << 20 else f"{n:,} bytes"
+
+
+def read_input(path: str | Path, *, what: str, limit: int = MAX_SPEC_BYTES) -> str:
+    """A regular file's text, read with a bound: at most ``limit`` bytes, UTF-8, no NUL byte.
+
+    ``what`` names the file in messages (``spec file``). Raises :class:`InputError`
+    for anything else: a missing file, a directory, a FIFO or device (refused
+    before it is read, and opened without blocking, so an empty FIFO cannot
+    hang the reader), a file over ``limit``, binary or non-UTF-8 bytes.
+    """
+    shown = str(path)
+    too_big = f"Name the {what} itself; a {what} is at most {_size(limit)}."
+    try:
+        info = os.stat(path)
+        kind = not_regular(info.st_mode)
+        if kind is None:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
+            try:
+                info = os.fstat(fd)  # the file opened, not the one stat saw
+                kind = not_regular(info.st_mode)
+                data = b"" if kind is not None or info.st_size > limit else _read_at_most(fd, limit + 1)
+            finally:
+                os.close(fd)
+    except FileNotFoundError:
+        raise InputError(shown, f"no such {what}", "Check the path.") from None
+    except OSError as exc:
+        raise InputError(shown, f"cannot read the {what}: {exc.strerror or exc}", "Make it readable.") from None
+    if kind is not None:
+        fix = "Name a file in it." if kind == "a directory" else f"Name a regular file: a {what} is read whole."
+        raise InputError(shown, f"is {kind}, not a {what}", fix)
+    if info.st_size > limit or len(data) > limit:
+        size = _size(info.st_size) if info.st_size > limit else f"more than {_size(limit)}"
+        raise InputError(shown, f"is {size}, more than the {_size(limit)} a {what} may be", too_big)
+    nul = data.find(b"\0")
+    if nul >= 0:
+        line = data.count(b"\n", 0, nul) + 1
+        raise InputError(
+            shown,
+            f"is binary, not text: a NUL byte at line {line}, byte {nul + 1}",
+            f"Name the {what} itself, a YAML or JSON text file.",
+        )
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise InputError(
+            shown,
+            f"is not UTF-8 text: byte 0x{data[exc.start]:02x} at line {line}, byte {exc.start + 1}",
+            "Save it as UTF-8.",
+        ) from None
+
+
+def _read_at_most(fd: int, n: int) -> bytes:
+    """Up to ``n`` bytes from ``fd`` (fewer only at its end)."""
+    chunks: list[bytes] = []
+    left = n
+    while left > 0:
+        chunk = os.read(fd, min(left, 1 << 16))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
 def read(path: str | Path) -> Spec:
     """Read and parse a spec file (schema errors only; see :func:`kvfsm.load` for checks)."""
-    shown = str(path)
     try:
-        text = Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise SpecError(
-            [
-                Finding(
-                    READ_ERROR, "error", shown, 0, "no such spec file", "Check the path; bundled specs live in specs/."
-                )
-            ]
-        ) from None
-    except IsADirectoryError:
-        raise SpecError(
-            [
-                Finding(
-                    READ_ERROR,
-                    "error",
-                    shown,
-                    0,
-                    "is a directory, not a spec file",
-                    "Name a .yaml file, or use a shell glob such as specs/*.yaml.",
-                )
-            ]
-        ) from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise SpecError(
-            [
-                Finding(
-                    READ_ERROR,
-                    "error",
-                    shown,
-                    0,
-                    f"cannot read the spec file: {exc}",
-                    "Make the file readable UTF-8 text.",
-                )
-            ]
-        ) from None
-    return read_text(text, shown)
+        text = read_input(path, what="spec file")
+    except InputError as exc:
+        fix = "Check the path; bundled specs live in specs/." if exc.problem.startswith("no such") else exc.fix
+        if exc.problem.startswith("is a directory"):
+            fix = "Name a .yaml file, or use a shell glob such as specs/*.yaml."
+        raise SpecError([Finding(READ_ERROR, "error", exc.path, 0, exc.problem, fix)]) from None
+    return read_text(text, str(path))

@@ -22,6 +22,7 @@ from pathlib import Path
 import yaml
 
 from ..errors import KvfsmError
+from ..spec.loader import InputError, read_input
 from .coverage import Coverage, Gap
 
 
@@ -103,20 +104,38 @@ def check_names(machine: str, names: Sequence[str], exempt: Mapping[str, str]) -
 
 
 def load_exemptions(path: str | Path) -> dict[str, dict[str, str]]:
-    """Machine name → {gap name: reason}, from an exemption file (see the module docstring)."""
+    """Machine name → {gap name: reason}, from an exemption file (see the module docstring).
+
+    The file is read with the spec loader's bound (a device, a FIFO or a file
+    over 1 MiB is refused); names and reasons must be plain values.
+    """
     try:
-        doc = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError) as exc:
+        doc = yaml.safe_load(read_input(path, what="exemption file"))
+    except InputError as exc:
+        raise ExemptionError(f"cannot read exemption file {path}: {exc.problem}; {exc.fix}") from None
+    except (yaml.YAMLError, RecursionError) as exc:
         raise ExemptionError(f"cannot read exemption file {path}: {exc}") from None
     example = 'e.g.\n  kv_request:\n    "ignored abort in done": why it may go unexercised'
     if doc is None:
         return {}
     if not isinstance(doc, dict) or not all(isinstance(v, dict) for v in doc.values()):
         raise ExemptionError(f"{path}: an exemption file maps each machine name to {{name: reason}}; {example}")
-    return {
-        str(machine): {str(k): str(v) if v is not None else "" for k, v in items.items()}
-        for machine, items in doc.items()
-    }
+    return {_name(machine): {_name(k): _reason(v) for k, v in items.items()} for machine, items in doc.items()}
+
+
+_PLAIN = (str, int, float, bool)
+"""YAML scalars: names and reasons are written as these; a list or mapping (which YAML aliases can make
+enormous when printed) is neither."""
+
+
+def _name(value: object) -> str:
+    """A name as text; a list or mapping becomes a name that nothing has, which :func:`check_names` refuses."""
+    return str(value) if isinstance(value, _PLAIN) else "<a list or mapping, not a name>"
+
+
+def _reason(value: object) -> str:
+    """A reason as text; anything but a plain value reads as no reason, which :func:`check_names` refuses."""
+    return str(value) if isinstance(value, _PLAIN) else ""
 
 
 __all__ = ["Bar", "ExemptionError", "Verdict", "check_exemptions", "check_names", "judge", "load_exemptions"]

@@ -18,6 +18,7 @@ from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from ..checks import run_checks
 from ..findings import READ_ERROR, Finding, SpecError
+from ..loader import InputError, read_input
 from ..loader import read as read_machine
 from ..schema import NULL, YAML_LOADER, Schema
 from .channel import Channel
@@ -56,10 +57,10 @@ def is_system_text(text: str) -> bool:
 
 
 def is_system_file(path: str | Path) -> bool:
-    """Whether ``path`` holds a system file; ``False`` for a machine spec or an unreadable file."""
+    """Whether ``path`` holds a system file; ``False`` for a machine spec or an unreadable file (read with a bound)."""
     try:
-        return is_system_text(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError):
+        return is_system_text(read_input(path, what="system file"))
+    except InputError:
         return False
 
 
@@ -366,16 +367,17 @@ def read_system_text(text: str, path: str) -> Draft:
 
 
 def read_system_file(path: str | Path) -> Draft:
-    """Read a system file as far as possible; raises :class:`SpecError` (a read error) if it cannot be read at all."""
-    shown = str(path)
+    """Read a system file as far as possible; raises :class:`SpecError` (a read error) if it cannot be read at all.
+
+    The file, like each role spec it names, is read with the loader's bound
+    (:func:`~kvfsm.spec.loader.read_input`): a device, a FIFO or a file over
+    1 MiB is refused before it is read.
+    """
     try:
-        text = Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        problem, fix = "no such system file", "Check the path; bundled systems live in specs/pd_abort/."
-    except IsADirectoryError:
-        problem, fix = "is a directory, not a system file", "Name a .yaml file."
-    except (OSError, UnicodeDecodeError) as exc:
-        problem, fix = f"cannot read the system file: {exc}", "Make the file readable UTF-8 text."
-    else:
-        return read_system_text(text, shown)
-    raise SpecError([Finding(READ_ERROR, "error", shown, 0, problem, fix)])
+        text = read_input(path, what="system file")
+    except InputError as exc:
+        fix = (
+            "Check the path; bundled systems live in specs/pd_abort/." if exc.problem.startswith("no such") else exc.fix
+        )
+        raise SpecError([Finding(READ_ERROR, "error", exc.path, 0, exc.problem, fix)]) from None
+    return read_system_text(text, str(path))
