@@ -1,15 +1,17 @@
 """A bounded JSON snapshot of a tracker: per state, how many, and the oldest few with what they hold.
 
 For a debug endpoint: the output is capped however many instances are live
-(``limit`` per state, a ``truncated`` flag), sorted oldest first, and the
-tracker's lock is held only to copy its table once, never while the dump is
-built.
+(``limit`` per state, a ``truncated`` flag), sorted oldest first. The
+tracker's lock is taken once, to copy its tables (:class:`~kvfsm.observe.view.View`),
+never once per instance and never while the dump is built.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping
 from typing import TYPE_CHECKING, Any
+
+from .view import View
 
 if TYPE_CHECKING:
     from ..engine import Tracker
@@ -26,49 +28,45 @@ def state_dump(
     Age is known from ``entered`` (when each instance entered its state, as
     :class:`~kvfsm.observe.metrics.TrackerMetrics` keeps it) or, for a state
     with a timeout, from its armed deadline; otherwise it is ``None`` and
-    instances are listed in the order they were begun.
+    instances are listed in the order they were begun. ``generation`` is the
+    one the tracker has assigned, or ``None``: a dump assigns none.
     """
-    if limit < 0:
-        raise ValueError(f"limit must be >= 0, not {limit}")
-    spec = tracker.spec
-    rows = tracker.snapshot()
-    now = now if now is not None else tracker.clock()
-    by_state: dict[str, list[tuple[Hashable, float | None]]] = {name: [] for name in spec.states}
-    for key, state in rows:
-        by_state[state].append((key, _age(tracker, key, entered, now)))
+    check_limit(limit)
+    return dump_view(View.take(tracker, entered), limit=limit, now=now)
+
+
+def check_limit(limit: int) -> None:
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+        raise ValueError(f"limit must be a whole number >= 0, not {limit!r}")
+
+
+def dump_view(view: View, *, limit: int, now: float | None = None) -> dict[str, Any]:
+    """:func:`state_dump` of a view already taken: bounded work, ``limit`` rows per state."""
+    check_limit(limit)
+    spec = view.spec
+    now = view.now if now is None else now
     states: dict[str, Any] = {}
     truncated = False
-    for name, members in by_state.items():
-        members.sort(key=lambda m: -(m[1] if m[1] is not None else -1.0))
-        shown = members[:limit]
-        truncated |= len(members) > limit
+    for name, group in view.groups.items():
+        state = spec.states[name]
+        cut = len(group) > limit
+        truncated |= cut
         states[name] = {
-            "count": len(members),
-            "final": spec.states[name].is_final,
+            "count": len(group),
+            "final": state.is_final,
             "oldest": [
                 {
                     "key": _text(key),
-                    "age": None if age is None else round(age, 3),
-                    "generation": tracker.generation(key),
-                    "held": list(tracker.held(key)),
-                    "ids": {space: _text(ident) for space, ident in tracker.ids(key).items()},
+                    "age": None if since is None else round(max(0.0, now - since), 3),
+                    "generation": view.gens.get(key),
+                    "held": list(view.live[key].holds),
+                    "ids": {space: _text(ident) for space, ident in view.ids(key).items()},
                 }
-                for key, age in shown
+                for since, key in group.oldest(limit)
             ],
-            "truncated": len(members) > limit,
+            "truncated": cut,
         }
-    return {
-        "machine": spec.name,
-        "live": sum(1 for _k, s in rows if not spec.states[s].is_final),
-        "states": states,
-        "truncated": truncated,
-    }
-
-
-def _age(tracker: Tracker, key: Hashable, entered: Mapping[Hashable, float] | None, now: float) -> float | None:
-    since = entered.get(key) if entered is not None else None
-    since = since if since is not None else tracker.entered(key)
-    return None if since is None else max(0.0, now - since)
+    return {"machine": spec.name, "live": view.live_count(), "states": states, "truncated": truncated}
 
 
 def _text(value: Any) -> Any:

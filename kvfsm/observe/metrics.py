@@ -11,9 +11,10 @@ rate works before the first event.
 
 Counting and timing are taps compiled into the tracker's transitions
 (:meth:`kvfsm.Tracker.tap`): a tracker without metrics pays nothing, a
-counted transition pays one C call; the gauges are read from the tracker when
-Prometheus scrapes. Timing every state (``state_times=True``) costs a Python
-call, a clock read and a dict update per transition, so it is opt-in.
+counted transition pays one C call; the gauges are read when Prometheus
+scrapes, from one copy of the tracker's tables (its lock taken once). Timing
+every state (``state_times=True``) costs a Python call, a clock read and a
+dict update per transition, so it is opt-in.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, get_args
 
 from ..errors import AnomalyKind
+from .view import View
 
 if TYPE_CHECKING:
     from ..engine import Tracker
@@ -82,6 +84,9 @@ class TrackerMetrics:
     histogram, and the oldest-age gauge of states without a timeout (timed
     states report it from their armed deadlines either way). It is opt-in
     because it costs several times what counting does (see docs/observability.md).
+
+    ``name`` adds a ``tracker`` label to every series: two trackers of one
+    machine in one registry need distinct names (a second one without is refused).
     """
 
     def __init__(
@@ -92,9 +97,14 @@ class TrackerMetrics:
         state_times: bool = False,
         buckets: Sequence[float] = BUCKETS,
         clock: Callable[[], float] | None = None,
+        name: str | None = None,
     ) -> None:
         self.tracker = tracker
         self.machine = tracker.spec.name
+        self.name = name
+        """With a name, every series carries a ``tracker`` label: how two trackers of one machine share a registry."""
+        if registry is not None:
+            self._refuse_twin(registry)  # before the taps: a refused one must cost the tracker nothing
         self.buckets = tuple(buckets)
         self.clock = clock if clock is not None else tracker.clock
         """Times states on the tracker's own clock unless told otherwise."""
@@ -112,6 +122,16 @@ class TrackerMetrics:
         )
         if registry is not None:
             registry.register(self)
+
+    def _refuse_twin(self, registry: CollectorRegistry) -> None:
+        """Two trackers of one machine with the same (or no) name would repeat every series with identical labels."""
+        for other in list(getattr(registry, "_collector_to_names", {})):
+            if isinstance(other, TrackerMetrics) and (other.machine, other.name) == (self.machine, self.name):
+                named = f"named {self.name!r}" if self.name is not None else "without a name"
+                raise ValueError(
+                    f"this registry already has the metrics of a {self.machine!r} tracker {named}; give each "
+                    f"tracker of one machine its own name= (it becomes the series' `tracker` label)"
+                )
 
     # -- taps: run inside the tracker's calls, per key -------------------------------
 
@@ -147,78 +167,78 @@ class TrackerMetrics:
 
     # -- the collector: read when scraped ----------------------------------------------
 
+    def _labels(self, *names: str) -> list[str]:
+        return ["machine", *(["tracker"] if self.name is not None else []), *names]
+
+    def _values(self, *values: str) -> list[str]:
+        return [self.machine, *([self.name] if self.name is not None else []), *values]
+
     def collect(self) -> Iterator[Metric]:
-        """Every series of this tracker, each state, resource and transition present even at zero."""
-        t, m, spec = self.tracker, self.machine, self.tracker.spec
-        census, holding = t.census(), t.holding()
+        """Every series of this tracker, each state, resource and transition present even at zero.
+
+        The gauges are read from one :class:`~kvfsm.observe.view.View`: the
+        tracker's lock is taken once per scrape, however many instances live.
+        """
+        spec, labels, values = self.tracker.spec, self._labels, self._values
+        view = View.take(self.tracker, self.entered if self.state_times else None)
+        census, holding, counts = view.census(), view.holding(), view.counts
         live = GaugeMetricFamily(
-            "kvfsm_instances", "Instances per state (final ones until drained)", labels=["machine", "state"]
+            "kvfsm_instances", "Instances per state (final ones until drained)", labels=labels("state")
         )
         for state in spec.states:
-            live.add_metric([m, state], census.get(state, 0))
+            live.add_metric(values(state), census.get(state, 0))
         yield live
-        held = GaugeMetricFamily("kvfsm_held", "Instances holding each resource", labels=["machine", "resource"])
+        held = GaugeMetricFamily("kvfsm_held", "Instances holding each resource", labels=labels("resource"))
         for resource in spec.resources:
-            held.add_metric([m, resource], holding.get(resource, 0))
+            held.add_metric(values(resource), holding.get(resource, 0))
         yield held
-        begun = CounterMetricFamily("kvfsm_begun", "Instances begun", labels=["machine"])
-        begun.add_metric([m], self.begun.value)
+        begun = CounterMetricFamily("kvfsm_begun", "Instances begun", labels=labels())
+        begun.add_metric(values(), self.begun.value)
         yield begun
-        moved = CounterMetricFamily("kvfsm_transitions", "Transitions taken", labels=["machine", "from", "event", "to"])
+        moved = CounterMetricFamily("kvfsm_transitions", "Transitions taken", labels=labels("from", "event", "to"))
         finished: dict[str, int] = dict.fromkeys(spec.finals, 0)
         for (source, event, target), tally in zip(self.edges, self.taken, strict=True):
             n = tally.value
-            moved.add_metric([m, source, event, target], n)
+            moved.add_metric(values(source, event, target), n)
             if target in finished:
                 finished[target] += n
         yield moved
         ended = CounterMetricFamily(
-            "kvfsm_finished", "Instances that reached each final state", labels=["machine", "state", "outcome"]
+            "kvfsm_finished", "Instances that reached each final state", labels=labels("state", "outcome")
         )
         for state, n in finished.items():
-            ended.add_metric([m, state, spec.states[state].final or ""], n)
+            ended.add_metric(values(state, spec.states[state].final or ""), n)
         yield ended
-        anomalies = CounterMetricFamily(
-            "kvfsm_anomalies", "Events dropped or forced, by kind", labels=["machine", "kind"]
-        )
+        anomalies = CounterMetricFamily("kvfsm_anomalies", "Events dropped or forced, by kind", labels=labels("kind"))
         for kind in ANOMALIES:
-            anomalies.add_metric([m, kind], t.counts.get(kind, 0))
+            anomalies.add_metric(values(kind), counts.get(kind, 0))
         yield anomalies
-        failures = CounterMetricFamily(
-            "kvfsm_failures", "Driver action failures, by phase", labels=["machine", "phase"]
-        )
+        failures = CounterMetricFamily("kvfsm_failures", "Driver action failures, by phase", labels=labels("phase"))
         for count, phase in FAILURES.items():
-            failures.add_metric([m, phase], t.counts.get(count, 0))
+            failures.add_metric(values(phase), counts.get(count, 0))
         yield failures
-        timeouts = CounterMetricFamily("kvfsm_timeouts", "Deadlines that fired", labels=["machine"])
-        timeouts.add_metric([m], t.counts.get("timeouts", 0))
+        timeouts = CounterMetricFamily("kvfsm_timeouts", "Deadlines that fired", labels=labels())
+        timeouts.add_metric(values(), counts.get("timeouts", 0))
         yield timeouts
-        yield from self._times()
-
-    def _times(self) -> Iterator[Metric]:
-        m = self.machine
         if self.state_times:
             yield self._histogram()
         oldest = GaugeMetricFamily(
-            "kvfsm_oldest_seconds",
-            "Age in its state of the oldest instance of each live state",
-            labels=["machine", "state"],
+            "kvfsm_oldest_seconds", "Age in its state of the oldest instance of each live state", labels=labels("state")
         )
-        for state, age in self.oldest().items():
-            oldest.add_metric([m, state], age)
+        for state, age in self._oldest(view).items():
+            oldest.add_metric(values(state), age)
         yield oldest
 
     def _histogram(self) -> Metric:
-        m = self.machine
         seconds = HistogramMetricFamily(
-            "kvfsm_state_seconds", "Time spent in each state, observed on leaving it", labels=["machine", "state"]
+            "kvfsm_state_seconds", "Time spent in each state, observed on leaving it", labels=self._labels("state")
         )
         for state, counts in self.histograms.items():
             cumulative, running = [], 0
             for bound, n in zip([*map(str, self.buckets), "+Inf"], counts, strict=True):
                 running += n
                 cumulative.append((bound, running))
-            seconds.add_metric([m, state], cumulative, self.sums[state][0])
+            seconds.add_metric(self._values(state), cumulative, self.sums[state][0])
         return seconds
 
     def oldest(self) -> dict[str, float]:
@@ -227,14 +247,13 @@ class TrackerMetrics:
         0 where none is; without ``state_times``, also for a state without a
         timeout (a timed one is read off its armed deadlines).
         """
-        now = self.clock()
+        return self._oldest(View.take(self.tracker, self.entered if self.state_times else None))
+
+    def _oldest(self, view: View) -> dict[str, float]:
+        now = self.clock() if self.clock is not self.tracker.clock else view.now
         out = dict.fromkeys(self.tracker.spec.live, 0.0)
-        states = self.tracker.snapshot()
-        entered = self.entered.get if self.state_times else self.tracker.entered
-        for key, state in states:
-            since = entered(key)
-            if since is not None and state in out:
-                out[state] = max(out[state], now - since)
+        for state, since in view.oldest_since().items():
+            out[state] = max(0.0, now - since)
         return out
 
     def describe(self) -> list[Any]:

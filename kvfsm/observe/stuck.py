@@ -14,6 +14,8 @@ import logging
 from collections.abc import Hashable, Mapping
 from typing import TYPE_CHECKING
 
+from .view import View
+
 if TYPE_CHECKING:
     from ..engine import Tracker
 
@@ -46,8 +48,8 @@ class StuckWatch:
         self.logger = logger
         self.thresholds = {name: self._threshold(name) for name in tracker.spec.live}
         """Seconds in each live state after which an instance is stuck (None: not watched)."""
-        self.warned: dict[tuple[Hashable, int | None], str] = {}
-        """(key, generation) → the state it was warned about."""
+        self.warned: dict[Hashable, tuple[str, float]] = {}
+        """Key → the stay it was warned about: (state, when it entered it). A new stay is warned about anew."""
 
     def _threshold(self, state: str) -> float | None:
         declared = self.tracker.spec.states[state].warn_after
@@ -56,36 +58,37 @@ class StuckWatch:
         after = self.tracker.timeout(state)
         return None if after is None else self.fraction * after
 
-    def _since(self, key: Hashable) -> float | None:
-        since = self.entered.get(key) if self.entered is not None else None
-        return since if since is not None else self.tracker.entered(key)
-
     def check(self, now: float | None = None) -> list[tuple[Hashable, str, float]]:
-        """Warn about every instance newly found stuck; returns ``(key, state, seconds there)`` for each."""
+        """Warn about every instance newly found stuck; returns ``(key, state, seconds there)`` for each.
+
+        Reads one :class:`~kvfsm.observe.view.View` of the tracker (its lock
+        taken once), and only the watched states' instances, oldest first,
+        stopping at the first one that is not stuck yet.
+        """
         t = self.tracker
-        now = t.clock() if now is None else now
+        view = View.take(t, self.entered)
+        now = view.now if now is None else now
         found: list[tuple[Hashable, str, float]] = []
-        seen: set[tuple[Hashable, int | None]] = set()
-        for key, state in t.snapshot():
+        stuck: dict[Hashable, tuple[str, float]] = {}
+        for state, group in view.groups.items():
             threshold = self.thresholds.get(state)
-            since = self._since(key) if threshold is not None else None
-            if threshold is None or since is None or now - since < threshold:
+            if threshold is None:
                 continue
-            ident = (key, t.generation(key))
-            seen.add(ident)
-            if self.warned.get(ident) == state:
-                continue
-            self.warned[ident] = state
-            found.append((key, state, now - since))
-            self.logger.warning(
-                "%s %r has been in %r for %.1f s (warned after %.1f s), holding %s",
-                t.spec.name,
-                key,
-                state,
-                now - since,
-                threshold,
-                ", ".join(t.held(key)) or "nothing",
-            )
-        for ident in [i for i in self.warned if i not in seen]:
-            del self.warned[ident]
+            for since, key in group.aged_since():
+                if now - since < threshold:
+                    break  # oldest first: the rest are younger
+                stay = stuck[key] = (state, since)
+                if self.warned.get(key) == stay:
+                    continue
+                found.append((key, state, now - since))
+                self.logger.warning(
+                    "%s %r has been in %r for %.1f s (warned after %.1f s), holding %s",
+                    t.spec.name,
+                    key,
+                    state,
+                    now - since,
+                    threshold,
+                    ", ".join(view.live[key].holds) or "nothing",
+                )
+        self.warned = stuck
         return found
