@@ -523,6 +523,7 @@ _VLLM_CONNECTORS = {
     "CpuOffloadConnector": "vllm_connector",
     "MooncakeStoreConnector": "vllm_mooncake",
     "NixlConnector": "vllm_nixl",
+    "MoRIIOConnector": "vllm_moriio",
 }
 """Connector classes vLLM may name; they import vLLM, so they load on first use."""
 
