@@ -46,7 +46,65 @@ def engine_args(model: str | Path, kv_transfer_config: Mapping[str, Any] | None)
     return args
 
 
-class Server:
+class Endpoint:
+    """An OpenAI-compatible server at ``url`` serving ``model``: completions, the prefix-cache reset, metrics."""
+
+    url: str
+    model: str
+
+    def post(self, path: str, body: Mapping[str, Any] | None = None, *, timeout: float = 120.0) -> Any:
+        data = json.dumps(dict(body or {})).encode()
+        request = urllib.request.Request(
+            f"{self.url}{path}", data=data, headers={"Content-Type": "application/json"}, method="POST"
+        )
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return json.loads(response.read())
+
+    def complete(self, prompt: Sequence[int], *, max_tokens: int = 8) -> list[int]:
+        """Greedy tokens for ``prompt`` (token ids) from ``/v1/completions``."""
+        body = {
+            "model": self.model,
+            "prompt": list(prompt),
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+        return list(self.post("/v1/completions", body)["choices"][0]["token_ids"])
+
+    def complete_all(self, prompts: Sequence[Sequence[int]], *, concurrency: int = 4, max_tokens: int = 8) -> list[list[int]]:
+        """:meth:`complete` for every prompt, ``concurrency`` in flight at once; results in prompt order."""
+        with ThreadPoolExecutor(concurrency) as pool:
+            return list(pool.map(lambda p: self.complete(p, max_tokens=max_tokens), prompts))
+
+    def reset_prefix_cache(self, *, connector: bool = False, timeout: float = 30.0) -> None:
+        """Reset vLLM's GPU prefix cache (and the connector's, with ``connector``), retrying while a transfer still
+        holds blocks, as vLLM says to."""
+        deadline = time.monotonic() + timeout
+        path = "/reset_prefix_cache" + ("?reset_external=true" if connector else "")
+        while not self.post(path)["success"]:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"vLLM's blocks were still held {timeout} s after the requests ended")
+            time.sleep(0.1)
+
+    def metrics(self) -> dict[str, float]:
+        """The server's Prometheus samples, summed over labels, by name (``vllm:...``)."""
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as response:
+            text = response.read().decode()
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if not line or line.startswith("#"):
+                continue
+            name_labels, _, value = line.rpartition(" ")
+            name = name_labels.split("{", 1)[0]
+            try:
+                out[name] = out.get(name, 0.0) + float(value)
+            except ValueError:
+                continue
+        return out
+
+
+class Server(Endpoint):
     """One OpenAI server process; a context manager that always stops it (SIGINT, then SIGKILL)."""
 
     def __init__(
@@ -99,59 +157,6 @@ class Server:
 
     def __exit__(self, *exc: object | TracebackType | None) -> None:
         self.stop()
-
-    # -- the HTTP API ------------------------------------------------------------------------
-
-    def post(self, path: str, body: Mapping[str, Any] | None = None, *, timeout: float = 120.0) -> Any:
-        data = json.dumps(dict(body or {})).encode()
-        request = urllib.request.Request(
-            f"{self.url}{path}", data=data, headers={"Content-Type": "application/json"}, method="POST"
-        )
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return json.loads(response.read())
-
-    def complete(self, prompt: Sequence[int], *, max_tokens: int = 8) -> list[int]:
-        """Greedy tokens for ``prompt`` (token ids) from ``/v1/completions``."""
-        body = {
-            "model": self.model,
-            "prompt": list(prompt),
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-            "return_token_ids": True,
-        }
-        return list(self.post("/v1/completions", body)["choices"][0]["token_ids"])
-
-    def complete_all(self, prompts: Sequence[Sequence[int]], *, concurrency: int = 4, max_tokens: int = 8) -> list[list[int]]:
-        """:meth:`complete` for every prompt, ``concurrency`` in flight at once; results in prompt order."""
-        with ThreadPoolExecutor(concurrency) as pool:
-            return list(pool.map(lambda p: self.complete(p, max_tokens=max_tokens), prompts))
-
-    def reset_prefix_cache(self, *, connector: bool = False, timeout: float = 30.0) -> None:
-        """Reset vLLM's GPU prefix cache (and the connector's, with ``connector``), retrying while a transfer still
-        holds blocks, as vLLM says to."""
-        deadline = time.monotonic() + timeout
-        path = "/reset_prefix_cache" + ("?reset_external=true" if connector else "")
-        while not self.post(path)["success"]:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"vLLM's blocks were still held {timeout} s after the requests ended")
-            time.sleep(0.1)
-
-    def metrics(self) -> dict[str, float]:
-        """The server's Prometheus samples, summed over labels, by name (``vllm:...``)."""
-        with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as response:
-            text = response.read().decode()
-        out: dict[str, float] = {}
-        for line in text.splitlines():
-            if not line or line.startswith("#"):
-                continue
-            name_labels, _, value = line.rpartition(" ")
-            name = name_labels.split("{", 1)[0]
-            try:
-                out[name] = out.get(name, 0.0) + float(value)
-            except ValueError:
-                continue
-        return out
 
 
 def bench_serve(
@@ -213,3 +218,42 @@ def compare_serving(
             result = bench_serve(server.url, model, num_prompts=num_prompts, concurrency=concurrency)
         rows[name] = {k: float(result.get(k, 0.0)) for k in BENCH_KEYS}
     return rows
+
+
+class PDServers(Endpoint):
+    """A prefill and a decode OpenAI server with a P/D connector, and the router in front of them (its
+    :attr:`url` is what a client talks to); a context manager that stops all three."""
+
+    def __init__(self, model: str | Path, connector: str = "nixl", *, options: Any = None, timeout: float = 300.0) -> None:
+        from .pd import DECODE, PREFILL, PDOptions, connector_named
+        from .pd import ENGINE_ENV as PD_ENV
+        from .proxy import Router
+
+        self.model = str(model)
+        self.connector = connector_named(connector)
+        options = options or PDOptions()
+        env = {k: v for k, v in PD_ENV.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+        self.servers: dict[str, Server] = {}
+        self.router: Router | None = None
+        try:
+            for role in (PREFILL, DECODE):
+                self.servers[role] = Server(model, self.connector.kv_transfer_config(role, options), env=env)
+            for server in self.servers.values():
+                server.wait_ready(timeout)
+            self.router = Router(self.servers[PREFILL].url, self.servers[DECODE].url, self.connector, free_port())
+        except BaseException:
+            self.close()
+            raise
+        self.url = self.router.url
+
+    def close(self) -> None:
+        if self.router is not None:
+            self.router.close()
+        for server in self.servers.values():
+            server.stop()
+
+    def __enter__(self) -> PDServers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
