@@ -61,12 +61,10 @@ from types import TracebackType
 from typing import IO, Any, Protocol
 
 from .offline import BLOCK_SIZE, prefix_prompts
+from .offline import ENGINE_ENV as OFFLINE_ENV
 
 ENGINE_ENV = {
-    "VLLM_TARGET_DEVICE": "cpu",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "HF_HUB_OFFLINE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
+    **OFFLINE_ENV,
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "UCX_MODULES": "^ib",
     "NIXL_LOG_LEVEL": "WARN",
