@@ -287,7 +287,7 @@ def test_each_lifecycle_is_a_span_with_a_child_per_state_and_crosses_processes_b
     spans = exporter.get_finished_spans()
     roots = [s for s in spans if s.name == "kv_request lifecycle"]
     assert len(roots) == 2 and roots[0].context.trace_id == roots[1].context.trace_id
-    prefill_root = next(s for s in roots if s.attributes["kvfsm.final"] == "done")
+    prefill_root = next(s for s in roots if (s.attributes or {}).get("kvfsm.final") == "done")
     children = [s.name for s in spans if s.parent is not None and s.parent.span_id == prefill_root.context.span_id]
     assert children == ["pinned", "queued", "transferring", "kv_request lifecycle"]  # decode's continues prefill's
     assert prefill_spans.lifecycles == {} and decode_spans.lifecycles == {}

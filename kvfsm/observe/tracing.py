@@ -5,12 +5,21 @@ creates nothing. Trace context crosses processes the W3C way: prefill puts
 :meth:`LifecycleSpans.carrier` of a request into the message it sends, and
 decode calls :meth:`LifecycleSpans.adopt` with it before ``begin``, so both
 sides' lifecycles land in one trace.
+
+An adopted context waits for its key's ``begin``, which may fail or never
+come (the observer hears only of begins that succeed). So the waiting ones
+are bounded: ``with spans.adopt(key, carrier): tracker.begin(key)`` drops the
+context when the block ends unused; without ``with``, a context waits at most
+``ttl`` seconds, and at most ``cap`` of them wait (the oldest go first). Every
+one dropped is counted in :attr:`LifecycleSpans.dropped`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
-from typing import Any
+import threading
+import time
+from collections.abc import Callable, Hashable, Mapping
+from typing import Any, NamedTuple
 
 from ..spec.model import Spec
 
@@ -20,40 +29,118 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised by the light-install test
     raise ImportError("kvfsm.observe.tracing needs opentelemetry-api: pip install 'kvfsm[otel]'") from exc
 
+ADOPT_CAP = 10_000
+"""Adopted contexts kept waiting for their begin, at most."""
+
+ADOPT_TTL = 60.0
+"""Seconds an adopted context waits for its begin (a decode begins within moments of the message it adopts from)."""
+
+
+class Adopted(NamedTuple):
+    """A peer's trace context waiting for its key's ``begin``, and when it was adopted."""
+
+    context: Any
+    at: float
+
+
+class Adoption:
+    """What :meth:`LifecycleSpans.adopt` returns: used with ``with`` around ``begin``, it drops its context unused."""
+
+    __slots__ = ("_spans", "key", "adopted")
+
+    def __init__(self, spans: LifecycleSpans, key: Hashable, adopted: Adopted) -> None:
+        self._spans, self.key, self.adopted = spans, key, adopted
+
+    def __enter__(self) -> Adoption:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self._spans._drop_unused(self.key, self.adopted)
+
 
 class LifecycleSpans:
     """A tracker observer: ``begin`` opens the instance's span and its first state's; each transition ends the
     state's span (with the event) and opens the next; a final state ends the instance's span with its outcome."""
 
-    def __init__(self, spec: Spec, tracer: Tracer | None = None) -> None:
+    def __init__(
+        self,
+        spec: Spec,
+        tracer: Tracer | None = None,
+        *,
+        cap: int = ADOPT_CAP,
+        ttl: float = ADOPT_TTL,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if cap < 1 or not ttl > 0:
+            raise ValueError(f"cap must be >= 1 and ttl > 0 (got cap={cap}, ttl={ttl})")
         self.machine = spec.name
         self.finals = frozenset(spec.finals)
         self.tracer = tracer if tracer is not None else trace.get_tracer("kvfsm")
+        self.cap, self.ttl, self.clock = cap, ttl, clock
         self.lifecycles: dict[tuple[Hashable, int], tuple[Span, Span]] = {}
         """(key, generation) → (the instance's span, its current state's span)."""
-        self.parents: dict[Hashable, Any] = {}
-        """key → the context its next ``begin`` continues (from :meth:`adopt`)."""
+        self.current: dict[Hashable, int] = {}
+        """key → the generation of its live lifecycle, so :meth:`carrier` finds it without a scan."""
+        self.parents: dict[Hashable, Adopted] = {}
+        """key → the context its next ``begin`` continues (from :meth:`adopt`), oldest adoption first."""
+        self.dropped: dict[str, int] = {"unused": 0, "expired": 0, "evicted": 0}
+        """Adopted contexts dropped: ``unused`` when an ``adopt`` block ended without a begin, ``expired`` after
+        ``ttl``, ``evicted`` beyond ``cap``."""
+        self._lock = threading.Lock()
+        """Guards ``parents``: a listener thread adopts while the tracker's owner begins."""
 
-    def adopt(self, key: Hashable, carrier: Mapping[str, str]) -> None:
-        """Continue the trace ``carrier`` names (a peer's :meth:`carrier`) when ``key`` is next begun."""
-        self.parents[key] = propagate.extract(dict(carrier))
+    def adopt(self, key: Hashable, carrier: Mapping[str, str]) -> Adoption:
+        """Continue the trace ``carrier`` names (a peer's :meth:`carrier`) when ``key`` is next begun.
+
+        Use it as ``with spans.adopt(key, carrier): tracker.begin(key)`` so a
+        begin that fails leaves nothing behind; called alone, the context
+        waits at most ``ttl`` seconds, among at most ``cap``.
+        """
+        context = propagate.extract(dict(carrier))
+        with self._lock:
+            now = self.clock()
+            parents = self.parents
+            while parents:  # adoption order is time order: the oldest are in front
+                first = next(iter(parents))
+                if parents[first].at + self.ttl > now:
+                    break
+                del parents[first]
+                self.dropped["expired"] += 1
+            parents.pop(key, None)  # adopted again: the newer context replaces it, at the back
+            adopted = parents[key] = Adopted(context, now)
+            while len(parents) > self.cap:
+                del parents[next(iter(parents))]
+                self.dropped["evicted"] += 1
+        return Adoption(self, key, adopted)
+
+    def _drop_unused(self, key: Hashable, adopted: Adopted) -> None:
+        with self._lock:
+            if self.parents.get(key) is adopted:
+                del self.parents[key]
+                self.dropped["unused"] += 1
 
     def carrier(self, key: Hashable) -> dict[str, str]:
         """The W3C trace context of ``key``'s live lifecycle, to send to a peer (empty if it has none)."""
         out: dict[str, str] = {}
-        for (k, _gen), (span, _state) in self.lifecycles.items():
-            if k == key:
-                propagate.inject(out, context=trace.set_span_in_context(span))
+        gen = self.current.get(key)
+        entry = None if gen is None else self.lifecycles.get((key, gen))
+        if entry is not None:
+            propagate.inject(out, context=trace.set_span_in_context(entry[0]))
         return out
 
     def __call__(self, key: Hashable, gen: int, event: str, source: str, target: str, _now: float) -> None:
         if event == "begin":
+            adopted = None
+            if self.parents:
+                with self._lock:
+                    adopted = self.parents.pop(key, None)
             root = self.tracer.start_span(
                 f"{self.machine} lifecycle",
-                context=self.parents.pop(key, None),
+                context=None if adopted is None else adopted.context,
                 attributes={"kvfsm.machine": self.machine, "kvfsm.key": str(key), "kvfsm.generation": gen},
             )
             self.lifecycles[key, gen] = (root, self._state_span(root, target))
+            self.current[key] = gen
             return
         entry = self.lifecycles.get((key, gen))
         if entry is None:
@@ -66,6 +153,8 @@ class LifecycleSpans:
             root.set_attribute("kvfsm.final", target)
             root.end()
             del self.lifecycles[key, gen]
+            if self.current.get(key) == gen:
+                del self.current[key]
         else:
             self.lifecycles[key, gen] = (root, self._state_span(root, target))
 
