@@ -1,9 +1,21 @@
-"""``kvfsm explore``: exhaustive exploration of a composition, or its export to Promela."""
+"""``kvfsm explore``: exhaustive exploration of a composition, or its export to Promela.
+
+Every run is bounded: sizes (``-n``, a system's ``requests:``, ranks, channel
+capacity) are checked before anything is built, and the search stops at a
+state bound and a time bound (:data:`DEFAULT_MAX_STATES`,
+:data:`DEFAULT_TIME_LIMIT`; ``--max-states``/``--time-limit`` change them).
+Progress goes to stderr: a rich bar on a terminal, plain lines otherwise or
+with ``--progress``. Ctrl-C stops the search and prints what it found.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -13,28 +25,66 @@ from rich.table import Table
 from .common import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, Subparsers, err, out, print_finding, write_output
 
 if TYPE_CHECKING:
-    from ..explore import ExploreResult
+    from ..explore import ExploreResult, Progress
     from ..spec.system import System
 
 EXIT_INCOMPLETE = 3
 """Nothing violated, but the search was cut short (``--max-states``, ``--time-limit``)."""
 
+EXIT_INTERRUPTED = 130
+"""Ctrl-C stopped the search (128 + SIGINT, as a shell reports it); what was found was printed first."""
+
+DEFAULT_MAX_STATES = 5_000_000
+"""States a search stops at unless ``--max-states`` says otherwise: about 1.2 GB and a minute or two on
+one core. Every bundled composition needs far fewer (pd_prefill_crash, 4 requests: 41,825)."""
+
+DEFAULT_TIME_LIMIT = 300.0
+"""Seconds a run (one request's local system, then the search) stops at unless ``--time-limit`` says otherwise."""
+
+PROGRESS_EVERY = 10.0
+"""Seconds between progress lines when stderr is no terminal (a CI log shows the search is alive)."""
+
+PROGRESS_FLAG_EVERY = 1.0
+"""Seconds between progress lines with ``--progress``."""
+
+STOPPED = {
+    "max_states": "stopped at the state bound",
+    "time_limit": "stopped at the time bound",
+    "interrupted": "interrupted (Ctrl-C)",
+    "first": "stopped at the first violation (--first)",
+}
+
 
 def register(sub: Subparsers) -> None:
     p = sub.add_parser(
         "explore",
-        help="explore every interleaving of a composition's requests (exit 0 verified, 1 violated, 3 incomplete)",
+        help="explore every interleaving of a composition's requests "
+        "(exit 0 verified, 1 violated, 2 unusable, 3 incomplete, 130 interrupted)",
     )
     p.add_argument("system", type=Path, metavar="SYSTEM", help="a system file (roles, messages, channel, properties)")
-    p.add_argument("-n", "--requests", type=int, default=None, help="how many requests (default: the system's)")
+    p.add_argument(
+        "-n", "--requests", type=int, default=None, help="how many requests (default: the system's; at most 32)"
+    )
     p.add_argument("--no-symmetry", action="store_true", help="requests are not interchangeable: store ordered tuples")
     p.add_argument("--no-merge", action="store_true", help="do not merge local states that no property can tell apart")
     p.add_argument("--first", action="store_true", help="stop at the first violation")
     p.add_argument(
-        "--max-states", type=int, default=None, metavar="N", help="stop after N states (verdict: incomplete)"
+        "--max-states",
+        default=None,
+        metavar="N|none",
+        help=f"stop after N states (verdict: incomplete); default {DEFAULT_MAX_STATES:,}; none: no bound",
     )
     p.add_argument(
-        "--time-limit", type=float, default=None, metavar="SECONDS", help="stop searching after this long (incomplete)"
+        "--time-limit",
+        default=None,
+        metavar="SECONDS|none",
+        help=f"stop after this long (verdict: incomplete); default {DEFAULT_TIME_LIMIT:g}; none: no bound",
+    )
+    p.add_argument(
+        "--progress",
+        action="store_true",
+        help="print a progress line to stderr every second, with the start and the end (default: a bar on a "
+        f"terminal, else a line every {PROGRESS_EVERY:g} s)",
     )
     p.add_argument(
         "--unchecked",
@@ -54,15 +104,40 @@ def register(sub: Subparsers) -> None:
     p.set_defaults(run=run)
 
 
+def _bound(text: str | None, default: float, flag: str, kind: Callable[[str], float]) -> float | str | None:
+    """A bound from its flag: the default when not given, ``None`` for ``none``, else a number above 0;
+    or what is wrong with it (a str)."""
+    if text is None:
+        return default
+    if text.strip().lower() == "none":
+        return None
+    try:
+        value = kind(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        what = "a whole number of states" if kind is int else "a number of seconds"
+        return f"{flag} must be {what} above 0, or none (no bound), not {text!r}"
+    return value
+
+
 def run(args: argparse.Namespace) -> int:
+    from ..explore import MAX_REQUESTS, check_sizes
     from ..spec.system import load_system, read_system
 
-    if args.requests is not None and args.requests < 1:
-        err.print(f"[red]kvfsm explore: --requests must be at least 1, not {args.requests}[/]")
+    if args.requests is not None and not 1 <= args.requests <= MAX_REQUESTS:
+        side = "at least 1" if args.requests < 1 else f"at most {MAX_REQUESTS}"
+        err.print(f"[red]kvfsm explore: --requests must be {side}, not {args.requests}[/]")
         return EXIT_USAGE
-    if args.max_states is not None and args.max_states < 1:
-        err.print(f"[red]kvfsm explore: --max-states must be at least 1, not {args.max_states}[/]")
-        return EXIT_USAGE
+    max_states = _bound(args.max_states, DEFAULT_MAX_STATES, "--max-states", int)
+    time_limit = _bound(args.time_limit, DEFAULT_TIME_LIMIT, "--time-limit", float)
+    for problem in (max_states, time_limit):
+        if isinstance(problem, str):
+            err.print(f"[red]kvfsm explore: {escape(problem)}[/]")
+            return EXIT_USAGE
+    args.max_states_given, args.time_limit_given = args.max_states is not None, args.time_limit is not None
+    args.max_states = int(max_states) if isinstance(max_states, float | int) else None
+    args.time_limit = time_limit
     if args.unchecked:
         system, rejected = read_system(args.system)
         for finding in rejected:
@@ -71,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
             err.print(f"[yellow]kvfsm explore: exploring {len(rejected)} check error(s) as written (--unchecked)[/]")
     else:
         system = load_system(args.system)
+    check_sizes(system, args.requests)  # before anything is built: ExploreError, a usage error
     if args.promela is not None:
         return _export(args, system)
     return _explore(args, system)
@@ -95,32 +171,28 @@ def _export(args: argparse.Namespace, system: System) -> int:
 
 
 def _explore(args: argparse.Namespace, system: System) -> int:
-    from rich.progress import Progress as Bar
-    from rich.progress import SpinnerColumn, TextColumn, TimeElapsedColumn
+    from ..explore import explore
 
-    from ..explore import Progress, explore
-
-    with Bar(
-        SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err, transient=True
-    ) as bar:
-        task = bar.add_task(f"exploring {escape(system.name)}", total=None)
-
-        def show(p: Progress) -> None:
-            bar.update(
-                task,
-                description=f"exploring {escape(system.name)}: depth {p.depth}, {p.states:,} states, "
-                f"{p.rate:,.0f} states/s, frontier {p.frontier:,}",
+    try:
+        with _progress(args, system) as show:
+            result = explore(
+                system,
+                requests=args.requests,
+                symmetry=not args.no_symmetry,
+                merge=not args.no_merge,
+                first=args.first,
+                max_states=args.max_states,
+                time_limit=args.time_limit,
+                progress=show,
             )
-
-        result = explore(
-            system,
-            requests=args.requests,
-            symmetry=not args.no_symmetry,
-            merge=not args.no_merge,
-            first=args.first,
-            max_states=args.max_states,
-            time_limit=args.time_limit,
-            progress=show,
+    except KeyboardInterrupt:  # before the search began, or while its traces were drawn: nothing whole to show
+        err.print("[yellow]kvfsm explore: interrupted (Ctrl-C) before the search had a result to show[/]")
+        return EXIT_INTERRUPTED
+    if args.progress:
+        err.print(
+            f"explore {escape(system.name)}: done: {result.states:,} states, depth {result.depth}, "
+            f"{result.seconds:.1f} s, {result.verdict}",
+            highlight=False,
         )
     traces = [p.trace for p in result.violated if p.trace is not None]
     if args.trace is not None and traces:
@@ -129,17 +201,65 @@ def _explore(args: argparse.Namespace, system: System) -> int:
     if args.format == "json":
         out.print_json(json.dumps(result.as_dict()))
     else:
-        _render(result)
+        _render(result, given=(args.max_states_given, args.time_limit_given))
         if args.trace is not None:
             out.print(
                 f"[dim]wrote {escape(str(args.trace))}[/]" if traces else "[dim]no counterexample: no trace written[/]"
             )
+    if result.interrupted:
+        return EXIT_INTERRUPTED
     if result.verdict == "violated":
         return EXIT_FINDINGS
     return EXIT_OK if result.verdict == "verified" else EXIT_INCOMPLETE
 
 
-def _render(result: ExploreResult) -> None:
+@contextmanager
+def _progress(args: argparse.Namespace, system: System) -> Iterator[Callable[[Progress], None]]:
+    """The progress callback: a rich bar on a terminal, else (or with ``--progress``) plain lines on stderr."""
+    name = escape(system.name)
+
+    def words(p: Progress) -> str:
+        return (
+            f"depth {p.depth}, {p.states:,} states, {p.rate:,.0f} states/s, frontier {p.frontier:,}, {p.seconds:.1f} s"
+        )
+
+    if args.progress or not err.is_terminal:
+        every = PROGRESS_FLAG_EVERY if args.progress else PROGRESS_EVERY
+        if args.progress:
+            bounds = ", ".join(
+                [
+                    f"{args.max_states:,} states" if args.max_states is not None else "no state bound",
+                    f"{args.time_limit:g} s" if args.time_limit is not None else "no time bound",
+                ]
+            )
+            n = args.requests or system.requests
+            err.print(f"explore {name}: searching {n} request(s) (bounds: {bounds})", highlight=False)
+        last = [time.monotonic() - (every if args.progress else 0.0)]
+
+        def line(p: Progress) -> None:
+            now = time.monotonic()
+            if now - last[0] >= every:
+                last[0] = now
+                err.print(f"explore {name}: {words(p)}", highlight=False)
+
+        yield line
+        return
+
+    from rich.progress import Progress as Bar
+    from rich.progress import SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    with Bar(
+        SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err, transient=True
+    ) as bar:
+        task = bar.add_task(f"exploring {name}", total=None)
+
+        def show(p: Progress) -> None:
+            bar.update(task, description=f"exploring {name}: {words(p)}")
+
+        yield show
+
+
+def _render(result: ExploreResult, given: tuple[bool, bool] = (False, False)) -> None:
     from ..explore import format_trace
 
     c = result.channel
@@ -175,9 +295,28 @@ def _render(result: ExploreResult) -> None:
         out.print(escape(format_trace(p.trace)), highlight=False)
     for role, state in result.unreached:
         out.print(f"[yellow]warning:[/] {escape(role)} never reaches {escape(state)} within these bounds")
+    why = _why_stopped(result, given)
     verdict = {
         "verified": "[green]verified[/] for these bounds",
         "violated": f"[red]{len(result.violated)} property(ies) violated[/]",
-        "incomplete": "[yellow]incomplete[/]: the search was cut short; nothing is proved",
+        "incomplete": f"[yellow]incomplete[/]: {escape(why)}; nothing is proved",
     }[result.verdict]
     out.print(verdict)
+    if result.verdict == "violated" and result.stopped not in (None, "first"):
+        out.print(f"[yellow]the search did not finish[/]: {escape(why)}; the properties not violated are unknown")
+
+
+def _why_stopped(result: ExploreResult, given: tuple[bool, bool]) -> str:
+    """Why an incomplete search stopped, with the bound and whether it was the default."""
+    how = STOPPED.get(result.stopped or "", "the search was cut short")
+    if not result.nodes:  # one request's local system alone outgrew the bound: no search at all
+        how += f" while building one request's local system ({result.local_states:,} local states)"
+    if result.stopped == "max_states" and result.max_states is not None:
+        source = "--max-states" if given[0] else "the default; --max-states changes it"
+        return f"{how} ({result.max_states:,} states, {source})"
+    if result.stopped == "time_limit" and result.time_limit is not None:
+        source = "--time-limit" if given[1] else "the default; --time-limit changes it"
+        return f"{how} ({result.time_limit:g} s, {source})"
+    if result.stopped == "interrupted":
+        return f"{how} after {result.states:,} states"
+    return how

@@ -9,7 +9,8 @@ trace can happen in a system.
 
 from __future__ import annotations
 
-from .run import ExploreResult, PropertyResult, explore
+from .local import LocalLimit
+from .run import MAX_REQUESTS, ExploreError, ExploreResult, PropertyResult, check_sizes, explore
 from .search import Progress, ProgressFn
 from .trace import (
     Sent,
@@ -26,7 +27,10 @@ from .trace import (
 )
 
 __all__ = [
+    "MAX_REQUESTS",
+    "ExploreError",
     "ExploreResult",
+    "LocalLimit",
     "Progress",
     "ProgressFn",
     "PropertyResult",
@@ -37,6 +41,7 @@ __all__ = [
     "TraceRole",
     "TraceSource",
     "as_trace",
+    "check_sizes",
     "check_trace",
     "describe_step",
     "explore",

@@ -32,9 +32,11 @@ Semantics (the same in the Promela export):
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
+from ..errors import KvfsmError
 from ..spec.model import ABORT
 from ..spec.system import LastStep, Snapshot, System, violations
 from ..spec.system.channel import Flight
@@ -48,6 +50,17 @@ RETIRED: LocalState = ((), (), 0)
 
 Placed = tuple[tuple[int, ...], tuple[int, ...]]
 """Role states and flight after a move, before its deadline bits are worked out."""
+
+
+class LocalLimit(KvfsmError):
+    """One request's local system outgrew the bound it was built under: nothing can be explored within it.
+
+    ``stopped`` is the bound (``max_states`` or ``time_limit``), ``states`` the local states built by then.
+    """
+
+    def __init__(self, message: str, stopped: str, states: int) -> None:
+        super().__init__(message)
+        self.stopped, self.states = stopped, states
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,10 +104,16 @@ class _Role:
 
 
 class LocalSystem:
-    """Every reachable local state of one request, the moves between them, and what they violate."""
+    """Every reachable local state of one request, the moves between them, and what they violate.
 
-    def __init__(self, system: System) -> None:
+    ``limit`` (local states) and ``deadline`` (a ``time.perf_counter()``
+    reading) bound the build: past either it raises :class:`LocalLimit`.
+    """
+
+    def __init__(self, system: System, *, limit: int | None = None, deadline: float | None = None) -> None:
         self.system = system
+        self.limit = limit
+        self.deadline = deadline
         self.channel = system.channel
         self.wire = system.wire
         self.message_names = self.wire.names
@@ -311,8 +330,12 @@ class LocalSystem:
         """Every local state one request can reach with at most ``capacity`` messages in flight."""
         capacity = self.channel.capacity
         todo = [self.initial]
+        popped = 0
         while todo:
             i = todo.pop()
+            popped += 1
+            if not popped % 1024:
+                self._within_bounds()
             out = self.moves[i]
             bits = self.states[i][2]
             for (nxt_at, nxt_flight), found in self._successors(self.states[i]):
@@ -331,6 +354,24 @@ class LocalSystem:
                 out.append((j, move))
                 if not known:
                     todo.append(j)
+        self._within_bounds()
+
+    def _within_bounds(self) -> None:
+        """Raise :class:`LocalLimit` once the build has more local states than ``limit`` or is past ``deadline``."""
+        if self.limit is not None and len(self.states) > self.limit:
+            raise LocalLimit(
+                f"one request of {self.system.name} alone reaches more than {self.limit:,} local states, the state "
+                "bound; raise the bound, or explore fewer ranks or a smaller channel",
+                "max_states",
+                len(self.states),
+            )
+        if self.deadline is not None and time.perf_counter() > self.deadline:
+            raise LocalLimit(
+                f"building one request of {self.system.name} ({len(self.states):,} local states so far) ran past "
+                "the time bound; raise it, or explore fewer ranks or a smaller channel",
+                "time_limit",
+                len(self.states),
+            )
 
     # -- reading back ----------------------------------------------------------------
 

@@ -7,12 +7,65 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..errors import KvfsmError
 from ..spec.system import Channel, System, load_system
 from .automaton import Automaton, build
 from .liveness import Fairness, Lasso, find_lasso
-from .local import LocalSystem, Move
+from .local import LocalLimit, LocalSystem, Move
 from .search import Found, ProgressFn, Search, path_to, search
 from .trace import Sent, Step, Trace, TraceRole
+
+MAX_REQUESTS = 32
+"""Most requests explored at once. A global state holds one entry per request, so the start state alone
+grows with N, and far below this the state space is past any bound (six requests of the PD abort system
+are 2.8 million symmetric states without merging)."""
+
+MAX_RANKS = 16
+"""Most ranks (instances) of one role: the Promela export enumerates each counted message's sender sets."""
+
+MAX_INSTANCES = 64
+"""Most role instances in one request, all roles' ranks together: each is a slot of every local state."""
+
+MAX_CAPACITY = 1024
+"""Largest channel capacity explored or exported (the export writes a queue slot per unit of capacity)."""
+
+
+class ExploreError(KvfsmError, ValueError):
+    """A composition, or a request count, too big to explore: said before anything is built."""
+
+
+def check_sizes(system: System, requests: int | None = None) -> int:
+    """The number of requests to explore (``requests`` or the system's), once every size is within its bound.
+
+    Raises :class:`ExploreError` naming the size and its bound; nothing
+    proportional to a size is built before this passes.
+    """
+    n = requests if requests is not None else system.requests
+    if n < 1:
+        raise ExploreError(f"requests must be at least 1, not {n}")
+    if n > MAX_REQUESTS:
+        where = "" if requests is not None else f" (its 'requests: {n:,}')"
+        raise ExploreError(
+            f"{system.name}{where} asks for {n:,} requests; at most {MAX_REQUESTS} are explored at once: "
+            f"pass -n N with N at most {MAX_REQUESTS}"
+        )
+    for name, role in system.roles.items():
+        if role.ranks > MAX_RANKS:
+            raise ExploreError(
+                f"{system.name}: role {name!r} has {role.ranks:,} ranks; at most {MAX_RANKS} ranks of a role "
+                "are explored"
+            )
+    instances = sum(role.ranks for role in system.roles.values())
+    if instances > MAX_INSTANCES:
+        raise ExploreError(
+            f"{system.name}: one request has {instances:,} role instances (ranks of every role together); at most "
+            f"{MAX_INSTANCES} are explored"
+        )
+    if system.channel.capacity > MAX_CAPACITY:
+        raise ExploreError(
+            f"{system.name}: a channel of capacity {system.channel.capacity:,}; at most {MAX_CAPACITY} is explored"
+        )
+    return n
 
 
 @dataclass(frozen=True)
@@ -59,6 +112,17 @@ class ExploreResult:
     properties: tuple[PropertyResult, ...]
     unreached: tuple[tuple[str, str], ...]
     """(role, state) pairs no request can reach within the bounds."""
+    stopped: str | None = None
+    """Why the search stopped early (:data:`~kvfsm.explore.search.STOPS`); ``None`` when it was complete."""
+    max_states: int | None = None
+    """The state bound the search ran under (``None``: none)."""
+    time_limit: float | None = None
+    """The time bound the search ran under, in seconds (``None``: none)."""
+
+    @property
+    def interrupted(self) -> bool:
+        """Ctrl-C stopped the search: what it holds is what was found until then."""
+        return self.stopped == "interrupted"
 
     @property
     def violated(self) -> tuple[PropertyResult, ...]:
@@ -95,6 +159,10 @@ class ExploreResult:
             "nodes": self.nodes,
             "properties": [p.as_dict() for p in self.properties],
             "unreached": [{"role": r, "state": s} for r, s in self.unreached],
+            "stopped": self.stopped,
+            "interrupted": self.interrupted,
+            "max_states": self.max_states,
+            "time_limit": self.time_limit,
         }
 
 
@@ -116,18 +184,28 @@ def explore(
     are one node. Both keep every verdict and every shortest counterexample;
     switch both off to count the plain product, as SPIN stores it.
     ``first``: stop at the first violation; ``max_states``, ``time_limit``
-    (seconds of search): stop there (the result is then incomplete, and a
-    property not yet violated is ``unknown``). ``progress`` is called with a
+    (seconds, building one request's local system included): stop there
+    (the result is then incomplete, and a property not yet violated is
+    ``unknown``). Ctrl-C (KeyboardInterrupt) during the search stops it the
+    same way, with :attr:`ExploreResult.interrupted`; liveness is then not
+    checked (``unknown``). ``progress`` is called with a
     :class:`~kvfsm.explore.search.Progress` as the search goes.
+
+    Sizes are checked first (:func:`check_sizes`, :class:`ExploreError`).
+    When one request's local system alone is larger than ``max_states``, or
+    is not built within ``time_limit``, nothing is searched: the result is
+    incomplete with no global state and every property ``unknown``.
     """
     if not isinstance(system, System):
         system = load_system(system)
+    n = check_sizes(system, requests)
     system = system.expanded()
-    n = requests if requests is not None else system.requests
-    if n < 1:
-        raise ValueError(f"requests must be at least 1, not {n}")
     started = time.perf_counter()
-    local = LocalSystem(system)
+    deadline = started + time_limit if time_limit is not None else None
+    try:
+        local = LocalSystem(system, limit=max_states, deadline=deadline)
+    except LocalLimit as cut:
+        return _unbuilt(system, n, symmetry, merge, cut, time.perf_counter() - started, max_states, time_limit)
     auto = build(local, merge=merge)
     found = search(
         auto,
@@ -138,14 +216,17 @@ def explore(
         overflow=not system.channel.loss,
         first=first,
         max_states=max_states,
-        time_limit=time_limit,
+        time_limit=max(deadline - time.perf_counter(), 0.0) if deadline is not None else None,
         progress=progress,
     )
     results = []
-    fairness = Fairness(local) if system.eventually else None
+    fairness = Fairness(local) if system.eventually and found.stopped != "interrupted" else None
     for prop in system.properties:
         kind = "builtin" if prop.builtin else "eventually" if prop.liveness else "never"
         if prop.liveness:
+            if fairness is None:  # Ctrl-C: the user asked to stop, not for one more search
+                results.append(PropertyResult(prop.name, kind, prop.describe(), "unknown"))
+                continue
             lasso = find_lasso(local, prop, fairness)
             if lasso is None:
                 results.append(PropertyResult(prop.name, kind, prop.describe(), "holds"))
@@ -180,6 +261,50 @@ def explore(
         nodes=auto.size,
         properties=tuple(results),
         unreached=unreached,
+        stopped=found.stopped,
+        max_states=max_states,
+        time_limit=time_limit,
+    )
+
+
+def _unbuilt(
+    system: System,
+    requests: int,
+    symmetry: bool,
+    merge: bool,
+    cut: LocalLimit,
+    seconds: float,
+    max_states: int | None,
+    time_limit: float | None,
+) -> ExploreResult:
+    """The result of a run whose one-request local system outgrew its bound: nothing searched, nothing known."""
+    return ExploreResult(
+        system=system.name,
+        path=system.path,
+        requests=requests,
+        symmetry=symmetry,
+        merge=merge,
+        channel=system.channel,
+        states=0,
+        transitions=0,
+        depth=0,
+        seconds=seconds,
+        complete=False,
+        local_states=cut.states,
+        nodes=0,
+        properties=tuple(
+            PropertyResult(
+                p.name,
+                "builtin" if p.builtin else "eventually" if p.liveness else "never",
+                p.describe(),
+                "unknown",
+            )
+            for p in system.properties
+        ),
+        unreached=(),
+        stopped=cut.stopped,
+        max_states=max_states,
+        time_limit=time_limit,
     )
 
 

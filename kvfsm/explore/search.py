@@ -68,6 +68,11 @@ class Found:
     """(source node, target node) of a violating move; target -1 for a send that cannot fit at all."""
 
 
+STOPS = ("first", "max_states", "time_limit", "interrupted")
+"""Why a search stopped before it was complete: the first violation (``first``), the state bound, the
+time bound, or Ctrl-C (KeyboardInterrupt, caught so that what was found is kept)."""
+
+
 @dataclass
 class Search:
     """What a search found, and enough of its levels to walk back from any state to the start."""
@@ -80,6 +85,8 @@ class Search:
     found: dict[str, Found]
     levels: list[list[int]] = field(repr=False)
     codec: _Codec = field(repr=False)
+    stopped: str | None = None
+    """One of :data:`STOPS` when the search stopped early; ``None`` when it ran to the end."""
 
 
 class _Codec:
@@ -133,7 +140,10 @@ def search(
     ``overflow``: a send into a full channel breaks the ``overflow`` property
     (the channel may not lose messages). ``first``: stop at the first
     violation. ``max_states`` / ``time_limit`` (seconds): stop there; the
-    search is then incomplete.
+    search is then incomplete. A KeyboardInterrupt (Ctrl-C) stops it too: it
+    returns what it found so far, with ``stopped="interrupted"``; every
+    violation it records can be walked back to the start, whenever the
+    interrupt lands.
     """
     codec = _Codec(auto, requests, capacity, symmetry)
     wanted = set(properties)
@@ -157,10 +167,13 @@ def search(
     checkpoint = min(report_every, max_states or report_every)
     deadline = start_clock + time_limit if time_limit is not None else None
 
-    def out_of_budget() -> bool:
+    def out_of_budget() -> str | None:
+        """The bound the search has reached, if any."""
         if max_states is not None and len(seen) >= max_states:
-            return True
-        return deadline is not None and time.perf_counter() >= deadline
+            return "max_states"
+        if deadline is not None and time.perf_counter() >= deadline:
+            return "time_limit"
+        return None
 
     def report() -> None:
         if progress is not None:
@@ -188,56 +201,64 @@ def search(
         ]
     row_len = [len(s) for s in auto.succ]
 
-    report()
     stopped = bool(first and found)
+    why: str | None = "first" if stopped else None
     cut = False
-    while frontier and not stopped:
-        nxt: list[tuple[int, tuple[int, ...]]] = []
-        nxt_append = nxt.append
-        for state, nodes in frontier:
-            prev = -1
-            for k in range(requests):
-                i = nodes[k]
-                if symmetry:
-                    if i == prev:
-                        continue
-                    prev = i
-                    row = rows[i]
-                else:
-                    row = rows_by_slot[k][i]
-                if flagged[i] is not None:
-                    note_flagged(state, nodes, i)
-                transitions += row_len[i]
-                for d, j in row:
-                    ns = state + d
-                    if (ns & mask) > capacity:
-                        if overflow and "overflow" in wanted and "overflow" not in found:
-                            found["overflow"] = Found("overflow", depth + 1, state, nodes, (i, j))
-                        continue
-                    if ns in seen:
-                        continue
-                    seen_add(ns)
-                    new_nodes = codec.place(nodes, k, j)
-                    nxt_append((ns, new_nodes))
-                    if fresh[j]:
-                        note_node(j, ns, new_nodes)
-                    if len(seen) >= checkpoint:
-                        report()
-                        checkpoint = min(checkpoint + report_every, max_states or checkpoint + report_every)
-                        stopped = out_of_budget()
-                        if stopped:
-                            break
-                if stopped:
-                    break
-            if stopped or (first and found):
-                stopped = cut = True
-                break
-        if nxt:
-            levels.append([s for s, _n in nxt])
-            depth += 1
-        frontier = nxt
-        stopped = stopped or bool(first and found) or (bool(frontier) and out_of_budget())
+    try:
         report()
+        while frontier and not stopped:
+            nxt: list[tuple[int, tuple[int, ...]]] = []
+            nxt_append = nxt.append
+            for state, nodes in frontier:
+                prev = -1
+                for k in range(requests):
+                    i = nodes[k]
+                    if symmetry:
+                        if i == prev:
+                            continue
+                        prev = i
+                        row = rows[i]
+                    else:
+                        row = rows_by_slot[k][i]
+                    if flagged[i] is not None:
+                        note_flagged(state, nodes, i)
+                    transitions += row_len[i]
+                    for d, j in row:
+                        ns = state + d
+                        if (ns & mask) > capacity:
+                            if overflow and "overflow" in wanted and "overflow" not in found:
+                                found["overflow"] = Found("overflow", depth + 1, state, nodes, (i, j))
+                            continue
+                        if ns in seen:
+                            continue
+                        seen_add(ns)
+                        new_nodes = codec.place(nodes, k, j)
+                        nxt_append((ns, new_nodes))
+                        if fresh[j]:
+                            note_node(j, ns, new_nodes)
+                        if len(seen) >= checkpoint:
+                            report()
+                            checkpoint = min(checkpoint + report_every, max_states or checkpoint + report_every)
+                            why = out_of_budget()
+                            stopped = why is not None
+                            if stopped:
+                                break
+                    if stopped:
+                        break
+                if stopped or (first and found):
+                    why = why or "first"
+                    stopped = cut = True
+                    break
+            if nxt:
+                levels.append([s for s, _n in nxt])
+                depth += 1
+            frontier = nxt
+            if not stopped:
+                why = "first" if first and found else (out_of_budget() if frontier else None)
+                stopped = why is not None
+            report()
+    except KeyboardInterrupt:
+        why, cut = "interrupted", True
     complete = not frontier and not cut
     frontier = []
     return Search(
@@ -249,6 +270,7 @@ def search(
         found=found,
         levels=levels,
         codec=codec,
+        stopped=None if complete else why,
     )
 
 
