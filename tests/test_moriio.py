@@ -351,3 +351,19 @@ def test_an_aborted_decode_load_tells_the_prefill_which_frees_its_blocks_and_nev
     assert p.stats()["held_blocks"] == 0 and d.stats()["held_blocks"] == 0 and p.tracker.live() == 0
     assert not any(cache.block_bytes(5)) and not any(cache.block_bytes(9))
     assert d.anomalies == {}  # no write_done came for blocks given back
+
+
+def test_the_runner_plug_gives_both_requests_of_a_prompt_one_transfer_id_in_either_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("KVFSM_MORIIO_NOTIFY_PORT", "23456")
+    from kvfsm.adapters.vllm_moriio_pd import MoRIIOPD
+
+    plug = MoRIIOPD()
+    decode = plug.decode_params("7", None)  # concurrent: the decode request goes out first
+    prefill = plug.prefill_params("7")
+    assert decode["transfer_id"] == prefill["transfer_id"] and decode["remote_notify_port"] == 23456
+    again = plug.prefill_params("7")  # a later phase, prefill first: a new transfer
+    assert again["transfer_id"] != prefill["transfer_id"]
+    back = {**again, "do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_notify_port": 23456}
+    assert plug.decode_params("7", back)["transfer_id"] == again["transfer_id"]
