@@ -353,6 +353,17 @@ def test_an_aborted_decode_load_tells_the_prefill_which_frees_its_blocks_and_nev
     assert d.anomalies == {}  # no write_done came for blocks given back
 
 
+def test_a_hold_or_a_load_that_cannot_begin_is_still_reported_so_vllm_never_waits_for_it() -> None:
+    p, d, _ = _cache_pair()
+    p.borrow_from("vllm")
+    p.hold("p-1", "t-1", [3, 3])  # the pool refuses a block named twice: hold_blocks raises
+    d.load("d-1", "t-1", [5, 5])  # and pin_dst
+    assert p.errors and d.errors
+    assert p.step().sending == {"p-1"}
+    done = d.step()
+    assert done.recving == {"d-1"} and done.invalid_blocks == {5}
+
+
 def test_the_runner_plug_gives_both_requests_of_a_prompt_one_transfer_id_in_either_order(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

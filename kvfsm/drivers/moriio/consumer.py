@@ -270,7 +270,8 @@ class DecodeEngine(Side):
 
     def load(self, request_id: str, transfer_id: str, block_ids: Sequence[int], peer: str = "") -> None:
         """WRITE mode: load into ``block_ids``, which the caller allocated (vLLM's scheduler), announcing them to
-        ``peer`` (default: the engine's ``peer``); the caller frees them once the load is reported finished."""
+        ``peer`` (default: the engine's ``peer``); the caller frees them once the load is reported finished. A load
+        that cannot even begin is reported at once, its blocks invalid: the caller must never wait for it."""
         if self.mode != "write" or not isinstance(self.driver, WriteReceiver):
             raise ValueError("load() announces blocks for the prefill to write (WRITE mode); READ mode uses start()")
         if peer:
@@ -279,6 +280,9 @@ class DecodeEngine(Side):
             self._call(self.tracker.begin, request_id, transfer_id=transfer_id, block_ids=list(block_ids))
         finally:
             self.driver.announce_to.pop(request_id, None)
+        if self.tracker.state(request_id) is None:  # begin refused (pin_dst raised): no load owes the answer
+            self.driver.report.recv(request_id, block_ids)  # so report it here, every block unfilled
+            return
         self._fire(request_id, "announce")
 
     def abort(self, request_id: str) -> None:

@@ -252,9 +252,13 @@ class PrefillEngine(Side):
     def hold(self, request_id: str, transfer_id: str, block_ids: Sequence[int]) -> None:
         """request_finished handed over ``block_ids`` (delay_free): hold them for ``transfer_id``'s writes or reads.
 
-        A ``remote_blocks`` that came first is delivered now; a ``release`` that came first aborts at once.
+        A ``remote_blocks`` that came first is delivered now; a ``release`` that came first aborts at once. If the
+        hold cannot even begin, the request is reported finished_sending at once: its owner must not keep the
+        blocks for a hold that does not exist.
         """
         self._call(self.tracker.begin, request_id, transfer_id=transfer_id, block_ids=list(block_ids))
+        if self.tracker.state(request_id) is None:  # begin refused (hold_blocks raised): nothing holds them
+            self.driver.report.send(request_id)  # vLLM still keeps them for us (delay_free) until it hears
         self._computed[transfer_id] = None
         while len(self._computed) > COMPUTED_LIMIT:
             self._computed.popitem(last=False)
