@@ -150,6 +150,29 @@ def test_the_dump_reads_ages_ids_and_holdings_from_its_one_copy() -> None:
     ]
 
 
+def test_polls_share_one_view_until_it_is_stale_then_see_what_changed() -> None:
+    tracker = Tracker(SPEC, Driver())
+    populate(tracker, 3)
+
+    def live(server: DebugServer) -> int:
+        count: int = json.loads(get(server, "/state"))["trackers"]["kv_request"]["live"]
+        return count
+
+    with DebugServer([tracker], fresh=10.0) as server:
+        guard = CountingGuard(tracker._guard)
+        tracker._guard, inner = guard, tracker._guard
+        try:
+            counts = [live(server) for _ in range(5)]
+        finally:
+            tracker._guard = inner
+    assert counts == [3] * 5 and guard.entries == 1  # five polls, one view: one acquisition
+    with DebugServer([tracker], fresh=0.05) as server:
+        assert live(server) == 3
+        tracker.begin("new")
+        time.sleep(0.5)  # a view this cheap is reused for `fresh` only
+        assert live(server) == 4
+
+
 class Owner:
     """The thread that owns the tracker: runs whole lifecycles back to back, counting them and its longest stall."""
 

@@ -5,10 +5,10 @@ a Prometheus scrape or a person with ``curl``; so whatever its clients do, it
 must cost that process little and never disturb it:
 
 - a read takes each tracker's lock once (:class:`~kvfsm.observe.view.View`),
-  and an answer is reused while it is younger than ``max(fresh, its cost /
-  COST_SHARE)``: however many clients poll, building answers takes at most
-  about 2% of one thread's time (and a view of 200,000 instances is at most
-  a couple of seconds old);
+  and an answer is reused while it is younger than ``max(fresh, its CPU
+  cost / COST_SHARE)`` (``MAX_AGE`` at most): however many clients poll,
+  building answers takes at most about 2% of one thread's time (and a view
+  of 200,000 instances is at most a couple of seconds old);
 - at most ``rate`` requests a second are answered (more wait their turn),
   so HTTP parsing cannot crowd the owner out of the GIL either;
 - one selector thread holds the connections that have not sent a request
@@ -49,6 +49,9 @@ MAX_LIMIT = 1000
 COST_SHARE = 0.02
 """The most of one thread's time building answers may take: an answer is reused for 1/COST_SHARE times its cost."""
 
+MAX_AGE = 10.0
+"""Seconds an answer is reused at most, however much it cost."""
+
 LIFETIME = 3
 """A whole exchange (request and answer) may take this many ``timeout``s; a slow sender is cut off after."""
 
@@ -59,7 +62,8 @@ T = TypeVar("T")
 
 
 class Reused(Generic[T]):
-    """A value built by ``build`` and reused while it is younger than ``max(fresh, cost / COST_SHARE)``.
+    """A value built by ``build`` and reused while it is younger than ``max(fresh, cost / COST_SHARE)`` (at most
+    ``MAX_AGE``), its cost being the CPU time the build took.
 
     One build at a time: readers that find it stale while another builds wait
     for that build instead of starting their own, so a crowd of clients costs
@@ -75,11 +79,11 @@ class Reused(Generic[T]):
 
     def get(self) -> T:
         with self._lock:
-            now = time.monotonic()
-            if self._value is None or now >= self._until:
+            if self._value is None or time.monotonic() >= self._until:
+                spent = time.thread_time()  # CPU time: waiting for the tracker's lock or the GIL costs nobody
                 self._value = self._build()
-                done = time.monotonic()
-                self._until = done + max(self._fresh, (done - now) / COST_SHARE)
+                spent = time.thread_time() - spent
+                self._until = time.monotonic() + min(MAX_AGE, max(self._fresh, spent / COST_SHARE))
             return self._value
 
 
