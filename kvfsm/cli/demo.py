@@ -153,22 +153,28 @@ def run_engines(args: argparse.Namespace) -> int:
     return EXIT_OK if ledger.clean else EXIT_FINDINGS
 
 
-ENGINE_CONNECTORS = ("nixl",)
+ENGINE_CONNECTORS = ("nixl", "moriio")
 """The P/D connectors ``--engine vllm`` runs, each as a pair of engine processes."""
 
 
 def _render_engines(ledger: Any) -> None:
     out.print(
         f"[bold]kvfsm demo --engine vllm[/]: {ledger.prompts} prompts (4 shared prefixes) on real vLLM engines, "
-        f"tiny local model, {ledger.fault_rate:.0%} of P/D notifications lost; tokens compared with one engine "
-        "without a connector"
+        "tiny local model; tokens compared with one engine without a connector"
     )
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
-    for column in ("part", "same tokens", "ended otherwise", "hung", "blocks held", "live", "s"):
-        table.add_column(column, no_wrap=column != "part")
+    table.add_column("part", ratio=1)
+    for column in ("same", "ended", "hung", "held", "live", "s"):
+        table.add_column(column, no_wrap=True)
 
     def zero(n: int) -> str:
         return f"[green]{n}[/]" if n == 0 else f"[red]{n}[/]"
+
+    def per_engine(values: dict[str, int]) -> str:
+        """One engine's figure, or the prefill's and the decode's (— for a prefill that was killed)."""
+        if "engine" in values:
+            return zero(values["engine"])
+        return "·".join(zero(values[r]) if r in values else "—" for r in ("prefill", "decode"))
 
     for part in ledger.parts:
         if part.error:
@@ -176,18 +182,21 @@ def _render_engines(ledger: Any) -> None:
             continue
         same = f"{part.identical}/{part.compared}"
         otherwise = ", ".join(f"{k} {v}" for k, v in sorted(part.ended_otherwise.items())) or "—"
-        held = "  ".join(f"{r} {zero(n)}" for r, n in part.blocks_held.items())
-        live = "  ".join(f"{r} {zero(n)}" for r, n in part.live.items())
         table.add_row(
             escape(part.what),
             f"[green]{same}[/]" if part.identical == part.compared else f"[red]{same}[/]",
             otherwise,
             zero(part.hung),
-            held,
-            live,
+            per_engine(part.blocks_held),
+            per_engine(part.live),
             f"{part.seconds:.0f}",
         )
     out.print(Padding(table, (0, 0, 0, 2)))
+    out.print(
+        "  [dim]same: tokens identical to the engine without a connector, of those that finished normally; "
+        "ended: otherwise; held: vLLM blocks not free afterwards, live: connector instances not final "
+        "(prefill·decode, — where killed)[/]"
+    )
     for part in ledger.parts:
         if part.error:
             out.print(f"  [red]{escape(part.name)}: {escape(part.error)}[/]")

@@ -25,9 +25,11 @@ def test_the_engine_demo_ends_clean_with_every_token_as_without_a_connector(
     parts = {p["name"]: p for p in ledger["parts"]}
     assert parts["offload"]["identical"] == parts["offload"]["compared"] == 48
     assert parts["offload"]["counters"]["hits"] >= 24
-    serve = parts["nixl.serve"]
-    assert serve["identical"] == serve["compared"] == 24
-    assert parts["nixl.abort"]["ended_otherwise"].get("abort", 0) >= 1
-    assert sum(parts["nixl.kill"]["ended_otherwise"].values()) + parts["nixl.kill"]["compared"] >= 1
+    for pair in ("nixl", "moriio"):
+        serve = parts[f"{pair}.serve"]
+        assert serve["identical"] == serve["compared"] == 24, serve
+        assert parts[f"{pair}.abort"]["ended_otherwise"].get("abort", 0) >= 1
+        kill = parts[f"{pair}.kill"]
+        assert sum(kill["ended_otherwise"].values()) + kill["compared"] >= 1
     for part in ledger["parts"]:
         assert not any(part["blocks_held"].values()) and part["hung"] == 0, part

@@ -6,9 +6,10 @@ Parts, each on engines of its own (the tiny model, made in a temporary folder):
 - ``baseline``: one engine without a connector: the tokens every other part must reproduce;
 - ``offload``: the CPU-offload connector, two passes with vLLM's prefix cache reset in between, so the second
   is served from kvfsm's CPU tier;
-- one P/D pair per connector (``nixl``; a WRITE-mode one where available), prefill and decode in two processes:
-  every prompt served P then D, notifications lost at the fault rate; then decode requests aborted while their
-  transfers are stuck; then the prefill killed with transfers in flight.
+- one P/D pair per connector (``nixl``: the decode side READs; ``moriio``: the prefill WRITEs, seed 001's
+  connector), prefill and decode in two processes: every prompt served P then D (NIXL's notifications lost at the
+  fault rate); then decode requests aborted while their transfers are stuck; then the prefill killed with
+  transfers in flight.
 
 A part is clean when every request that finished normally generated the baseline's tokens, every engine that is
 still alive holds no block (vLLM's ``BlockPool``, read after the part), no connector instance is live, and every
@@ -105,7 +106,7 @@ def _offline(model: Path, connector: str, prefixes: int, per_prefix: int, logs: 
 
 def _offload_part(run: dict[str, Any], baseline: list[list[int]]) -> PartLedger:
     stats = run["stats"]
-    part = PartLedger("offload", "CPU offload, pass 2 from its tier")
+    part = PartLedger("offload", "offload, pass 2 from CPU")
     for tokens in run["passes"]:
         part.requests += len(tokens)
         part.compared += len(tokens)
@@ -117,16 +118,18 @@ def _offload_part(run: dict[str, Any], baseline: list[list[int]]) -> PartLedger:
     return part
 
 
-def _pd_parts(connector: str, pd_run: Any, baseline: list[list[int]], deadline: float) -> list[PartLedger]:
+def _pd_parts(
+    connector: str, pd_run: Any, baseline: list[list[int]], deadline: float, lost: float
+) -> list[PartLedger]:
     """The P/D run's phases as ledger parts."""
     what = {
-        "serve": "every prompt, P then D",
+        "serve": "serve" + (f", {lost:.0%} notifs lost" if lost else ""),
         "abort": "aborts mid-transfer",
-        "kill": "prefill killed mid-transfer",
+        "kill": "prefill killed",
     }
     parts = []
     for phase in pd_run.phases:
-        part = PartLedger(f"{connector}.{phase.name}", f"{connector} P/D, {what[phase.name]}")
+        part = PartLedger(f"{connector}.{phase.name}", f"{connector}: {what[phase.name]}")
         part.requests = len(phase.requests)
         for r in phase.requests:
             if r.finish_reason == "length":
@@ -151,7 +154,7 @@ def run_engine_demo(
     prefixes: int = 4,
     per_prefix: int = 6,
     fault_rate: float = 0.1,
-    connectors: Sequence[str] = ("nixl",),
+    connectors: Sequence[str] = ("nixl", "moriio"),
     progress: Progress | None = None,
 ) -> EngineLedger:
     """Every part on fresh engines; ``progress`` hears each part's name as it starts."""
@@ -169,8 +172,10 @@ def run_engine_demo(
         baseline = _offline(model, "none", prefixes, per_prefix, logs)["passes"][0]
         say("offload: the CPU-offload connector, a second pass from kvfsm's CPU tier")
         ledger.parts.append(_offload_part(_offline(model, "cpu_offload", prefixes, per_prefix, logs), baseline))
-        options = PDOptions(abort_timeout=6.0, read_timeout=6.0, lost_notif=fault_rate)
         for connector in connectors:
+            # Lost notifications are NIXL's fault injection; the MoRIIO plug injects none of its own.
+            lost = fault_rate if connector == "nixl" else 0.0
+            options = PDOptions(abort_timeout=6.0, read_timeout=6.0, lost_notif=lost)
             say(f"{connector}: a prefill and a decode engine in two processes (serve, abort, kill)")
             started = time.monotonic()
             (logs / connector).mkdir()
@@ -184,6 +189,6 @@ def run_engine_demo(
                 failed.seconds = round(time.monotonic() - started, 1)
                 ledger.parts.append(failed)
                 continue
-            ledger.parts += _pd_parts(connector, result, baseline, options.decode_deadline + 5.0)
+            ledger.parts += _pd_parts(connector, result, baseline, options.decode_deadline + 5.0, lost)
     ledger.seconds = round(time.monotonic() - t0, 1)
     return ledger

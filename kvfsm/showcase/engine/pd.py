@@ -169,14 +169,18 @@ class NixlPD:
 CONNECTORS: dict[str, PDConnector] = {"nixl": NixlPD()}
 """The connectors the runner knows by name; ``MODULE:ATTR`` names any other."""
 
+ALIASES = {"moriio": "kvfsm.adapters.vllm_moriio_pd:MORIIO"}
+"""Short names of plugs loaded on first use (loading MoRIIO's fixes the run's notify port)."""
+
 
 def connector_named(name: str) -> PDConnector:
-    """The connector ``name`` (a key of :data:`CONNECTORS`, or ``MODULE:ATTR``)."""
+    """The connector ``name`` (a key of :data:`CONNECTORS` or :data:`ALIASES`, or ``MODULE:ATTR``)."""
     if name in CONNECTORS:
         return CONNECTORS[name]
+    name = ALIASES.get(name, name)
     module, colon, attr = name.partition(":")
     if not colon:
-        raise ValueError(f"unknown P/D connector {name!r}: one of {sorted(CONNECTORS)}, or MODULE:ATTR")
+        raise ValueError(f"unknown P/D connector {name!r}: one of {sorted({*CONNECTORS, *ALIASES})}, or MODULE:ATTR")
     try:
         found: PDConnector = getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as exc:
