@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import shlex
 from collections.abc import Mapping
 from pathlib import Path
@@ -13,6 +15,10 @@ from rich.markup import escape
 from rich.table import Table
 
 from .common import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, Subparsers, err, out, write_output
+
+DEFAULT_CALL_TIMEOUT = 60.0
+"""Seconds one call into a driver (its factory, observe, an action, a release) may take before it is a finding.
+Model-based calls take microseconds; a factory that starts a real engine may take tens of seconds."""
 
 if TYPE_CHECKING:
     from ..spec.system import System
@@ -104,11 +110,58 @@ def register(sub: Subparsers) -> None:
         help="YAML exemption list: machine → {'SOURCE --EVENT--> TARGET' (or 'deadline of S', 'ignored E in S'): "
         "why it may go unexercised}",
     )
+    p.add_argument(
+        "--call-timeout",
+        default=None,
+        metavar="SECONDS|none",
+        help="a driver call (its factory, observe, an action, a release) that has not returned after this long is "
+        f"a finding, exit 1 (default {DEFAULT_CALL_TIMEOUT:g}; none: no limit)",
+    )
     p.add_argument("--format", choices=("text", "json"), default="text")
     p.set_defaults(run=run)
 
 
+def _call_timeout(text: str | None) -> float | str | None:
+    """``--call-timeout`` as seconds (``None``: no limit), or what is wrong with it (a str)."""
+    if text is None:
+        return DEFAULT_CALL_TIMEOUT
+    if text.strip().lower() == "none":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        return f"--call-timeout: {text!r} is not a number of seconds above 0, nor 'none' (no limit)"
+    return value
+
+
+def _stop_stuck(problem: str) -> None:
+    """A driver call that ignored its interrupt: say so and end the process (the call cannot be unwound).
+
+    Called from the call timer's watchdog thread while the main thread is stuck in the driver, so it writes
+    straight to file descriptor 2 (no lock the stuck thread could hold) and leaves without unwinding.
+    """
+    os.write(2, f"✗ the driver failed: {problem}; kvfsm test stopped here\n".encode())
+    os._exit(EXIT_FINDINGS)
+
+
 def run(args: argparse.Namespace) -> int:
+    from ..testing.calls import DriverError
+
+    timeout = _call_timeout(args.call_timeout)
+    if isinstance(timeout, str):
+        err.print(f"[red]kvfsm test: {escape(timeout)}[/]")
+        return EXIT_USAGE
+    args.call_timeout_given, args.call_timeout = args.call_timeout is not None, timeout
+    try:
+        return _run(args)
+    except DriverError as exc:  # a factory that raised or hung in a trace replay: the driver's, a finding
+        out.print(f"[red]✗ the driver failed: {escape(str(exc))}[/]")
+        return EXIT_FINDINGS
+
+
+def _run(args: argparse.Namespace) -> int:
     from ..gen.diagram import to_svg
     from ..spec import load
     from ..spec.system import is_system_file
@@ -131,7 +184,16 @@ def run(args: argparse.Namespace) -> int:
     factory = load_factory(driver)
     exempt = load_exemptions(args.exempt).get(spec.name, {}) if args.exempt is not None else {}
     bar = Bar(args.min_coverage if args.min_coverage is not None else 1.0, exempt)
-    report = run_machine(spec, factory, examples=args.examples, seed=args.seed, steps=args.steps or STEPS, bar=bar)
+    report = run_machine(
+        spec,
+        factory,
+        examples=args.examples,
+        seed=args.seed,
+        steps=args.steps or STEPS,
+        bar=bar,
+        call_timeout=args.call_timeout,
+        on_stuck=_stop_stuck,
+    )
     svg_note = ""
     if args.coverage_svg is not None:
         data = to_svg(spec, coverage=report.coverage.taken())
@@ -152,7 +214,14 @@ def _render(args: argparse.Namespace, driver: str, report: Report) -> None:
         f"seed {report.seed}, {report.coverage.examples} example(s) of up to {report.steps} steps, "
         f"{report.planned} of them planned"
     )
-    if not report.diverged:
+    if report.driver_error:
+        out.print(f"[red]✗ {escape(report.spec.name)}: the driver failed: {escape(report.driver_error)}[/] ({budget})")
+        for line in report.story:
+            out.print(f"  {escape(line)}")
+        if report.found_by:
+            out.print(f"  [dim](in the planned example for {escape(report.found_by)})[/]")
+        out.print(f"[dim]repeat with: {escape(shlex.join(_again(args, driver, report)))}[/]")
+    elif not report.diverged:
         verdict = report.verdict
         if report.passed:
             out.print(f"[green]✓ {escape(report.spec.name)}: the driver kept to the spec[/] ({budget})")
@@ -180,11 +249,18 @@ def _render(args: argparse.Namespace, driver: str, report: Report) -> None:
             out.print(f"  {escape(report.error)}")
         if report.found_by:
             out.print(f"  [dim](found by the planned example for {escape(report.found_by)})[/]")
-        again = ["kvfsm", "test", str(args.spec), "--driver", driver, "--seed", str(report.seed)]
-        if args.examples:
-            again += ["--examples", str(args.examples)]
-        out.print(f"[dim]repeat with: {escape(shlex.join(again))}[/]")
+        out.print(f"[dim]repeat with: {escape(shlex.join(_again(args, driver, report)))}[/]")
     _coverage(report)
+
+
+def _again(args: argparse.Namespace, driver: str, report: Report) -> list[str]:
+    """The command line that repeats this run exactly."""
+    again = ["kvfsm", "test", str(args.spec), "--driver", driver, "--seed", str(report.seed)]
+    if args.examples:
+        again += ["--examples", str(args.examples)]
+    if args.call_timeout_given:
+        again += ["--call-timeout", f"{args.call_timeout:g}" if args.call_timeout is not None else "none"]
+    return again
 
 
 def _coverage(report: Report) -> None:
@@ -232,7 +308,7 @@ def _replay(args: argparse.Namespace) -> int:
     if roles is None:
         return EXIT_USAGE
     system, refs, factories = roles
-    result = replay_trace(system, args.trace, factories)
+    result = replay_trace(system, args.trace, factories, call_timeout=args.call_timeout, on_stuck=_stop_stuck)
     drivers = _driven_by(system, result.drivers, refs)
     if args.format == "json":
         out.print_json(json.dumps({"trace": str(args.trace), **result.as_dict(), "drivers": drivers}))
@@ -338,7 +414,7 @@ def _cover_system(args: argparse.Namespace) -> int:
     system, refs, factories = roles
     exempt = load_exemptions(args.exempt).get(system.name, {}) if args.exempt is not None else {}
     bar = Bar(args.min_coverage if args.min_coverage is not None else 1.0, exempt)
-    result = cover_system(system, factories, bar=bar)
+    result = cover_system(system, factories, bar=bar, call_timeout=args.call_timeout, on_stuck=_stop_stuck)
     drivers = _driven_by(system, result.drivers, refs)
     if args.format == "json":
         out.print_json(json.dumps({**result.as_dict(), "drivers": drivers}))
@@ -350,8 +426,13 @@ def _cover_system(args: argparse.Namespace) -> int:
 def _render_system(result: SystemCoverage, drivers: dict[str, str]) -> None:
     on = ", ".join(f"{role}: {name}" for role, name in drivers.items())
     moves = sum(len(r.trace.moves) for r in result.runs)
+    traces = (
+        f"{len(result.runs) + result.skipped} traces ({len(result.runs)} replayed)"
+        if result.skipped
+        else (f"{len(result.runs)} traces")
+    )
     out.print(
-        f"trace set of {escape(result.system)}: {len(result.runs)} traces, {moves} steps, for "
+        f"trace set of {escape(result.system)}: {traces}, {moves} steps, for "
         f"{len(result.reachable)} reachable items; {escape(on)}"
     )
     for n, r in enumerate(result.runs, 1):
@@ -359,11 +440,17 @@ def _render_system(result: SystemCoverage, drivers: dict[str, str]) -> None:
             out.print(f"  ✓ #{n} {escape(r.goal.name)} ({len(r.trace.moves)} steps)")
         else:
             out.print(f"  [red]✗ #{n} {escape(r.goal.name)}: diverged at {escape(str(r.mismatch))}[/]")
+    unreplayed = [item for item, why in result.gaps if why.startswith("not replayed")]
     for item, why in result.gaps:
-        mark = "[yellow]not reached[/]" if result.cleared else "[red]not reached[/]"
-        out.print(f"  {mark} {escape(item.name)}: {escape(why)}")
+        if not why.startswith("not replayed"):
+            mark = "[yellow]not reached[/]" if result.cleared else "[red]not reached[/]"
+            out.print(f"  {mark} {escape(item.name)}: {escape(why)}")
+    if unreplayed:
+        out.print(f"  [red]not reached[/] {len(unreplayed)} more item(s), in traces not replayed")
     for item, reason in result.exempted:
         out.print(f"  [dim]exempt {escape(item.name)}: {escape(reason)}[/]")
+    if result.skipped:
+        out.print(f"  [red]{result.skipped} trace(s) not replayed: a driver call hung, which ended the run[/]")
     if result.unreachable:
         names = ", ".join(i.name for i in result.unreachable)
         out.print(f"  [dim]no run of the system reaches (not required): {escape(names)}[/]")

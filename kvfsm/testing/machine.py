@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, ClassVar, NoReturn, TypeVar
@@ -46,8 +46,9 @@ from ..engine.outbox import Outbox
 from ..errors import ActionError, BindingError, DuplicateKey, Failure, IllegalTransition, TrackerClosed
 from ..spec import Spec, load
 from ..spec.model import BEGIN
+from .calls import CallTimeout, CallTimer, DriverError, DriverFault, Factory
 from .clock import VirtualClock
-from .contract import DriverFactory, can_inject_faults
+from .contract import DriverFactory, ObservableDriver, can_inject_faults
 from .cover import Pair, blocked_edges, caller_taken, routes
 from .coverage import Coverage
 from .oracle import Outcome, SpecModel
@@ -116,7 +117,7 @@ class SpecMachine(RuleBasedStateMachine):
     """
 
     spec: ClassVar[Spec]
-    driver_factory: ClassVar[DriverFactory]
+    driver_factory: ClassVar[DriverFactory | Factory]
     params: ClassVar[Mapping[str, float] | None] = None
     keys: ClassVar[tuple[str, ...]]
     coverage: ClassVar[Coverage]
@@ -126,16 +127,28 @@ class SpecMachine(RuleBasedStateMachine):
     :func:`~kvfsm.testing.cover.blocked_edges`); found from the first driver made."""
     routes: ClassVar[dict[str, tuple[Pair, ...]] | None] = None
     """State → a shortest path to it around the blocked edges, for :meth:`walk`."""
+    call_timer: ClassVar[CallTimer | None] = None
+    """Times every call into the driver (the runner sets it from ``call_timeout``); ``None``: calls are not timed."""
 
     def __init__(self) -> None:
         super().__init__()
         cls = type(self)
         self.clock = VirtualClock()
-        self.driver = cls.driver_factory()
+        self.story: list[str] = []
+        self.trace: list[tuple[str, tuple[object, ...]]] = []
+        """Each step as (method, arguments): replaying it on a fresh machine repeats the example."""
+        factory = cls.driver_factory
+        self.driver: ObservableDriver
+        if isinstance(factory, Factory):  # counted and timed: a failure is the driver's, named, not a crash
+            try:
+                self.driver = factory.make(f"for example {cls.coverage.examples + 1}")
+            except DriverError as exc:
+                raise DriverFault(str(exc)) from None
+        else:
+            self.driver = factory()
         check_driver(cls.spec, self.driver)
         self.tracker = Tracker(cls.spec, self.driver, clock=self.clock, params=cls.params, threadsafe=False)
         self.model = SpecModel(cls.spec, cls.params)
-        self.story: list[str] = []
         self.given = begin_resources(cls.spec)
         self.can_fault = can_inject_faults(self.driver)
         if cls.blocked is None:
@@ -147,8 +160,6 @@ class SpecMachine(RuleBasedStateMachine):
         self._diverged = False
         self.close_after: int | None = None
         """Steps after which the close rule is enabled in this example (None: it closes only at the end)."""
-        self.trace: list[tuple[str, tuple[object, ...]]] = []
-        """Each step as (method, arguments): replaying it on a fresh machine repeats the example."""
         outbox = getattr(self.driver, "outbox", None)
         self.outbox = outbox if isinstance(outbox, Outbox) else None
         """The driver's record of what it sends (:class:`~kvfsm.testing.contract.ReportsSends`), checked each step."""
@@ -269,7 +280,10 @@ class SpecMachine(RuleBasedStateMachine):
             return
         action = candidates[fault % len(candidates)]
         try:
-            armed = self.driver.inject_fault(action)  # type: ignore[attr-defined]
+            armed = self._guarded(
+                f"{type(self.driver).__name__}.inject_fault({action!r})",
+                lambda: self.driver.inject_fault(action),  # type: ignore[attr-defined]
+            )
         except Exception as exc:
             self._tell(f"inject_fault({action!r})", Outcome())
             self._diverge([f"inject_fault({action!r}) raised {type(exc).__name__}: {exc}"])
@@ -290,8 +304,9 @@ class SpecMachine(RuleBasedStateMachine):
 
     def _hook(self, where: str, name: str, *args: object) -> Mapping[str, Any]:
         """Call the driver's ``before_begin``/``before_fire``; what it returns, if a mapping, is the payload."""
+        hook = getattr(self.driver, name)
         try:
-            got = getattr(self.driver, name)(*args)
+            got = self._guarded(f"{type(self.driver).__name__}.{name}{args!r}", lambda: hook(*args))
         except Exception as exc:
             self._tell(where, Outcome())
             shown = ", ".join(map(repr, args[:-1]))
@@ -374,7 +389,9 @@ class SpecMachine(RuleBasedStateMachine):
     def _reality(self, key: str, state: str | None) -> list[str]:
         """What observe(key) says against what the spec says ``key`` holds in ``state``."""
         try:
-            seen = set(self.driver.observe(key))
+            seen = set(
+                self._guarded(f"{type(self.driver).__name__}.observe({key!r})", lambda: self.driver.observe(key))
+            )
         except Exception as exc:
             return [f"observe({key!r}) raised {type(exc).__name__}: {exc}"]
         want = set(self.model.held(key))
@@ -390,7 +407,7 @@ class SpecMachine(RuleBasedStateMachine):
 
     def _observe_all(self) -> dict[str, frozenset[str]]:
         try:
-            return {k: frozenset(self.driver.observe(k)) for k in self.keys}
+            return {k: frozenset(self._observe(k)) for k in self.keys}
         except Exception:
             return {}  # the invariant reports observe() raising
 
@@ -399,10 +416,32 @@ class SpecMachine(RuleBasedStateMachine):
         self.coverage.record(outcome)
         self.coverage.steps += 1
 
+    def _observe(self, key: str) -> Iterable[str]:
+        """``driver.observe(key)``, timed."""
+        return self._guarded(f"{type(self.driver).__name__}.observe({key!r})", lambda: self.driver.observe(key))
+
+    def _guarded(self, what: str, call: Callable[[], T]) -> T:
+        """Make one call that runs driver code under the call timer; a hang ends the run as the driver's fault."""
+        timer = type(self).call_timer
+        if timer is None:
+            return call()
+        try:
+            with timer.call(what, self.driver):
+                return call()
+        except CallTimeout as exc:
+            self._driver_failed(str(exc))
+
+    def _driver_failed(self, problem: str) -> NoReturn:
+        """End the run on a driver failure (not a divergence: nothing to shrink), with the story so far."""
+        self._diverged = True  # teardown must not call into the driver again
+        story = list(self.story) or ["(before any step)"]
+        story[-1] = f"{story[-1]}; {problem}"
+        raise DriverFault(problem, story, self.trace)
+
     def _call(self, outcome: Outcome, call: Callable[[], T]) -> T | None:
         """Run one Tracker call; only what the spec predicts may come out of it."""
         try:
-            result = call()
+            result = self._guarded("a Tracker call of this step (it runs the driver's actions)", call)
         except TrackerClosed as exc:
             if outcome.refused != "closed":
                 self._diverge([f"TrackerClosed escaped though the tracker was not closed: {exc}"])
@@ -483,7 +522,7 @@ def _pick(movable: list[tuple[Hashable, list[str]]], which: int, choice: int) ->
 
 def spec_machine(
     spec: Spec | str | Path,
-    driver_factory: DriverFactory,
+    driver_factory: DriverFactory | Factory,
     *,
     params: Mapping[str, float] | None = None,
     keys: int = KEYS,
@@ -610,7 +649,7 @@ def spec_machine(
     name = "".join(part.title() for part in re.split(r"[^0-9A-Za-z]+", spec.name) if part) or "Spec"
     Machine.__name__ = Machine.__qualname__ = f"{name}Machine"
     Machine.spec = spec
-    Machine.driver_factory = staticmethod(driver_factory)
+    Machine.driver_factory = driver_factory if isinstance(driver_factory, Factory) else staticmethod(driver_factory)
     Machine.params = dict(params) if params else None
     Machine.keys = names
     Machine.coverage = Coverage(spec)

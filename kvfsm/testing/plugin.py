@@ -234,6 +234,11 @@ def failure_text(report: Report) -> str:
         lines.append("exercise it, or exempt it on purpose (exempt=, kvfsm_exempt, or --kvfsm-min-coverage)")
         return "\n".join(lines)
     run = f"seed {report.seed}, failed in example {report.coverage.examples} of {report.examples}"
+    if report.driver_error:  # its factory raised, or a call hung: the driver's own failure, no divergence
+        lines = [f"{report.spec.path}: the driver failed ({run}): {report.driver_error}"]
+        lines += [f"  {line}" for line in report.story]
+        lines.append(f"repeat with --kvfsm-seed {report.seed} (or kvfsm test ... --seed {report.seed})")
+        return "\n".join(lines)
     lines = [f"{report.spec.path}: the driver diverged from spec {report.spec.name!r} ({run}):"]
     lines += [f"  {line}" for line in report.story] or [f"  {report.error}"]
     lines.append(f"repeat with --kvfsm-seed {report.seed} (or kvfsm test ... --seed {report.seed})")

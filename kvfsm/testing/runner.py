@@ -15,7 +15,7 @@ import importlib
 import random
 import re
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,9 +26,10 @@ from hypothesis import settings as Settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from ..engine import Tracker
-from ..errors import KvfsmError
 from ..spec import Spec, load
 from .bar import Bar, Verdict, check_exemptions, judge
+from .calls import CallTimer, DriverError, DriverFault, Factory
+from .calls import FactoryError as FactoryError  # its home before calls.py; importers keep working
 from .contract import DriverFactory, ObservableDriver, can_inject_faults
 from .cover import TraceStep, blocked_edges, path_cover
 from .coverage import Coverage
@@ -37,10 +38,6 @@ from .story import SpecViolation
 
 STEPS = 50
 """Steps per example (Hypothesis' own default for stateful tests)."""
-
-
-class FactoryError(KvfsmError):
-    """A ``MODULE:FACTORY`` that does not name a callable, or a factory that fails."""
 
 
 @dataclass(frozen=True)
@@ -70,6 +67,9 @@ class Report:
     """Planned examples of the path cover that ran (they count among :attr:`coverage`'s examples)."""
     found_by: str = ""
     """The goal of the planned example that found the failure ("" if a random example did)."""
+    driver_error: str = ""
+    """The driver failed at run time (its factory raised, a call hung): which call of which object, and how.
+    Set with :attr:`error`; :attr:`story` is then the example up to that call."""
 
     @property
     def diverged(self) -> bool:
@@ -93,6 +93,7 @@ class Report:
                 "error": self.error,
                 "found_in_example": self.coverage.examples,
                 "found_by": self.found_by or None,
+                "driver_error": self.driver_error or None,
             },
             "coverage": self.coverage.as_dict(),
             "coverage_verdict": self.verdict.as_dict() if self.verdict is not None else None,
@@ -128,13 +129,14 @@ def load_factory(ref: str, search: Path | None = None) -> DriverFactory:
     return factory
 
 
-def probe(spec: Spec, factory: DriverFactory, params: Mapping[str, float] | None = None) -> ObservableDriver:
-    """Make one driver and bind it, so a bad driver fails once, clearly, before any example runs; returns it."""
-    try:
-        driver = factory()
-    except Exception as exc:
-        name = getattr(factory, "__qualname__", repr(factory))
-        raise FactoryError(f"driver factory {name}() raised {type(exc).__name__}: {exc}") from None
+def probe(spec: Spec, factory: DriverFactory | Factory, params: Mapping[str, float] | None = None) -> ObservableDriver:
+    """Make one driver and bind it, so a bad driver fails once, clearly, before any example runs; returns it.
+
+    Raises :class:`DriverError` if the factory raises (or, timed, hangs), and
+    BindingError if the driver lacks what the spec and the test need.
+    """
+    made = factory if isinstance(factory, Factory) else Factory(factory)
+    driver: ObservableDriver = made.make("to check the driver before any example")
     Tracker(spec, driver, params=params).close()  # BindingError names every missing action
     check_driver(spec, driver)
     return driver
@@ -151,6 +153,8 @@ def run(
     keys: int = KEYS,
     bar: Bar | None = None,
     cover: bool = True,
+    call_timeout: float | None = None,
+    on_stuck: Callable[[str], None] | None = None,
 ) -> Report:
     """Model-test the drivers ``factory`` makes against ``spec``; returns a :class:`Report`.
 
@@ -161,16 +165,30 @@ def run(
     repeated exactly. ``bar`` is the coverage the run must reach (default:
     everything); ``cover=False`` runs the random examples alone, with no plan
     (what the generator did before it had a path cover: for comparisons).
+
+    ``call_timeout`` (seconds) bounds each call into the driver: the factory,
+    ``observe``, a hook, a Tracker call running its actions
+    (:class:`~kvfsm.testing.calls.CallTimer`; main thread only). A driver that
+    fails at run time (its factory raises, on the first call or a later one,
+    or a call does not return in time) ends the run with a failing report
+    whose :attr:`Report.driver_error` names the call; ``on_stuck`` is called
+    instead for a call that does not stop even when interrupted.
     """
     if not isinstance(spec, Spec):
         spec = load(spec)
     bar = bar if bar is not None else Bar()
     check_exemptions(Coverage(spec), bar.exempt)
-    driver = probe(spec, factory, params)
-    machine = spec_machine(spec, factory, params=params, keys=keys, steer=cover)
+    chosen = seed if seed is not None else random.SystemRandom().randrange(2**32)
+    made = Factory(factory, CallTimer(call_timeout, on_stuck=on_stuck))
+    try:
+        driver = probe(spec, made, params)
+    except DriverError as exc:
+        failed = DriverFault(str(exc))
+        return _driver_failed(spec, chosen, examples, steps, Coverage(spec), failed, 0)
+    machine = spec_machine(spec, made, params=params, keys=keys, steer=cover)
+    machine.call_timer = made.timer
     machine.blocked = blocked_edges(spec, driver)
     budget = examples if examples is not None else Settings().max_examples
-    chosen = seed if seed is not None else random.SystemRandom().randrange(2**32)
     faults = fault_targets(spec) if can_inject_faults(driver) else ()
     plans = path_cover(spec, params, machine.keys, blocked=machine.blocked, faults=faults) if cover else []
     config = Settings(
@@ -185,27 +203,42 @@ def run(
         print_blob=False,
         phases=(Phase.explicit, Phase.generate),
     )
-    for n, plan in enumerate(plans, 1):
-        found = play(machine, plan.steps)
-        if found is not None:
-            found = tidy(machine, found)
-            return Report(
-                spec, False, chosen, budget, steps, machine.coverage, found.story, found.problems, str(found),
-                planned=n, found_by=plan.goal,
-            )  # fmt: skip
     try:
-        with reporting.with_reporter(_silent):
-            run_state_machine_as_test(use_seed(chosen)(machine), settings=config)
-    except SpecViolation as exc:
-        exc = tidy(machine, exc)
-        return Report(
-            spec, False, chosen, budget, steps, machine.coverage, exc.story, exc.problems, str(exc), planned=len(plans)
-        )
-    except Exception as exc:  # Hypothesis' own verdicts (e.g. a driver that does not repeat itself)
-        error = f"{type(exc).__name__}: {exc}"
-        return Report(spec, False, chosen, budget, steps, machine.coverage, error=error, planned=len(plans))
+        for n, plan in enumerate(plans, 1):
+            found = play(machine, plan.steps)
+            if found is not None:
+                found = tidy(machine, found)
+                return Report(
+                    spec, False, chosen, budget, steps, machine.coverage, found.story, found.problems, str(found),
+                    planned=n, found_by=plan.goal,
+                )  # fmt: skip
+        try:
+            with reporting.with_reporter(_silent):
+                run_state_machine_as_test(use_seed(chosen)(machine), settings=config)
+        except SpecViolation as exc:
+            exc = tidy(machine, exc)
+            return Report(
+                spec, False, chosen, budget, steps, machine.coverage, exc.story, exc.problems, str(exc),
+                planned=len(plans),
+            )  # fmt: skip
+        except Exception as exc:  # Hypothesis' own verdicts (e.g. a driver that does not repeat itself)
+            error = f"{type(exc).__name__}: {exc}"
+            return Report(spec, False, chosen, budget, steps, machine.coverage, error=error, planned=len(plans))
+    except DriverFault as fault:  # from an example, or a replay while tidying: the driver's own failure
+        return _driver_failed(spec, chosen, budget, steps, machine.coverage, fault, len(plans))
     verdict = judge(machine.coverage, bar, machine.blocked)
     return Report(spec, verdict.cleared, chosen, budget, steps, machine.coverage, verdict=verdict, planned=len(plans))
+
+
+def _driver_failed(
+    spec: Spec, seed: int, examples: int | None, steps: int, coverage: Coverage, fault: DriverFault, planned: int
+) -> Report:
+    """The report of a run the driver itself ended (a factory that raised, a call that hung)."""
+    budget = examples if examples is not None else Settings().max_examples
+    return Report(
+        spec, False, seed, budget, steps, coverage, fault.story, (fault.problem,), fault.problem,
+        planned=planned, driver_error=fault.problem,
+    )  # fmt: skip
 
 
 def play(machine: type[SpecMachine], trace: Sequence[TraceStep]) -> SpecViolation | None:

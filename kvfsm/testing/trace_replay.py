@@ -35,6 +35,7 @@ pages, once decode's page indices are in).
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,13 +46,13 @@ from ..explore.trace import Step, Trace, TraceError, TraceSource, as_trace, carr
 from ..spec import Spec
 from ..spec.system import LastStep, Snapshot, System, load_system, violation
 from ..spec.system.channel import Traffic
+from .calls import CallTimeout, CallTimer, Factory
 from .clock import VirtualClock
 from .contract import DriverFactory
 from .cover import caller_taken
 from .ledger import LedgerDriver
 from .machine import begin_resources, check_driver
 from .oracle import SpecModel
-from .runner import FactoryError
 
 
 def _held(names: Collection[str]) -> str:
@@ -70,8 +71,9 @@ class Mismatch:
     label: str
     """``step 3`` (the chart's numbering) or ``begin r0 on decode``."""
     what: str
-    """``state``, ``holds`` (the Tracker's ledger), ``observe`` (the driver), ``raised``, ``timeout``, ``ignore``,
-    ``transition``, ``reject`` or ``violation`` (the steps matched, the violation did not show)."""
+    """``state``, ``holds`` (the Tracker's ledger), ``observe`` (the driver), ``raised``, ``hung`` (a driver call
+    did not return within the call timeout), ``timeout``, ``ignore``, ``transition``, ``reject`` or ``violation``
+    (the steps matched, the violation did not show)."""
     expected: str
     actual: str
 
@@ -175,27 +177,29 @@ def _failures(exc: ActionError) -> str:
     return "; ".join(f"{f.action}() raised {type(f.error).__name__}: {f.error}" for f in exc.failures)
 
 
-def _make(role: str, factory: DriverFactory) -> object:
-    try:
-        return factory()
-    except Exception as exc:
-        name = getattr(factory, "__qualname__", repr(factory))
-        raise FactoryError(f"driver factory {name}() for role {role!r} raised {type(exc).__name__}: {exc}") from None
-
-
 class TraceRun:
     """A trace being run, one step at a time: ``step()`` until it returns ``None``, then ``result()``.
 
     ``trackers``, ``drivers`` and ``clocks`` (per role) stay as the trace left
     them, to look at between and after steps. Roles with no factory in
     ``drivers`` get a :class:`LedgerDriver`.
+
+    ``timer`` times every call into a driver (the factories included); a call
+    that does not return in time is a ``hung`` mismatch and ends the run. A
+    factory that raises (or hangs) raises
+    :class:`~kvfsm.testing.calls.DriverError`, naming the role, the call and
+    ``purpose``; pass :class:`~kvfsm.testing.calls.Factory` objects to count
+    calls across runs.
     """
 
     def __init__(
         self,
         system: System | str | Path,
         trace: TraceSource,
-        drivers: Mapping[str, DriverFactory] | None = None,
+        drivers: Mapping[str, DriverFactory | Factory] | None = None,
+        *,
+        timer: CallTimer | None = None,
+        purpose: str = "",
     ) -> None:
         self.system = system if isinstance(system, System) else load_system(system)
         self.trace = as_trace(trace)
@@ -206,11 +210,16 @@ class TraceRun:
             raise KvfsmError(
                 f"no role {unknown[0]!r} in {self.system.name} for a driver; its roles are {', '.join(self.system.roles)}"
             )
+        self.timer = timer
+        self.hung = ""
+        """What a call that did not return in time was (the run ends there); "" if none did."""
         self.drivers: dict[str, object] = {}
         self.driven_by: dict[str, str] = {}
         for name, role in self.system.roles.items():
             if name in factories:
-                driver = _make(name, factories[name])
+                given = factories[name]
+                made = given if isinstance(given, Factory) else Factory(given, timer, role=name)
+                driver = made.make(purpose)
                 check_driver(role.spec, driver)
                 _check_before_fire(role.spec, driver)
                 self.driven_by[name] = type(driver).__name__
@@ -264,7 +273,7 @@ class TraceRun:
             mismatch = Mismatch(index, label, d.what, d.expected, d.actual)
             state = self.trackers[step.role].state(step.request)
             try:
-                observed = self._observe(step.role, step.request)
+                observed = None if self.hung else self._observe(step.role, step.request)
             except _Diverged:
                 observed = None
         done = TraceStepResult(index, number, step, call, state, observed, mismatch)
@@ -337,18 +346,38 @@ class TraceRun:
             raise _Diverged("timeout", f"poll() fires [({req!r}, {event!r}, {step.target!r})]", f"{fired}")
         return f"poll at t={clock.now:g}", ""
 
+    def _timed(self, role: str, what: str) -> AbstractContextManager[None]:
+        """The call timer's guard for one call into ``role``'s driver (nothing when calls are not timed)."""
+        return self.timer.call(what, self.drivers[role]) if self.timer is not None else nullcontext()
+
     def _hook(self, role: str, name: str, *args: Any) -> None:
         hook: Callable[..., object] = getattr(self.drivers[role], name)
         try:
-            hook(*args)
+            with self._guard(role, f"{self.driven_by[role]}.{name}{args!r}"):
+                hook(*args)
+        except _Diverged:
+            raise
         except Exception as exc:
             raise _Diverged("raised", "nothing raised", f"{name}() raised {type(exc).__name__}: {exc}") from None
+
+    @contextmanager
+    def _guard(self, role: str, what: str) -> Iterator[None]:
+        """Time a call into ``role``'s driver; one that does not return in time is a ``hung`` mismatch."""
+        try:
+            with self._timed(role, what):
+                yield
+        except CallTimeout as exc:
+            self.hung = str(exc)
+            raise _Diverged("hung", f"a return within {exc.seconds:g} s", self.hung) from None
 
     def _call(self, call: Callable[[], Any], step: Step) -> Any:
         """One Tracker call; only an IllegalTransition that a reject step calls for may come out of it."""
         self._rejected = False
         try:
-            return call()
+            with self._guard(step.role, "a Tracker call of this step (it runs the driver's actions)"):
+                return call()
+        except _Diverged:
+            raise
         except IllegalTransition as exc:
             if step.action == "reject":
                 self._rejected = True
@@ -376,7 +405,10 @@ class TraceRun:
     def _observe(self, role: str, request: str) -> tuple[str, ...]:
         observe: Callable[[str], Collection[str]] = getattr(self.drivers[role], "observe")  # noqa: B009
         try:
-            return tuple(sorted(observe(request)))
+            with self._guard(role, f"{self.driven_by[role]}.observe({request!r})"):
+                return tuple(sorted(observe(request)))
+        except _Diverged:
+            raise
         except Exception as exc:
             raise _Diverged(
                 "raised", "nothing raised", f"observe({request!r}) raised {type(exc).__name__}: {exc}"
@@ -469,14 +501,21 @@ def replay_trace(
     system: System | str | Path,
     trace: TraceSource,
     drivers: Mapping[str, DriverFactory] | None = None,
+    *,
+    call_timeout: float | None = None,
+    on_stuck: Callable[[str], None] | None = None,
 ) -> TraceResult:
     """Run ``trace`` on one Tracker and one driver per role (a ledger where ``drivers`` has no factory).
+
+    ``call_timeout`` (seconds) bounds each call into a driver: one that does not
+    return in time is a ``hung`` mismatch (see :class:`TraceRun`, and
+    :class:`~kvfsm.testing.calls.CallTimer` for ``on_stuck``).
 
     >>> result = replay_trace("specs/pd_abort/merged_fix.yaml", "trace.json", {"decode": make_decode})
     >>> result.summary
     'step 4: prefill is in transferring while decode lacks kv_pages — reproduced on the real drivers'
     """
-    return TraceRun(system, trace, drivers).run()
+    return TraceRun(system, trace, drivers, timer=CallTimer(call_timeout, on_stuck=on_stuck)).run()
 
 
 __all__ = [

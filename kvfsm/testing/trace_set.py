@@ -34,19 +34,26 @@ explorer learned a move the walk does not make), the walk refuses to judge.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from ..errors import KvfsmError
-from ..explore import Sent, Step, Trace, TraceRole, check_trace, explore
+from ..explore import ExploreResult, Sent, Step, Trace, TraceRole, check_sizes, check_trace, explore
 from ..spec.model import ABORT, Edge
 from ..spec.system import System, load_system
 from ..spec.system.channel import Flight
 from .bar import Bar, check_names
+from .calls import CallTimer, Factory
 from .contract import DriverFactory
 from .trace_replay import Mismatch, TraceRun
+
+WALK_STATES = 1_000_000
+"""Most local states of one request the trace set is built from (the explorer's bound for its check)."""
+
+WALK_SECONDS = 120.0
+"""Longest the explorer may take to check what one request reaches, before the walk."""
 
 REQUEST = "r0"
 """The one request every trace of the set is about."""
@@ -258,8 +265,9 @@ def trace_set(system: System | str | Path) -> TraceSet:
     if not isinstance(system, System):
         system = load_system(system)
     _modelled(system)
+    explored = _explored(system)
     walk = _Walk(system)
-    _agree_with_explorer(system, walk.reached())
+    _agree_with_explorer(system, walk.reached(), explored)
     every = items(system)
     reachable = [i for i in every if i in walk.first]
     shortest = {i: (*walk.path(walk.first[i][0]), walk.first[i][1]) for i in reachable}
@@ -300,9 +308,24 @@ def _modelled(system: System) -> None:
         )
 
 
-def _agree_with_explorer(system: System, reached: set[tuple[str, str]]) -> None:
-    """Refuse to judge if the walk and the explorer reach different role states for one request."""
-    result = explore(system, requests=1)
+def _explored(system: System) -> ExploreResult:
+    """The explorer's run of one request, within bounds: the walk covers the same local states, so a system too big
+    for the explorer's bounds is too big for the walk, and is refused before it starts."""
+    check_sizes(system, 1)
+    explored = explore(system, requests=1, max_states=WALK_STATES, time_limit=WALK_SECONDS)
+    if explored.stopped is not None:
+        raise TraceSetError(
+            f"{system.name}: one request reaches more local states than the trace set is built from "
+            f"({WALK_STATES:,} in {WALK_SECONDS:g} s); replay the explorer's traces of it with --trace instead"
+        )
+    return explored
+
+
+def _agree_with_explorer(system: System, reached: set[tuple[str, str]], result: ExploreResult | None = None) -> None:
+    """Refuse to judge if the walk and the explorer (``result``, one request; run here if not given) reach
+    different role states."""
+    if result is None:
+        result = _explored(system)
     theirs = {(role, s) for role, r in system.roles.items() for s in r.spec.states} - set(result.unreached)
     if theirs != reached:
         only_walk = ", ".join(f"{r} in {s}" for r, s in sorted(reached - theirs)) or "nothing"
@@ -353,6 +376,8 @@ class SystemCoverage:
     exempted: tuple[tuple[Item, str], ...]
     cleared: bool
     """The coverage cleared the bar (it says nothing of divergences)."""
+    skipped: int = 0
+    """Traces of the set not replayed: a driver call hung in an earlier one, which ended the run."""
 
     @property
     def diverged(self) -> tuple[TraceOutcome, ...]:
@@ -371,7 +396,11 @@ class SystemCoverage:
         """One line: what diverged, what was not reached, or that everything was exercised."""
         if self.diverged:
             first = self.diverged[0]
-            return f"{len(self.diverged)} of {len(self.runs)} traces diverged; the first, for {first.goal.name}, at {first.mismatch}"
+            left = f"; {self.skipped} more not replayed" if self.skipped else ""
+            return (
+                f"{len(self.diverged)} of {len(self.runs)} traces diverged; the first, for {first.goal.name}, "
+                f"at {first.mismatch}{left}"
+            )
         if self.gaps:
             return f"{len(self.gaps)} not reached ({self.ratio:.0%} exercised): " + "; ".join(
                 f"{i.name} ({why})" for i, why in self.gaps
@@ -399,6 +428,7 @@ class SystemCoverage:
                 "unreachable": [i.as_dict() for i in self.unreachable],
             },
             "traces": [r.as_dict() for r in self.runs],
+            "not_replayed": self.skipped,
         }
 
 
@@ -407,22 +437,31 @@ def cover_system(
     drivers: Mapping[str, DriverFactory] | None = None,
     *,
     bar: Bar | None = None,
+    call_timeout: float | None = None,
+    on_stuck: Callable[[str], None] | None = None,
 ) -> SystemCoverage:
     """Replay the :func:`trace_set` of ``system`` on fresh drivers per trace (a ledger for roles without a factory).
 
     ``bar`` lowers the coverage required, as for one machine: its exemptions
     name items as :attr:`Item.name` does, and are refused if they name
-    nothing the system has or give no reason.
+    nothing the system has or give no reason. ``call_timeout`` (seconds)
+    bounds each call into a driver: a call that does not return in time is a
+    ``hung`` mismatch, and the traces after it are not replayed
+    (:attr:`SystemCoverage.skipped`). A factory that raises, on any trace,
+    raises :class:`~kvfsm.testing.calls.DriverError` naming the role, the
+    factory's call and the trace.
     """
     chosen = trace_set(system)
     bar = bar if bar is not None else Bar()
     every = [*chosen.reachable, *chosen.unreachable]
     check_names(chosen.system.name, [i.name for i in every], bar.exempt)
+    timer = CallTimer(call_timeout, on_stuck=on_stuck)
+    made = {role: Factory(f, timer, role=role) for role, f in (drivers or {}).items()}
     runs: list[TraceOutcome] = []
     exercised: set[Item] = set()
     drove: Mapping[str, str] = {}
     for goal, trace in zip(chosen.goals, chosen.traces, strict=True):
-        replay = TraceRun(chosen.system, trace, drivers)
+        replay = TraceRun(chosen.system, trace, made, timer=timer, purpose=f"for the trace for {goal.name}")
         drove = replay.driven_by
         matched = 0
         for done in replay:
@@ -432,6 +471,9 @@ def cover_system(
             exercised.update(covered_by(done.step))
         mismatch = next((d.mismatch for d in replay.done if d.mismatch is not None), None)
         runs.append(TraceOutcome(goal, trace, matched, mismatch))
+        if replay.hung:  # the driver may hang again on every trace: one finding is enough
+            break
+    skipped = len(chosen.traces) - len(runs)
     gaps: list[tuple[Item, str]] = []
     exempted: list[tuple[Item, str]] = []
     for item in chosen.reachable:
@@ -452,6 +494,7 @@ def cover_system(
         tuple(gaps),
         tuple(exempted),
         not gaps or ratio >= bar.min_coverage,
+        skipped,
     )
 
 
@@ -461,6 +504,8 @@ def _why(item: Item, runs: Sequence[TraceOutcome]) -> str:
     if cut:
         r = cut[0]
         return f"the trace for {r.goal.name} diverged at {r.mismatch} before reaching it"
+    if any(r.mismatch is not None and r.mismatch.what == "hung" for r in runs):
+        return "not replayed: a driver call hung in an earlier trace, which ended the run"
     return "no trace of the set reaches it"  # pragma: no cover - the set covers every reachable item
 
 
