@@ -95,6 +95,22 @@ def test_a_role_with_a_hundred_million_ranks_is_refused_before_it_is_expanded(tm
     assert "internal error" not in result.stderr
 
 
+def test_a_trace_replayed_on_a_system_too_big_to_explore_is_refused_before_it_is_expanded(tmp_path: Path) -> None:
+    trace = tmp_path / "t.json"
+    assert explore(str(MERGED), "-n", "1", "--trace", str(trace)).returncode == 1
+    system = _edited(tmp_path, "prefill_corrected.yaml,", "prefill_corrected.yaml, ranks: 100000000,")
+    result = subprocess.run(
+        [sys.executable, "-m", "kvfsm.cli", "test", str(system), "--trace", str(trace)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+        preexec_fn=_limit_memory,
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "100,000,000 ranks" in result.stderr and "internal error" not in result.stderr
+
+
 def test_the_promela_export_takes_the_same_bound(tmp_path: Path) -> None:
     result = explore(str(CORRECTED), "-n", "1000000000", "--promela", str(tmp_path / "m.pml"))
     assert result.returncode == 2 and "--requests must be at most" in result.stderr

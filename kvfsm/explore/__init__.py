@@ -9,8 +9,9 @@ trace can happen in a system.
 
 from __future__ import annotations
 
+from .limits import MAX_REQUESTS, ExploreError, check_sizes
 from .local import LocalLimit
-from .run import MAX_REQUESTS, ExploreError, ExploreResult, PropertyResult, check_sizes, explore
+from .run import ExploreResult, PropertyResult, explore
 from .search import Progress, ProgressFn
 from .trace import (
     Sent,

@@ -23,6 +23,7 @@ from ..spec.system import System
 from ..spec.system.channel import Traffic
 from ..spec.system.model import CRASH, CRASHED
 from .clocks import Clocks
+from .limits import check_sizes
 
 FORMAT = "kvfsm-trace/1"
 
@@ -326,8 +327,10 @@ def check_trace(trace: Trace, system: System) -> None:
     where the channel may do so, and the channel never holds more than its
     capacity (except in the very step an ``overflow`` trace ends with); a
     timeout fires only in an order the system's relations allow; a lasso's
-    cycle ends where it began.
+    cycle ends where it began. A system too big to explore is refused first
+    (:class:`~kvfsm.explore.limits.ExploreError`), before its ranks are expanded.
     """
+    check_sizes(system, 1)
     system = system.expanded()
     roles = ", ".join(system.roles)
     for r in trace.roles:
