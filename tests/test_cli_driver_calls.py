@@ -103,7 +103,7 @@ def folder(tmp_path: Path) -> Path:
 
 def run(folder: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """``kvfsm test ARGS`` in a child, from ``folder`` (buggy_drivers importable too)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)])}  # this checkout's kvfsm
     return subprocess.run(
         [sys.executable, "-m", "kvfsm.cli", "test", *args],
         capture_output=True,

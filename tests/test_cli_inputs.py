@@ -66,6 +66,7 @@ def run_batch(argvs: list[list[str]], *, timeout: float = 60) -> list[dict[str, 
             capture_output=True,
             text=True,
             cwd=TESTS,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)])},  # this checkout's kvfsm
             timeout=timeout,
             preexec_fn=_limit_memory,
         )
