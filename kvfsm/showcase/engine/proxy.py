@@ -58,13 +58,13 @@ class PDRouter:
                 await response.prepare(request)
                 async for chunk in upstream.content.iter_any():
                     await response.write(chunk)
+                if self.connector.concurrent:
+                    await prefill
+                self.routed += 1  # before the client can see the end of its answer
                 await response.write_eof()
-            if self.connector.concurrent:
-                await prefill
         except (aiohttp.ClientError, ValueError, RuntimeError) as exc:
             self.failed += 1
             return web.json_response({"error": {"message": f"P/D router: {exc}"}}, status=502)
-        self.routed += 1
         return response
 
     @staticmethod
