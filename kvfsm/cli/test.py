@@ -181,8 +181,8 @@ def _run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     driver = args.driver[0]
     spec = load(args.spec)
-    factory = load_factory(driver)
     exempt = load_exemptions(args.exempt).get(spec.name, {}) if args.exempt is not None else {}
+    factory = load_factory(driver)  # after every file is read: importing a driver may take seconds
     bar = Bar(args.min_coverage if args.min_coverage is not None else 1.0, exempt)
     report = run_machine(
         spec,
@@ -292,6 +292,7 @@ def _coverage(report: Report) -> None:
 
 
 def _replay(args: argparse.Namespace) -> int:
+    from ..explore import read_trace
     from ..spec.system import is_system_file
     from ..testing.trace_replay import replay_trace
 
@@ -304,11 +305,12 @@ def _replay(args: argparse.Namespace) -> int:
             "file (with 'system:' and 'roles:'), such as the one 'kvfsm explore' wrote the trace from[/]"
         )
         return EXIT_USAGE
+    trace = read_trace(args.trace)  # before importing drivers, which may take seconds
     roles = _role_drivers(args, "with --trace")
     if roles is None:
         return EXIT_USAGE
     system, refs, factories = roles
-    result = replay_trace(system, args.trace, factories, call_timeout=args.call_timeout, on_stuck=_stop_stuck)
+    result = replay_trace(system, trace, factories, call_timeout=args.call_timeout, on_stuck=_stop_stuck)
     drivers = _driven_by(system, result.drivers, refs)
     if args.format == "json":
         out.print_json(json.dumps({"trace": str(args.trace), **result.as_dict(), "drivers": drivers}))
@@ -408,11 +410,12 @@ def _cover_system(args: argparse.Namespace) -> int:
     options = ("examples", "steps", "seed", "coverage_svg")
     if _given(args, options, "a system file, whose trace set is fixed by the system (no examples, no seed)"):
         return EXIT_USAGE
+    exemptions = load_exemptions(args.exempt) if args.exempt is not None else {}  # before importing drivers
     roles = _role_drivers(args, "for a system file")
     if roles is None:
         return EXIT_USAGE
     system, refs, factories = roles
-    exempt = load_exemptions(args.exempt).get(system.name, {}) if args.exempt is not None else {}
+    exempt = exemptions.get(system.name, {})
     bar = Bar(args.min_coverage if args.min_coverage is not None else 1.0, exempt)
     result = cover_system(system, factories, bar=bar, call_timeout=args.call_timeout, on_stuck=_stop_stuck)
     drivers = _driven_by(system, result.drivers, refs)

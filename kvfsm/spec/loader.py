@@ -427,7 +427,8 @@ def read_input(path: str | Path, *, what: str, limit: int = MAX_SPEC_BYTES) -> s
     hang the reader), a file over ``limit``, binary or non-UTF-8 bytes.
     """
     shown = str(path)
-    too_big = f"Name the {what} itself; a {what} is at most {_size(limit)}."
+    one = f"{'an' if what[:1] in 'aeiou' else 'a'} {what}"
+    too_big = f"Name the {what} itself; {one} is at most {_size(limit)}."
     try:
         info = os.stat(path)
         kind = not_regular(info.st_mode)
@@ -444,11 +445,11 @@ def read_input(path: str | Path, *, what: str, limit: int = MAX_SPEC_BYTES) -> s
     except OSError as exc:
         raise InputError(shown, f"cannot read the {what}: {exc.strerror or exc}", "Make it readable.") from None
     if kind is not None:
-        fix = "Name a file in it." if kind == "a directory" else f"Name a regular file: a {what} is read whole."
-        raise InputError(shown, f"is {kind}, not a {what}", fix)
+        fix = "Name a file in it." if kind == "a directory" else f"Name a regular file: {one} is read whole."
+        raise InputError(shown, f"is {kind}, not {one}", fix)
     if info.st_size > limit or len(data) > limit:
         size = _size(info.st_size) if info.st_size > limit else f"more than {_size(limit)}"
-        raise InputError(shown, f"is {size}, more than the {_size(limit)} a {what} may be", too_big)
+        raise InputError(shown, f"is {size}, more than the {_size(limit)} {one} may be", too_big)
     nul = data.find(b"\0")
     if nul >= 0:
         line = data.count(b"\n", 0, nul) + 1
