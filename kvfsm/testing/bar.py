@@ -113,8 +113,10 @@ def load_exemptions(path: str | Path) -> dict[str, dict[str, str]]:
         doc = yaml.safe_load(read_input(path, what="exemption file"))
     except InputError as exc:
         raise ExemptionError(f"cannot read exemption file {path}: {exc.problem}; {exc.fix}") from None
-    except (yaml.YAMLError, RecursionError) as exc:
+    except yaml.YAMLError as exc:
         raise ExemptionError(f"cannot read exemption file {path}: {exc}") from None
+    except RecursionError:
+        raise ExemptionError(f"cannot read exemption file {path}: its YAML is nested too deeply to read") from None
     example = 'e.g.\n  kv_request:\n    "ignored abort in done": why it may go unexercised'
     if doc is None:
         return {}
