@@ -35,6 +35,7 @@ from ..drivers.cpu_offload import CpuOffload
 from ..drivers.kv_cache import KVCache, KVLayout
 from .vllm import CpuOffloadMetadata, CpuOffloadScheduler, CpuOffloadWorker, CpuOffloadWorkerMeta
 from .vllm_blocks import VllmGpuBlocks
+from .vllm_settings import check_keys
 
 
 @dataclass
@@ -66,13 +67,7 @@ class CpuOffloadSettings:
         the blocks must fit in the bytes.
         """
         known = {"num_cpu_blocks", "cpu_bytes_to_use", "cpu_bytes_to_use_per_rank", "kv_offload_backend"}
-        known |= {"load_timeout", "store_timeout"}
-        unknown = sorted(set(extra) - known)
-        if unknown:
-            raise ValueError(
-                f"kv_connector_extra_config has {unknown}, which CpuOffloadConnector does not read; "
-                f"it reads {sorted(known)}"
-            )
+        check_keys(extra, known | {"load_timeout", "store_timeout"}, "CpuOffloadConnector")
         backend = extra.get("kv_offload_backend", "cpu")
         if backend != "cpu":
             raise ValueError(f"kv_offload_backend {backend!r}: CpuOffloadConnector offloads to CPU memory only ('cpu')")

@@ -49,6 +49,7 @@ from ..drivers.mooncake import BlockBuffer, EmbeddedMaster, KVStore, MooncakeSto
 from ..drivers.mooncake.embedded import connect_embedded
 from .vllm_api import RequestStatus
 from .vllm_connector import layout_of
+from .vllm_settings import check_keys, seconds
 
 VLLM = "vllm"
 """The worker pool's holder of every block: vLLM's allocator owns them; kvfsm's jobs add pins on top."""
@@ -107,20 +108,18 @@ class MooncakeSettings:
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any]) -> MooncakeSettings:
-        known = {"master_address", "prefix", "load_threads", "store_timeout", "load_timeout"}
-        unknown = sorted(set(extra) - known)
-        if unknown:
-            raise ValueError(
-                f"kv_connector_extra_config has {unknown}, which MooncakeStoreConnector does not read; it reads {sorted(known)}"
-            )
+        deadlines = ("store_timeout", "load_timeout")
+        check_keys(extra, {"master_address", "prefix", "load_threads", *deadlines}, "MooncakeStoreConnector")
         if "master_address" not in extra:
             raise ValueError(
                 "MooncakeStoreConnector needs kv_connector_extra_config 'master_address': a mooncake_master's "
                 "'host:port', or 'embedded:N' for kvfsm's in-process stand-in"
             )
-        params = {k: float(extra[k]) for k in ("store_timeout", "load_timeout") if k in extra}
         return cls(
-            str(extra["master_address"]), str(extra.get("prefix", "kv")), int(extra.get("load_threads", 2)), params
+            str(extra["master_address"]),
+            str(extra.get("prefix", "kv")),
+            int(extra.get("load_threads", 2)),
+            seconds(extra, deadlines),
         )
 
     def connect(self) -> KVStore:

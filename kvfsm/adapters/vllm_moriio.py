@@ -74,6 +74,7 @@ from ..drivers.moriio.mooncake import MooncakeTransport, notify_only
 from ..drivers.nixl.memory import CacheBlocks
 from .vllm_api import RequestStatus
 from .vllm_connector import layout_of
+from .vllm_settings import check_keys, seconds
 
 log = logging.getLogger(__name__)
 
@@ -106,23 +107,16 @@ class MoRIIOSettings:
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any]) -> MoRIIOSettings:
-        unknown = sorted(set(extra) - cls.KNOWN)
-        if unknown:
-            raise ValueError(
-                f"kv_connector_extra_config has {unknown}, which MoRIIOConnector does not read; it reads {sorted(cls.KNOWN)}"
-            )
+        check_keys(extra, cls.KNOWN, "MoRIIOConnector")
         if extra.get("read_mode"):
             raise ValueError(
                 "MoRIIOConnector runs WRITE mode (the prefill pushes into the decode engine's blocks): the Mooncake "
                 "TransferEngine has no asynchronous single read. Drop 'read_mode' from kv_connector_extra_config"
             )
-        params = {}
-        for name in cls.PARAMS:
-            if name in extra:
-                value = float(extra[name])
-                if not value > 0:
-                    raise ValueError(f"kv_connector_extra_config '{name}' must be a positive number of seconds")
-                params[name] = value
+        params = seconds(extra, cls.PARAMS)
+        for name, value in params.items():
+            if not value > 0:
+                raise ValueError(f"kv_connector_extra_config '{name}' must be a positive number of seconds")
         port = int(extra.get("notify_port", 0))
         if not 0 <= port < 65536:
             raise ValueError(

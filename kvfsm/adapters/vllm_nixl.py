@@ -69,6 +69,7 @@ from ..drivers.nixl.memory import BlockMemory, CacheBlocks, segments
 from ..drivers.nixl.side_channel import Handshake, HandshakeError, SideChannel, fetch, new_incarnation
 from ..drivers.nixl.transport import TransferError, Transport
 from .vllm_api import RequestStatus
+from .vllm_settings import check_keys, seconds
 
 log = logging.getLogger(__name__)
 
@@ -126,11 +127,7 @@ class NixlSettings:
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any]) -> NixlSettings:
-        unknown = sorted(set(extra) - cls.KNOWN)
-        if unknown:
-            raise ValueError(
-                f"kv_connector_extra_config has {unknown}, which NixlConnector does not read; it reads {sorted(cls.KNOWN)}"
-            )
+        check_keys(extra, cls.KNOWN, "NixlConnector")
         fabric = str(extra.get("fabric", ""))
         if not (
             fabric == REAL or fabric.startswith(REAL + ":") or (fabric.startswith(EMBEDDED) and fabric != EMBEDDED)
@@ -150,7 +147,7 @@ class NixlSettings:
             mla=bool(extra.get("mla", False)),
             kv_bytes=int(extra.get("kv_bytes", 4096)),
         )
-        params = {k: float(extra[k]) for k in ("abort_timeout", "read_timeout") if k in extra}
+        params = seconds(extra, ("abort_timeout", "read_timeout"))
         rank = int(extra["tp_rank"]) if "tp_rank" in extra else None
         return cls(
             fabric, topology, rank, params, _reader(str(extra.get("reader", ""))), kv_cache,
