@@ -32,9 +32,9 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ..drivers.block_pool import BlockPool
 from ..drivers.cpu_offload import CpuOffload
-from ..drivers.kv_cache import KVCache, KVLayout
 from .vllm import CpuOffloadMetadata, CpuOffloadScheduler, CpuOffloadWorker, CpuOffloadWorkerMeta
 from .vllm_blocks import VllmGpuBlocks
+from .vllm_kv_cache import adopt_cross_layers, adopt_layers, layout_of
 from .vllm_settings import check_keys
 
 
@@ -95,34 +95,6 @@ class CpuOffloadSettings:
         return cls(blocks, None if load is None else float(load), None if store is None else float(store))
 
 
-def layout_of(kv_cache_config: Any) -> tuple[KVLayout, int]:
-    """The KV block layout and GPU block count of vLLM's ``KVCacheConfig`` (one full-attention group)."""
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise ValueError(
-            f"CpuOffloadConnector serves one KV-cache group, this model has {len(groups)}; "
-            "run vLLM with disable_hybrid_kv_cache_manager=True or a model with one attention type"
-        )
-    spec = groups[0].kv_cache_spec
-    # A layer's page is K and V (two tensors' worth) for attention, one latent for MLA: vLLM's own page size
-    # says which, so the connector's block is exactly the bytes vLLM keeps per block.
-    tensor_bytes = spec.block_size * spec.num_kv_heads * spec.head_size * torch.empty((), dtype=spec.dtype).element_size()
-    per_layer, rest = divmod(int(spec.page_size_bytes), tensor_bytes)
-    if rest or per_layer < 1:
-        raise ValueError(
-            f"vLLM's page of {spec.page_size_bytes} B is not a whole number of {tensor_bytes} B tensors "
-            f"({type(spec).__name__}, padded?): this connector copies unpadded attention or MLA pages only"
-        )
-    layout = KVLayout(
-        num_layers=per_layer * len(groups[0].layer_names),
-        block_size=spec.block_size,
-        num_kv_heads=spec.num_kv_heads,
-        head_size=spec.head_size,
-        dtype=spec.dtype,
-    )
-    return layout, int(kv_cache_config.num_blocks)
-
-
 class CpuOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     """A CPU prefix cache for vLLM whose every pin, load and store is a kvfsm Tracker instance."""
 
@@ -130,7 +102,7 @@ class CpuOffloadConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        self.layout, self.num_gpu_blocks = layout_of(kv_cache_config)
+        self.layout, self.num_gpu_blocks = layout_of(kv_cache_config, "CpuOffloadConnector")
         self.settings = CpuOffloadSettings.parse(
             self._kv_transfer_config.kv_connector_extra_config or {}, self.layout.block_bytes
         )
@@ -231,15 +203,11 @@ class CpuOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         The CPU tier is allocated here, one tensor per layer shaped like
         vLLM's, in pinned memory when vLLM's cache is on a GPU.
         """
-        placements = self._kv_cache_config.kv_cache_tensors
-        self.worker_half.attach(KVCache.of_layers(kv_caches, self.num_gpu_blocks, self.layout, placements))
+        self.worker_half.attach(adopt_layers(kv_caches, self._kv_cache_config, self.layout))
 
     def register_cross_layers_kv_cache(self, kv_cache: torch.Tensor, attn_backend: Any = None) -> None:
         """Copy into vLLM's own cache when it is one block-major tensor (``(blocks, layers, block_size, heads, head)``)."""
-        cache = KVCache.wrap(kv_cache)
-        if cache.layout != self.layout:
-            raise ValueError(f"vLLM's KV cache has layout {cache.layout}, the KV-cache config says {self.layout}")
-        self.worker_half.attach(cache)
+        self.worker_half.attach(adopt_cross_layers(kv_cache, self.layout))
 
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
         super().bind_connector_metadata(connector_metadata)

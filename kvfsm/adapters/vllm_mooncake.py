@@ -48,7 +48,7 @@ from ..drivers.kv_cache import KVCache
 from ..drivers.mooncake import BlockBuffer, EmbeddedMaster, KVStore, MooncakeStoreWorker, block_key, connect
 from ..drivers.mooncake.embedded import connect_embedded
 from .vllm_api import RequestStatus
-from .vllm_connector import layout_of
+from .vllm_kv_cache import adopt_cross_layers, adopt_layers, layout_of
 from .vllm_settings import check_keys, seconds
 
 VLLM = "vllm"
@@ -139,7 +139,7 @@ class MooncakeStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[m
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        self.layout, self.num_gpu_blocks = layout_of(kv_cache_config)
+        self.layout, self.num_gpu_blocks = layout_of(kv_cache_config, "MooncakeStoreConnector")
         self.settings = MooncakeSettings.parse(self._kv_transfer_config.kv_connector_extra_config or {})
         self.store = self.settings.connect()
         self.block_size = self.layout.block_size
@@ -266,16 +266,12 @@ class MooncakeStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[m
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Store and load vLLM's own per-layer caches (what vLLM 0.32 and 0.33 register), read where vLLM's
         KV-cache config places each layer's blocks, whatever shape its attention backend gives the tensors."""
-        placements = self._kv_cache_config.kv_cache_tensors
-        self._attach(KVCache.of_layers(kv_caches, self.num_gpu_blocks, self.layout, placements))
+        self._attach(adopt_layers(kv_caches, self._kv_cache_config, self.layout))
 
     def register_cross_layers_kv_cache(self, kv_cache: torch.Tensor, attn_backend: Any = None) -> None:
         """Store and load vLLM's own cache when it is one block-major tensor (``(blocks, layers, block_size, heads,
         head)``)."""
-        cache = KVCache.wrap(kv_cache)
-        if cache.layout != self.layout:
-            raise ValueError(f"vLLM's KV cache has layout {cache.layout}, the KV-cache config says {self.layout}")
-        self._attach(cache)
+        self._attach(adopt_cross_layers(kv_cache, self.layout))
 
     def _attach(self, cache: KVCache) -> None:
         if cache.num_blocks != self.num_gpu_blocks:

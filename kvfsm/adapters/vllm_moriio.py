@@ -68,12 +68,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from ..drivers.kv_cache import KVCache
 from ..drivers.moriio import DecodeEngine, PrefillEngine, Release, moriio_spec
 from ..drivers.moriio.mooncake import MooncakeTransport, notify_only
 from ..drivers.nixl.memory import CacheBlocks
 from .vllm_api import RequestStatus
-from .vllm_connector import layout_of
+from .vllm_kv_cache import adopt_layers, layout_of
 from .vllm_settings import check_keys, seconds
 
 log = logging.getLogger(__name__)
@@ -313,12 +312,8 @@ class MoRIIOConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self.transport is not None:
             raise RuntimeError("register_kv_caches called twice: this worker already registered vLLM's cache")
         config = self._kv_cache_config
-        try:
-            layout, _ = layout_of(config)
-        except ValueError as exc:
-            raise ValueError(f"MoRIIOConnector: {exc}") from None
-        placements = getattr(config, "kv_cache_tensors", None) or ()
-        memory = CacheBlocks(KVCache.of_layers(kv_caches, self.num_blocks, layout, placements))
+        layout, _ = layout_of(config, "MoRIIOConnector")
+        memory = CacheBlocks(adopt_layers(kv_caches, config, layout))
         s = self.settings
         rank = s.tp_rank if s.tp_rank is not None else _tp_rank()
         port = s.notify_port + rank if self.is_producer and s.notify_port else 0

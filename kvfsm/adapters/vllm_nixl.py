@@ -62,13 +62,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from ..drivers.kv_cache import KVCache, KVLayout
+from ..drivers.kv_cache import KVLayout
 from ..drivers.nixl import BlockReader, DecodeRank, Fabric, PeerInfo, PrefillRank, Topology, decode_spec
 from ..drivers.nixl.faults import FAULTS, FaultyAgent
 from ..drivers.nixl.memory import BlockMemory, CacheBlocks, segments
 from ..drivers.nixl.side_channel import Handshake, HandshakeError, SideChannel, fetch, new_incarnation
 from ..drivers.nixl.transport import TransferError, Transport
 from .vllm_api import RequestStatus
+from .vllm_kv_cache import adopt_layers
 from .vllm_settings import check_keys, seconds
 
 log = logging.getLogger(__name__)
@@ -402,9 +403,7 @@ class NixlConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self.prefill is not None or self.decode is not None:
             raise RuntimeError("register_kv_caches called twice: the ranks already registered vLLM's cache")
         config = self._kv_cache_config
-        placements = getattr(config, "kv_cache_tensors", None) or ()  # where vLLM put each layer's blocks
-        cache = KVCache.of_layers(kv_caches, self.num_blocks, _layout_of(config), placements)
-        self._make_ranks(CacheBlocks(cache))
+        self._make_ranks(CacheBlocks(adopt_layers(kv_caches, config, _layout_of(config))))
 
     def get_handshake_metadata(self) -> NixlHandshakeMetadata | None:
         """This rank's entry of its engine's handshake (prefill roles): its agent and where its blocks are."""
