@@ -31,28 +31,22 @@ them, so nothing stale is ever read.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1,
-    KVConnectorMetadata,
-    KVConnectorRole,
-    SupportsHMA,
-)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorRole, SupportsHMA
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ..drivers.kv_cache import KVCache
 from ..drivers.mooncake import BlockBuffer, EmbeddedMaster, KVStore, MooncakeStoreWorker, block_key, connect
 from ..drivers.mooncake.embedded import connect_embedded
 from .vllm_api import RequestStatus
+from .vllm_async import VLLM as VLLM
+from .vllm_async import AsyncConnector
 from .vllm_kv_cache import adopt_cross_layers, adopt_layers, layout_of
 from .vllm_settings import check_keys, seconds
-
-VLLM = "vllm"
-"""The worker pool's holder of every block: vLLM's allocator owns them; kvfsm's jobs add pins on top."""
 
 
 @dataclass(frozen=True)
@@ -132,7 +126,7 @@ class MooncakeSettings:
         return connect(self.master_address)
 
 
-class MooncakeStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
+class MooncakeStoreConnector(AsyncConnector, SupportsHMA):  # type: ignore[misc]
     """Store-backed prefix cache: the scheduler looks up and plans, the worker's Trackers hold and report."""
 
     _cache_hit_source = CacheHitSource.EXTERNAL_UNSPECIFIED
@@ -152,7 +146,6 @@ class MooncakeStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[m
         self._worker: MooncakeStoreWorker | None = None
         self._kv_cache: KVCache | None = None
         """vLLM's KV cache, once registered: the bytes the worker stores and loads."""
-        self._invalid: set[int] = set()
         if role == KVConnectorRole.WORKER:
             self._worker = self._make_worker(time.monotonic)
 
@@ -281,9 +274,7 @@ class MooncakeStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[m
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Give the worker this step's aborts, loads and stores; its threads do the store calls."""
-        meta = self._get_connector_metadata()
-        if not isinstance(meta, MooncakeStoreMetadata):
-            raise TypeError(f"expected MooncakeStoreMetadata, got {type(meta).__name__}")
+        meta = self._step_metadata(MooncakeStoreMetadata)
         w = self.worker
         if (meta.loads or meta.saves) and w.buffer.engine is None:
             raise RuntimeError(
@@ -306,25 +297,6 @@ class MooncakeStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[m
             w.save(save.request_id, save.block_ids, save.block_hashes)
             w.request_finished(save.request_id)
 
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        """Nothing per layer: a request runs only after its whole load is reported."""
-
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        """Nothing per layer: a finished request's blocks are stored whole."""
-
-    def wait_for_save(self) -> None:
-        """Nothing to wait for: vLLM keeps a stored request's blocks until finished_sending."""
-
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Drain the report: finished_sending and finished_recving; the blocks to recompute come next."""
-        done = self.worker.get_finished()
-        self._invalid |= done.invalid_blocks
-        return _ids(done.sending), _ids(done.recving)
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        invalid, self._invalid = self._invalid, set()
-        return invalid
-
-
-def _ids(ids: set[Hashable]) -> set[str] | None:
-    return {str(i) for i in ids} or None
+        return self._hand_over(self.worker.get_finished())

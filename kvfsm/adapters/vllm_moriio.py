@@ -56,13 +56,12 @@ WRITE mode only (the TransferEngine has no asynchronous single read).
 from __future__ import annotations
 
 import logging
-from collections.abc import Hashable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1,
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
@@ -71,14 +70,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ..drivers.moriio import DecodeEngine, PrefillEngine, Release, moriio_spec
 from ..drivers.moriio.mooncake import MooncakeTransport, notify_only
 from ..drivers.nixl.memory import CacheBlocks
-from .vllm_api import RequestStatus
+from .vllm_async import VLLM
 from .vllm_kv_cache import adopt_layers, layout_of
+from .vllm_pd import PDConnector, handshakes, held_for_decode, tp_rank
 from .vllm_settings import check_keys, seconds
 
 log = logging.getLogger(__name__)
-
-VLLM = "vllm"
-"""The pool holder of every block of a worker: vLLM's allocator owns them; the trackers' holds are pins on top."""
 
 PRODUCER, CONSUMER = "kv_producer", "kv_consumer"
 DECODE_KEYS = ("transfer_id", "remote_host", "remote_notify_port")
@@ -178,21 +175,17 @@ class MoRIIOHandshakeMetadata(KVConnectorHandshakeMetadata):  # type: ignore[mis
     port: int
 
 
-class MoRIIOConnector(KVConnectorBase_V1):  # type: ignore[misc]
+class MoRIIOConnector(PDConnector[PrefillEngine, DecodeEngine]):
     """P/D with the prefill WRITing into the decode engine's blocks; each worker's Tracker holds, writes and reports."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        config = self._kv_transfer_config
-        self.settings = MoRIIOSettings.parse(config.kv_connector_extra_config or {})
-        self.kv_role = str(config.kv_role)
+        self.settings = MoRIIOSettings.parse(self._kv_transfer_config.kv_connector_extra_config or {})
         if self.kv_role not in (PRODUCER, CONSUMER):
             raise ValueError(
                 f"MoRIIOConnector is a prefill (kv_role 'kv_producer') or a decode engine ('kv_consumer'), "
                 f"not {self.kv_role!r}"
             )
-        self.engine_id = str(config.engine_id)
-        self._kv_cache_config = kv_cache_config
         # scheduler side
         self._meta = MoRIIOMetadata()
         self._notify: tuple[str, int] | None = None
@@ -202,9 +195,6 @@ class MoRIIOConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.orders: dict[str, int] = {"holds": 0, "loads": 0, "cancels": 0}
         # worker side
         self.transport: MooncakeTransport | None = None
-        self.prefill: PrefillEngine | None = None
-        self.decode: DecodeEngine | None = None
-        self._invalid: set[int] = set()
         self.num_blocks = int(kv_cache_config.num_blocks) if role == KVConnectorRole.WORKER else 0
 
     @property
@@ -216,24 +206,15 @@ class MoRIIOConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def set_xfer_handshake_metadata(self, metadata: Mapping[int, Any]) -> None:
         """vLLM's engine core hands over the workers' :meth:`get_handshake_metadata`: where rank 0's notify socket
         is, which the prefill's ``request_finished`` returns to the router."""
-        for rank, meta in sorted(metadata.items()):
-            if meta is None:
-                continue
-            if not isinstance(meta, MoRIIOHandshakeMetadata):
-                raise TypeError(
-                    f"rank {rank}'s handshake metadata is a {type(meta).__name__}, not MoRIIOHandshakeMetadata"
-                )
+        for rank, meta in handshakes(metadata, MoRIIOHandshakeMetadata):
             if rank == 0:
                 self._notify = (meta.host, meta.port)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """Decode, with ``do_remote_prefill``: every prompt token not computed locally, written asynchronously."""
-        params = request.kv_transfer_params or {}
-        if self.kv_role == CONSUMER and params.get("do_remote_prefill"):
-            count = len(request.prompt_token_ids) - num_computed_tokens
-            if count > 0:
-                return count, True
-        return 0, False
+        """Decode only: a prefill engine loads nothing."""
+        if self.kv_role != CONSUMER:
+            return 0, False
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Decode: order the announcement of the request's new blocks (once: ``do_remote_prefill`` is cleared)."""
@@ -271,7 +252,7 @@ class MoRIIOConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 params["do_remote_prefill"] = False
                 self._cancel(transfer_id, peer)
             return False, None
-        if not params.get("do_remote_decode") or request.status != RequestStatus.FINISHED_LENGTH_CAPPED:
+        if not held_for_decode(request):
             return False, None
         transfer_id = _transfer_id(request.request_id, params)
         if not block_ids:
@@ -315,7 +296,7 @@ class MoRIIOConnector(KVConnectorBase_V1):  # type: ignore[misc]
         layout, _ = layout_of(config, "MoRIIOConnector")
         memory = CacheBlocks(adopt_layers(kv_caches, config, layout))
         s = self.settings
-        rank = s.tp_rank if s.tp_rank is not None else _tp_rank()
+        rank = tp_rank(s.tp_rank)
         port = s.notify_port + rank if self.is_producer and s.notify_port else 0
         self.transport = transport = MooncakeTransport(s.notify_host, port)
         try:
@@ -350,9 +331,7 @@ class MoRIIOConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """This step's holds (prefill); loads, then aborts of loads vLLM finished, then cancels (decode)."""
-        meta = self._get_connector_metadata()
-        if not isinstance(meta, MoRIIOMetadata):
-            raise TypeError(f"expected MoRIIOMetadata, got {type(meta).__name__}")
+        meta = self._step_metadata(MoRIIOMetadata)
         if self.transport is None:
             if meta.holds or meta.loads or meta.cancels:
                 raise RuntimeError(
@@ -372,45 +351,14 @@ class MoRIIOConnector(KVConnectorBase_V1):  # type: ignore[misc]
         for cancel in meta.cancels:
             self.transport.notify(cancel.peer, Release(cancel.transfer_id))
 
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        """Nothing per layer: a request runs only after its whole write is reported."""
-
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        """Nothing per layer: the finished request's whole blocks are written once the decode side has said where."""
-
-    def wait_for_save(self) -> None:
-        """Nothing to wait for: vLLM keeps a held request's blocks until finished_sending."""
-
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """One step of the rank: messages, write statuses and deadlines; what ended since the last step."""
-        sending: set[Hashable] = set()
-        recving: set[Hashable] = set()
-        if self.prefill is not None:
-            sending = self.prefill.step().sending
-        if self.decode is not None:
-            done = self.decode.step()
-            recving = done.recving
-            self._invalid |= done.invalid_blocks
-        return _ids(sending), _ids(recving)
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        invalid, self._invalid = self._invalid, set()
-        return invalid
-
     def shutdown(self) -> None:
         """Abort everything still held (every release runs) and close the sockets."""
-        for engine in (self.prefill, self.decode):
-            if engine is not None:
-                engine.tracker.close()
+        self._close_ranks()
         if self.transport is not None:
             self.transport.close()
             self.transport = None
 
     # -- what it did ------------------------------------------------------------------
-
-    def live(self) -> int:
-        """Tracker instances still live on this worker (0 once every hold and every load is over)."""
-        return sum(e.tracker.live() for e in (self.prefill, self.decode) if e is not None)
 
     def waiting(self) -> int:
         """Decode loads announced and not yet written (WAITING_FOR_REMOTE_KVS on the connector's side)."""
@@ -456,20 +404,6 @@ def _decode_target(request_id: str, params: Mapping[str, Any]) -> tuple[str, str
             f"the prefill's notify socket ({', '.join(DECODE_KEYS)})"
         )
     return _transfer_id(request_id, params), notify_only(str(params["remote_host"]), int(params["remote_notify_port"]))
-
-
-def _tp_rank() -> int:
-    """vLLM's tensor-parallel rank of this worker (0 when vLLM's distributed state is not set up)."""
-    try:
-        from vllm.distributed import get_tensor_model_parallel_rank
-
-        return int(get_tensor_model_parallel_rank())
-    except (AssertionError, RuntimeError, ImportError):
-        return 0
-
-
-def _ids(ids: set[Hashable]) -> set[str] | None:
-    return {str(i) for i in ids} or None
 
 
 __all__ = ["MoRIIOConnector", "MoRIIOSettings"]

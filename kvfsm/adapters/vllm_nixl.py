@@ -56,7 +56,6 @@ from typing import Any, ClassVar
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1,
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
@@ -68,14 +67,12 @@ from ..drivers.nixl.faults import FAULTS, FaultyAgent
 from ..drivers.nixl.memory import BlockMemory, CacheBlocks, segments
 from ..drivers.nixl.side_channel import Handshake, HandshakeError, SideChannel, fetch, new_incarnation
 from ..drivers.nixl.transport import TransferError, Transport
-from .vllm_api import RequestStatus
+from .vllm_async import VLLM as VLLM
 from .vllm_kv_cache import adopt_layers
+from .vllm_pd import PDConnector, handshakes, held_for_decode, tp_rank
 from .vllm_settings import check_keys, seconds
 
 log = logging.getLogger(__name__)
-
-VLLM = "vllm"
-"""The ranks' pool holder of every block: vLLM's allocator owns them; the connector's holds sit on top."""
 
 EMBEDDED = "embedded:"
 REAL = "nixl"
@@ -229,16 +226,13 @@ class NixlHandshakeMetadata(KVConnectorHandshakeMetadata):  # type: ignore[misc]
     peer: PeerInfo
 
 
-class NixlConnector(KVConnectorBase_V1):  # type: ignore[misc]
+class NixlConnector(PDConnector[PrefillRank[BlockMemory], DecodeRank[BlockMemory]]):
     """P/D over NIXL READs: the scheduler plans and serves the handshake, each worker rank's Trackers hold, read,
     notify and report."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        config = self._kv_transfer_config
-        self.settings = NixlSettings.parse(config.kv_connector_extra_config or {})
-        self.engine_id = str(config.engine_id)
-        self.kv_role = str(config.kv_role)
+        self.settings = NixlSettings.parse(self._kv_transfer_config.kv_connector_extra_config or {})
         self.block_size = int(vllm_config.cache_config.block_size)
         self.clock: Callable[[], float] = time.monotonic
         """What the ranks' deadlines read; a test may set it before the first request."""
@@ -246,16 +240,12 @@ class NixlConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._meta = NixlMetadata()
         self.side_channel: SideChannel | None = None
         # worker side
-        self.prefill: PrefillRank[BlockMemory] | None = None
-        self.decode: DecodeRank[BlockMemory] | None = None
-        self._invalid: set[int] = set()
         self._known: dict[str, str] = {}
         """Prefill engines this decode rank has shaken hands with, and the incarnation it met."""
         self._refused: dict[tuple[str, str, int, str], float] = {}
         """Handshakes that failed, and when: not retried for ``read_timeout``, so a dead prefill costs one wait."""
         self.handshakes: Counter[str] = Counter()
         """``done`` and ``failed`` handshakes, ``skipped`` loads failed at once by an earlier failure."""
-        self._kv_cache_config = kv_cache_config
         if role == KVConnectorRole.WORKER:
             self.num_blocks = int(kv_cache_config.num_blocks)
             if self.settings.kv_cache == "own":
@@ -274,7 +264,7 @@ class NixlConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def _make_ranks(self, memory: CacheBlocks | None) -> None:
         """This worker's ranks, over vLLM's cache (``memory``) or, without it, over blocks of their own."""
         s = self.settings
-        rank = s.tp_rank if s.tp_rank is not None else _tp_rank()
+        rank = tp_rank(s.tp_rank)
         topology = s.topology if memory is None else _topology_of(s.topology, memory.block_bytes)
         if self.kv_role in ("kv_producer", "kv_both"):
             agent = self._agent(f"{self.engine_id}/prefill-{rank}")
@@ -302,15 +292,7 @@ class NixlConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def set_xfer_handshake_metadata(self, metadata: Mapping[int, Any]) -> None:
         """vLLM's engine core hands over every worker's :meth:`get_handshake_metadata`: serve them on the side
         channel, where a decode worker finds them by the ``remote_host``/``remote_port`` of a request."""
-        peers = []
-        for rank, meta in sorted(metadata.items()):
-            if meta is None:
-                continue
-            if not isinstance(meta, NixlHandshakeMetadata):
-                raise TypeError(
-                    f"rank {rank}'s handshake metadata is a {type(meta).__name__}, not NixlHandshakeMetadata"
-                )
-            peers.append(meta.peer)
+        peers = [meta.peer for _, meta in handshakes(metadata, NixlHandshakeMetadata)]
         if not peers:
             return  # a decode-only engine: nothing to serve
         handshake = Handshake(self.engine_id, new_incarnation(), tuple(peers))
@@ -320,15 +302,6 @@ class NixlConnector(KVConnectorBase_V1):  # type: ignore[misc]
         s = self.settings
         self.side_channel = SideChannel(handshake, host=s.side_channel_host, port=s.side_channel_port)
         log.info("NixlConnector %s: side channel on %s", self.engine_id, self.side_channel.endpoint)
-
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """With ``do_remote_prefill``: every prompt token not computed locally, loaded asynchronously."""
-        params = request.kv_transfer_params or {}
-        if params.get("do_remote_prefill"):
-            count = len(request.prompt_token_ids) - num_computed_tokens
-            if count > 0:
-                return count, True
-        return 0, False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Queue the READ of the prefill's blocks into the request's new ones (once: do_remote_prefill is cleared)."""
@@ -358,10 +331,7 @@ class NixlConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """A prefill request with ``do_remote_decode`` that ran to its length: keep its blocks for the READ."""
-        params = request.kv_transfer_params or {}
-        if not params.get("do_remote_decode") or request.status != RequestStatus.FINISHED_LENGTH_CAPPED:
-            return False, None
-        if not block_ids:
+        if not held_for_decode(request) or not block_ids:
             return False, None
         channel = self.side_channel
         if channel is None:
@@ -383,9 +353,7 @@ class NixlConnector(KVConnectorBase_V1):  # type: ignore[misc]
         }
 
     def shutdown(self) -> None:
-        for rank in (self.prefill, self.decode):
-            if rank is not None:
-                rank.tracker.close()
+        self._close_ranks()
         if self.side_channel is not None:
             self.side_channel.close()
             self.side_channel = None
@@ -415,9 +383,7 @@ class NixlConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """This step's aborts, holds and READs, in that order."""
-        meta = self._get_connector_metadata()
-        if not isinstance(meta, NixlMetadata):
-            raise TypeError(f"expected NixlMetadata, got {type(meta).__name__}")
+        meta = self._step_metadata(NixlMetadata)
         self._require_ranks()
         if self.decode is not None:
             for rid in sorted(meta.finished):
@@ -488,36 +454,7 @@ class NixlConnector(KVConnectorBase_V1):  # type: ignore[misc]
         for piece in decode.topology.plan(decode.rank).reads:
             segments(decode.blocks.layout, piece.dst, ranks[piece.prefill_rank].block_layout, piece.src, piece.length)
 
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        """Nothing per layer: a request runs only after its whole READ is reported."""
-
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        """Nothing per layer: the decode side pulls the finished request's blocks."""
-
-    def wait_for_save(self) -> None:
-        """Nothing to wait for: vLLM keeps a held request's blocks until finished_sending."""
-
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """One step of each rank: notifications and expiries (finished_sending), READs polled (finished_recving)."""
-        sending: set[Hashable] = set()
-        recving: set[Hashable] = set()
-        if self.prefill is not None:
-            sending = self.prefill.step().sending
-        if self.decode is not None:
-            done = self.decode.step()
-            recving = done.recving
-            self._invalid |= done.invalid_blocks
-        return _ids(sending), _ids(recving)
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        invalid, self._invalid = self._invalid, set()
-        return invalid
-
     # -- what it did ------------------------------------------------------------------
-
-    def live(self) -> int:
-        """Tracker instances still live on this worker's ranks (0 once every held block and every load is over)."""
-        return sum(rank.tracker.live() for rank in (self.prefill, self.decode) if rank is not None)
 
     def stats(self) -> dict[str, Any]:
         """Counters of this half: the side channel (scheduler), or each rank's outcomes and transfers (worker)."""
@@ -571,17 +508,3 @@ def _topology_of(configured: Topology, block_bytes: int) -> Topology:
         )
     tp = 1 if configured.mla else configured.prefill_tp
     return replace(configured, kv_bytes=block_bytes * tp)
-
-
-def _tp_rank() -> int:
-    """vLLM's tensor-parallel rank of this worker (0 when vLLM's distributed state is not set up)."""
-    try:
-        from vllm.distributed import get_tensor_model_parallel_rank
-
-        return int(get_tensor_model_parallel_rank())
-    except (AssertionError, RuntimeError, ImportError):
-        return 0
-
-
-def _ids(ids: set[Hashable]) -> set[str] | None:
-    return {str(i) for i in ids} or None
