@@ -159,16 +159,16 @@ def test_json_carries_the_driver_error(folder: Path) -> None:
     ],
 )
 def test_a_call_that_hangs_is_a_driver_error_after_the_call_timeout(folder: Path, driver: str, says: str) -> None:
-    code, text, seconds = kvfsm_test(folder, str(SPEC), "--driver", driver, "--seed", "0", "--call-timeout", "1")
+    code, text, seconds = kvfsm_test(folder, str(SPEC), "--driver", driver, "--seed", "0", "--call-timeout", "2")
     assert code == 1, text
-    assert says in text and "did not return within 1 s (--call-timeout)" in text
+    assert says in text and "did not return within 2 s (--call-timeout)" in text
     assert seconds < 120
     _clean(text)
 
 
 def test_a_driver_that_swallows_the_timeout_is_stopped_hard(folder: Path) -> None:
     code, text, seconds = kvfsm_test(
-        folder, str(SPEC), "--driver", "drivers:SwallowingRelease", "--seed", "0", "--call-timeout", "1"
+        folder, str(SPEC), "--driver", "drivers:SwallowingRelease", "--seed", "0", "--call-timeout", "2"
     )
     assert code == 1, text
     assert "SwallowingRelease.task_done('req-" in text and "did not return" in text and "stopped" in text
@@ -182,10 +182,10 @@ def test_the_call_timeout_must_be_a_positive_number_or_none(folder: Path) -> Non
 
 def test_a_hanging_release_in_a_trace_set_is_a_driver_error_and_the_set_stops(folder: Path) -> None:
     code, text, seconds = kvfsm_test(
-        folder, str(SYSTEM), "--driver", "decode=drivers:hanging_decode", "--call-timeout", "1"
+        folder, str(SYSTEM), "--driver", "decode=drivers:hanging_decode", "--call-timeout", "2"
     )
     assert code == 1, text
-    assert "HangingDecode.release_kv_cache('r0') did not return within 1 s (--call-timeout)" in text
+    assert "HangingDecode.release_kv_cache('r0') did not return within 2 s (--call-timeout)" in text
     assert "not replayed" in text
     assert seconds < 120
     _clean(text)
