@@ -570,6 +570,7 @@ class MooncakeEngine(Engine):
         self._worker = MooncakeStoreConnector(self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config)
         self.faulty = FaultyStore(self._worker.store, rate=fault_rate, seed=seed)
         self._worker.rebuild_worker(clock=lambda: float(self.now), store=self.faulty)
+        self._worker.register_kv_caches(engine_kv_caches(self.kv_cache_config))
 
     def extra_config(self) -> dict[str, Any]:
         c = self.config
