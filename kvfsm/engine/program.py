@@ -10,13 +10,14 @@ over short tuples; nothing on the per-event path looks at the spec again.
 from __future__ import annotations
 
 import inspect
+import reprlib
 from collections import deque
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from ..errors import BindingError
+from ..errors import BindingError, KvfsmError
 from ..spec import well_formed
 from ..spec.model import Spec
 
@@ -118,14 +119,25 @@ Failed = Mapping[Hashable, BaseException]
 BATCH_MARK = "__kvfsm_batch__"
 
 
+class BatchResultError(KvfsmError, TypeError):
+    """A batch action returned something other than None or a mapping of keys it was called with to exceptions.
+
+    The engine cannot tell which keys such an answer meant, so it stands for
+    the whole group, as if the action had raised it: the failure names the
+    action and what was wrong with what it returned.
+    """
+
+
 def batch(method: Callable[..., Failed | None]) -> Callable[..., Failed | None]:
     """Mark a driver action as taking a list of keys: ``fire_many`` calls it once per batch.
 
     The action is called as ``method(keys, **payload)`` (a release as
     ``method(keys)``) and returns the keys it failed for, each with its
-    error, or None; raising fails every key of the batch. ``fire`` calls it
-    with a one-key list. A batch action suits an API that is batched already
-    (Mooncake's ``batch_put_from``, vLLM's sets of finished requests).
+    error (an exception instance), or None; raising fails every key of the
+    batch, and so does returning anything else (a :class:`BatchResultError`
+    then says what was wrong). ``fire`` calls it with a one-key list. A batch
+    action suits an API that is batched already (Mooncake's
+    ``batch_put_from``, vLLM's sets of finished requests).
     """
     setattr(method, BATCH_MARK, True)
     return method
@@ -135,17 +147,64 @@ def is_batch(action: Action) -> bool:
     return bool(getattr(action, BATCH_MARK, False))
 
 
+def checked(result: object, keys: list[Hashable], action: str) -> dict[Hashable, BaseException]:
+    """The failures a batch action called with ``keys`` reported, held to its contract (``result`` is not None).
+
+    Returns each failed key of ``keys``, in their order, with its error. A
+    result that is not a mapping, names a key the action was not called with
+    or gives something other than an exception instance fails every key with
+    one :class:`BatchResultError` saying so: an answer the engine cannot
+    read must not move an instance outside the group, nor lose the failure.
+    """
+    if type(result) is dict and not result:
+        return result
+    problem = None
+    if not isinstance(result, Mapping):
+        problem = f"a {type(result).__name__}, not a mapping of the keys it failed for to their exceptions (or None)"
+    else:
+        try:
+            failed = {key: result[key] for key in keys if key in result}
+            strangers = [key for key in result if key not in failed] if len(failed) != len(result) else []
+        except Exception as exc:  # a mapping that cannot be read, or an unhashable key in it
+            problem = f"a {type(result).__name__} that could not be read ({type(exc).__name__}: {exc})"
+        else:
+            if strangers:
+                problem = f"failures for {_few(strangers)}, which it was not called with"
+            else:
+                wrong = [(key, error) for key, error in failed.items() if not isinstance(error, BaseException)]
+                if not wrong:
+                    return failed
+                key, error = wrong[0]
+                problem = f"{_short(error)} for {key!r}, which is not an exception instance"
+    error = BatchResultError(
+        f"{action}() was called with {_few(keys)} and returned {problem}; the whole group is taken as failed"
+    )
+    return dict.fromkeys(keys, error)
+
+
+def _short(value: object) -> str:
+    return reprlib.repr(value)
+
+
+def _few(keys: list[Hashable]) -> str:
+    shown = ", ".join(map(_short, keys[:3]))
+    return f"{len(keys)} keys ({shown}, …)" if len(keys) > 3 else f"[{shown}]"
+
+
 def per_key(action: Action) -> Action:
     """``action`` as ``fire`` calls it: with one key (a batch action gets a one-key list, and its failure raises)."""
     if not is_batch(action):
         return action
+    name = getattr(action, "__name__", "batch_action")
 
     def one(key: Hashable, /, **payload: Any) -> None:
         failed = action([key], **payload)
-        if failed:
-            raise failed[key] if key in failed else next(iter(failed.values()))
+        if failed is not None:
+            failed = checked(failed, [key], name)
+            if failed:
+                raise failed[key]
 
-    one.__name__ = getattr(action, "__name__", "batch_action")
+    one.__name__ = name
     return one
 
 
@@ -161,7 +220,7 @@ def per_batch(action: Action) -> Callable[..., Failed | None]:
                 action(key, **payload) if payload else action(key)
             except BaseException as exc:
                 failed[key] = exc
-        return failed
+        return failed or None
 
     return each
 
@@ -183,6 +242,9 @@ class Program:
     payloads: Mapping[str, frozenset[str]]
     """Event → the payload keys ``fire`` accepts for it; ``begin`` is :attr:`begin_payload`."""
     begin_payload: frozenset[str]
+    releases: Mapping[str, tuple[str, Action]]
+    """Resource → (its release action's name, the action as ``fire`` calls it, with one key): what ``close()``
+    calls when it must release an instance by force (a batch release then gets a one-key list)."""
 
 
 def _bind(driver: object, name: str, missing: list[str]) -> Action:
@@ -331,4 +393,5 @@ def compile_program(spec: Spec, driver: object, params: Mapping[str, float] | No
     initial = spec.initial.name
     begin = edge("begin", None, initial, None)
     begin.links = spec.linked_at("begin")
-    return Program(spec, states, by_name, begin, spec.payloads, frozenset(spec.begin_payload))
+    releases = {r: (spec.resources[r].release, per_key(fn)) for r, fn in release.items()}
+    return Program(spec, states, by_name, begin, spec.payloads, frozenset(spec.begin_payload), releases)

@@ -48,7 +48,7 @@ from ..spec.model import ABORT
 from .deadlines import Deadlines
 from .mutex import Mutex
 from .params import log_once, resolve
-from .program import Action, CEdge, CState, compile_program
+from .program import Action, CEdge, CState, checked, compile_program
 from .retired import RetiredIds
 
 Observer = Callable[[Hashable, int, str, str, str, float], None]
@@ -409,6 +409,9 @@ class Tracker:
                 failed = acquire(fresh, **payload) if payload else acquire(fresh)
             except BaseException as exc:
                 failed = dict.fromkeys(fresh, exc)
+            else:
+                if failed is not None:
+                    failed = checked(failed, fresh, edge.acquires[done][0])
             if failed:
                 for key, why in failed.items():
                     self._acquire_failed(key, edge, done, why, "(not begun)")
@@ -863,8 +866,12 @@ class Tracker:
                 failed = release(keys)
             except BaseException as exc:
                 failed = dict.fromkeys(keys, exc)
+            else:
+                if failed is None:
+                    continue
+                failed = checked(failed, keys, _release_name(edge, index))
             if failed:
-                name = edge.releases[index][0] if index < len(edge.releases) else "<tap>"
+                name = _release_name(edge, index)
                 for key, error in failed.items():
                     self.counts["release_errors"] += 1
                     self._failures.append(Failure(key, edge.event, name, "release", error, target.name))
@@ -885,6 +892,10 @@ class Tracker:
             failed = action(keys, **payload) if payload else action(keys)
         except BaseException as exc:
             failed = dict.fromkeys(keys, exc)
+        else:
+            if failed is None:
+                return keys
+            failed = checked(failed, keys, name)
         if not failed:
             return keys
         for key, error in failed.items():
@@ -1077,10 +1088,11 @@ class Tracker:
         """Release everything ``key`` holds without a transition (close() of an unfinishable instance)."""
         del self._live[key]
         self._anomaly("forced", self.spec.key, key, ABORT)
+        releases = self._program.releases
         for r in state.holds:
-            action = self.spec.resources[r].release
+            action, release = releases[r]  # as fire calls it: a batch release gets a one-key list
             try:
-                getattr(self.driver, action)(key)
+                release(key)
             except BaseException as exc:
                 self.counts["release_errors"] += 1
                 self._failures.append(Failure(key, ABORT, action, "release", exc, state.name))
@@ -1237,6 +1249,11 @@ def _rounds(keys: list[Hashable]) -> list[list[Hashable]]:
             seen.append({key})
             rounds.append([key])
     return rounds
+
+
+def _release_name(edge: CEdge, index: int) -> str:
+    """The name of ``edge.batch_releases[index]``: a release action, or a tap the tracker added after them."""
+    return edge.releases[index][0] if index < len(edge.releases) else "<tap>"
 
 
 def _bounded(value: Any) -> Any:
