@@ -127,6 +127,7 @@ class Tracker:
         "spec", "driver", "counts", "_program", "_begin_edge", "_payloads", "_clock", "_observer", "_mutex", "_guard",
         "_live", "_gens", "_links", "_linked", "_deadlines", "_finished", "_queue", "_busy", "_closed", "_failures",
         "_anomalies", "_armed", "_serial", "_begin_taps", "params", "_retired", "_on_anomaly", "_plain_begin", "_inner",
+        "_epoch",
     )  # fmt: skip
 
     def __init__(
@@ -210,6 +211,8 @@ class Tracker:
         self._inner = False
         """True while :meth:`_fire_inner` runs a step through ``fire``: the outer call drains and raises."""
         self._closed = False
+        self._epoch = 0
+        """Bumped whenever queued calls ran or an id was linked: a batch grouped at an older epoch reads its keys again."""
         self._serial = 0
         self._failures: list[Failure] = []
         self._anomalies: deque[Anomaly] = deque(maxlen=ANOMALY_LIMIT)
@@ -460,7 +463,10 @@ class Tracker:
         key then gets what :meth:`fire` would give it: the legality and
         ignore rules of its own state, on_error for the keys an action failed
         for, derived releases, deadlines, the observer's lines. Events that
-        actions fire are queued and run after each group (run to completion).
+        actions fire are queued and run after each group (run to completion);
+        a key they moved (or began) is stepped from where it is when its
+        group's turn comes, never from the state it was grouped by. A key
+        named twice is fired again after every key was fired once.
 
         One bad key does not stop the batch: an unknown key is counted and
         reported by :meth:`anomalies`; an event a key's state neither handles
@@ -473,39 +479,99 @@ class Tracker:
         with self._guard:
             self._batched(event, keys, payload, lambda batch: self._fire_batch(event, batch, payload))
 
-    def _fire_batch(self, event: str, keys: list[Hashable], payload: dict[str, Any]) -> None:
-        """One round of ``fire_many``: distinct keys, grouped by state, each group stepped at once."""
-        states = list(map(self._live.get, keys))
-        if states and states[0] is not None and states.count(states[0]) == len(states):
-            groups = {states[0]: keys}  # the usual batch: every key in one state
-        else:
-            groups = self._group(event, keys, states)
-        for state, group in groups.items():
-            edge = state.row.get(event)
-            if edge is None:
-                if self._closed:
-                    raise TrackerClosed(f"tracker for {self.spec.name!r} is closed; {event!r} refused")
-                self._refuse_many(group, state, event)
-            else:
-                self._step_many(group, state, edge, payload)
-            if self._queue:
-                self._drain()
+    def _fire_batch(self, event: str, keys: list[Hashable], payload: dict[str, Any], via: _Via | None = None) -> None:
+        """One round of ``fire_many``: distinct keys, grouped by state, each group stepped at once.
 
-    def _group(self, event: str, keys: list[Hashable], states: list[CState | None]) -> dict[CState, list[Hashable]]:
-        """Keys by the state they are in, in first-seen order; unknown keys are reported and left out."""
-        groups: dict[CState, list[Hashable]] = {}
-        for key, state in zip(keys, states, strict=True):
+        Groups are formed once, from the states at the round's start, and
+        taken in order of first appearance. What a group's actions queue runs
+        before the next group, and may move keys of later groups (begin them,
+        retire them, relink the ids that named them): a group whose turn
+        comes after that is read again (``_epoch``), so no key is stepped from
+        a state it has left. Its keys still in its state are stepped together;
+        each other one after them, alone, from where it is now, as ``fire``
+        (``fire_by``, with ``via``) would. Without calls back, nothing is read twice.
+        """
+        live = self._live
+        since = self._epoch if via is None else via.since
+        states = list(map(live.get, keys))
+        first = states[0] if states else None
+        if first is not None and states.count(first) == len(states):
+            groups: Iterable[tuple[CState | None, list[Hashable]]] = ((first, keys),)  # the usual batch: one state
+        else:
+            groups = self._group(keys, states).items()
+        for state, group in groups:
             if state is None:
-                if self._closed:
-                    raise TrackerClosed(f"tracker for {self.spec.name!r} is closed; {event!r} refused")
-                self._anomaly("unknown", self.spec.key, key, event)
+                self._fire_unknown(event, group, payload, via, since)
                 continue
+            moved: list[Hashable] = []
+            if self._epoch != since:  # calls ran since the grouping: read the group again
+                group, moved = self._recheck(state, group, via)
+            if group:
+                edge = state.row.get(event)
+                if edge is None:
+                    if self._closed:
+                        raise TrackerClosed(f"tracker for {self.spec.name!r} is closed; {event!r} refused")
+                    self._refuse_many(group, state, event)
+                else:
+                    self._step_many(group, state, edge, payload)
+                if self._queue:
+                    self._drain()
+            for key in moved:
+                self._fire_moved(key, event, payload, via)
+
+    def _group(self, keys: list[Hashable], states: list[CState | None]) -> dict[CState | None, list[Hashable]]:
+        """Keys by the state they are in (None: no instance), in first-seen order."""
+        groups: dict[CState | None, list[Hashable]] = {}
+        for key, state in zip(keys, states, strict=True):
             group = groups.get(state)
             if group is None:
                 groups[state] = [key]
             else:
                 group.append(key)
         return groups
+
+    def _recheck(self, state: CState, group: list[Hashable], via: _Via | None) -> tuple[list[Hashable], list[Hashable]]:
+        """Split a group read before calls ran: the keys still in ``state`` (and still named by their ids), the rest."""
+        live = self._live
+        still: list[Hashable] = []
+        moved: list[Hashable] = []
+        if via is None:
+            for key in group:
+                (still if live.get(key) is state else moved).append(key)
+        else:
+            table, gens, at = self._links[via.space], self._gens, via.at
+            for key in group:
+                ident, entry = at[key]
+                ok = live.get(key) is state and table.get(ident) is entry and gens.get(key) == entry[1]
+                (still if ok else moved).append(key)
+        return still, moved
+
+    def _fire_unknown(
+        self, event: str, group: list[Hashable], payload: dict[str, Any], via: _Via | None, since: int
+    ) -> None:
+        """The keys (ids) that named no instance at the grouping: each is reported, unless calls since began it."""
+        for key in group:
+            if type(key) is _Unresolved or (self._epoch != since and key in self._live):
+                self._fire_moved(key, event, payload, via)
+                continue
+            if self._closed:
+                raise TrackerClosed(f"tracker for {self.spec.name!r} is closed; {event!r} refused")
+            self._anomaly("unknown", self.spec.key, key, event)
+
+    def _fire_moved(self, item: Hashable, event: str, payload: dict[str, Any], via: _Via | None) -> None:
+        """Step one key of a batch that is no longer where it was grouped, as ``fire`` (or ``fire_by``) would now."""
+        key: Hashable | None = item
+        if via is not None:
+            ident = item.ident if isinstance(item, _Unresolved) else via.at[item][0]
+            key = self._resolve(via.space, ident, event)
+            if key is None:
+                return
+        try:
+            self._fire_inner(key, event, payload)
+        except IllegalTransition as exc:
+            self._failures.append(Failure(key, event, "<none>", "refused", exc, exc.state))
+        if self._queue:
+            self._drain()
 
     def fire_by(self, space: str, ident: Hashable, event: str, /, **payload: Any) -> str | None:
         """Like :meth:`fire`, for the instance ``ident`` names in id space ``space``.
@@ -534,17 +600,45 @@ class Tracker:
     def fire_many_by(self, space: str, event: str, ids: Iterable[Hashable], /, **payload: Any) -> None:
         """:meth:`fire_many` for the instances ``ids`` name in id space ``space``.
 
-        Each id is looked up as :meth:`fire_by` looks it up (one naming no
-        current instance is reported as ``stale``, ``late`` or ``unknown``
-        and left out); the rest are fired as one batch.
+        Each id is looked up as :meth:`fire_by` looks it up when its turn
+        comes (one naming no current instance is reported as ``stale``,
+        ``late`` or ``unknown`` and left out); the rest are fired as one batch.
         """
         if space == self.spec.key:
             self.fire_many(event, ids, **payload)
             return
         with self._guard:
-            resolve = self._resolve
-            keys = [key for key in (resolve(space, ident, event) for ident in ids) if key is not None]
-            self.fire_many(event, keys, **payload)
+            ids = ids if isinstance(ids, list) else list(ids)
+            if self._busy or not ids:  # from inside an action: looked up now, queued as fire_by would queue them
+                resolve = self._resolve
+                keys = [key for key in (resolve(space, ident, event) for ident in ids) if key is not None]
+                self.fire_many(event, keys, **payload)
+                return
+            table, live, gens = self._space(space), self._live, self._gens
+            keys = []
+            first: dict[Hashable, tuple[Hashable, tuple[Hashable, int]]] = {}
+            again: dict[Hashable, deque[tuple[Hashable, tuple[Hashable, int]]]] = {}
+            for ident in ids:
+                entry = table.get(ident)
+                if entry is None or entry[0] not in live or gens.get(entry[0]) != entry[1]:
+                    keys.append(_Unresolved(ident))  # reported (or found, if calls before its turn link it) then
+                    continue
+                key = entry[0]
+                keys.append(key)
+                if key not in first:
+                    first[key] = (ident, entry)
+                else:
+                    again.setdefault(key, deque()).append((ident, entry))
+            since = self._epoch
+            rounds = 0
+
+            def run(batch: list[Hashable]) -> None:
+                nonlocal rounds
+                at = first if not rounds else {k: again[k].popleft() for k in batch if type(k) is not _Unresolved}
+                rounds += 1
+                self._fire_batch(event, batch, payload, _Via(space, since, at))
+
+            self._batched(event, keys, payload, run)
 
     def deliver_many(self, event: str, ids: Iterable[Hashable], /, **payload: Any) -> None:
         """:meth:`deliver` for a batch of a peer's messages: ids in the space the spec routes ``event`` by."""
@@ -583,6 +677,7 @@ class Tracker:
                 raise KvfsmError(f"{space}={ident!r} already names live {other[0]!r}; an id may name one live instance")
             table[ident] = (key, gen)
             self._linked.setdefault(key, []).append((space, ident))
+            self._epoch += 1
 
     def route(self, space: str, ident: Hashable) -> Hashable | None:
         """The key ``ident`` names in ``space`` (current generations only), or None."""
@@ -1038,6 +1133,7 @@ class Tracker:
         Runs with ``_busy`` set and no transition in progress, so retiring
         instances here is safe.
         """
+        self._epoch += 1
         queue = self._queue
         while queue:
             key, event, payload = queue.popleft()
@@ -1254,6 +1350,26 @@ def _rounds(keys: list[Hashable]) -> list[list[Hashable]]:
 def _release_name(edge: CEdge, index: int) -> str:
     """The name of ``edge.batch_releases[index]``: a release action, or a tap the tracker added after them."""
     return edge.releases[index][0] if index < len(edge.releases) else "<tap>"
+
+
+class _Unresolved:
+    """An id of ``fire_many_by`` that named no current instance when the batch was looked up; looked up at its turn."""
+
+    __slots__ = ("ident",)
+
+    def __init__(self, ident: Hashable) -> None:
+        self.ident = ident
+
+
+class _Via:
+    """Where the keys of one round of ``fire_many_by`` came from: the space, when, and each key's id and link entry."""
+
+    __slots__ = ("at", "since", "space")
+
+    def __init__(self, space: str, since: int, at: Mapping[Hashable, tuple[Hashable, tuple[Hashable, int]]]) -> None:
+        self.space = space
+        self.since = since
+        self.at = at
 
 
 def _bounded(value: Any) -> Any:
