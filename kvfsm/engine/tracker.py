@@ -1332,18 +1332,16 @@ _first = itemgetter(0)
 
 
 def _rounds(keys: list[Hashable]) -> list[list[Hashable]]:
-    """Split keys into rounds of distinct keys, in order: a key named twice is fired again in the next round."""
+    """Split keys into rounds of distinct keys, in order: a key's n-th mention goes to round n. Linear in len(keys)."""
     rounds: list[list[Hashable]] = []
-    seen: list[set[Hashable]] = []
+    mentions: dict[Hashable, int] = {}
     for key in keys:
-        for index, members in enumerate(seen):
-            if key not in members:
-                members.add(key)
-                rounds[index].append(key)
-                break
-        else:
-            seen.append({key})
+        n = mentions.get(key, 0)
+        mentions[key] = n + 1
+        if n == len(rounds):
             rounds.append([key])
+        else:
+            rounds[n].append(key)
     return rounds
 
 
