@@ -26,7 +26,7 @@ import pytest
 
 import kvfsm
 from kvfsm import ActionError, Tracker
-from kvfsm.engine.program import BatchResultError
+from kvfsm.engine import BatchResultError
 from kvfsm.testing.clock import VirtualClock
 
 STEPS = """

@@ -1,6 +1,6 @@
 """The compiled runtime: flat tables, instances, deadlines (knows nothing of YAML)."""
 
-from .program import Program, batch, compile_program
+from .program import BatchResultError, Program, batch, compile_program
 from .tracker import Observer, Tracker
 
-__all__ = ["Observer", "Program", "Tracker", "batch", "compile_program"]
+__all__ = ["BatchResultError", "Observer", "Program", "Tracker", "batch", "compile_program"]
