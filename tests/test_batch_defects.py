@@ -180,6 +180,20 @@ def test_an_id_relinked_by_an_earlier_groups_queued_call_names_its_new_instance(
     assert t.counts == twin.counts
 
 
+def test_an_id_named_twice_whose_instance_was_drained_meanwhile_is_late_in_its_own_space() -> None:
+    def setup(t: Tracker, d: Slots) -> None:
+        walk(t, "y", "start", peer_id="p-y")
+        d.hook = lambda action, keys: t.finished() if action == "give" else None  # y's release drains it
+
+    (t, _d), (twin, _twin_d) = run_both(
+        setup,
+        lambda t: t.deliver_many("complete", ["p-y", "p-y"]),
+        lambda t: [t.deliver("complete", i) for i in ("p-y", "p-y")],
+    )
+    assert [(a.kind, a.space, a.id) for a in twin.anomalies()] == [("late", "peer_id", "p-y")]
+    assert [(a.kind, a.space, a.id) for a in t.anomalies()] == [("late", "peer_id", "p-y")]
+
+
 # -- 2. close() and every other forced release call a batch release with a list ----------------------------
 
 DRAIN_ON_ABORT = """

@@ -549,9 +549,13 @@ class Tracker:
     def _fire_unknown(
         self, event: str, group: list[Hashable], payload: dict[str, Any], via: _Via | None, since: int
     ) -> None:
-        """The keys (ids) that named no instance at the grouping: each is reported, unless calls since began it."""
+        """The keys that had no instance at the grouping: each is reported, unless calls since began it.
+
+        With ``via``, every one is looked up again by its id, as ``fire_by`` would: an id whose instance was
+        drained between rounds is reported in its own space, not as its key.
+        """
         for key in group:
-            if type(key) is _Unresolved or (self._epoch != since and key in self._live):
+            if via is not None or (self._epoch != since and key in self._live):
                 self._fire_moved(key, event, payload, via)
                 continue
             if self._closed:
