@@ -50,3 +50,25 @@ def test_store_hits_generate_the_tokens_of_the_engine_without_a_connector(
     assert stats["live"] == stats["owed"] == 0
     # vLLM's own pool is whole: every block but the null block is free once the stores are over.
     assert store["gpu_blocks_free_after"] == store["gpu_blocks"] - 1
+
+
+def test_completions_over_the_openai_server_after_store_hits_match_the_engine_without_a_connector(
+    run_offline: Callable[..., dict[str, Any]], master: MasterProcess, tiny_model: Any
+) -> None:
+    from kvfsm.showcase.engine.offline import connector_config, prefix_prompts
+    from kvfsm.showcase.engine.serve import Server
+
+    want = run_offline("none")["passes"][0]
+    prompts = prefix_prompts()
+    config = connector_config("mooncake_store", master_address=master.address, prefix=f"srv-{uuid.uuid4().hex[:8]}")
+    with Server(tiny_model, config) as server:
+        server.wait_ready()
+        first = server.complete_all(prompts, concurrency=4)
+        server.reset_prefix_cache()  # retried while a store still holds vLLM's blocks (delay_free)
+        before = server.metrics().get("vllm:external_prefix_cache_hits_total", 0.0)
+        second = server.complete_all(prompts, concurrency=4)
+        hits = server.metrics()["vllm:external_prefix_cache_hits_total"] - before
+    assert [i for i, (a, b) in enumerate(zip(want, first, strict=True)) if a != b] == []
+    assert [i for i, (a, b) in enumerate(zip(want, second, strict=True)) if a != b] == []
+    # Each prefix (3 blocks) came from the store at least once: vLLM's own prefix cache was empty.
+    assert hits >= 4 * 96, f"only {hits} prompt tokens came from the store"

@@ -1,8 +1,5 @@
 """The NIXL P/D pair as OpenAI servers behind a P/D router, as a disaggregated deployment serves: completions give
-one engine's tokens, and vLLM's own ``bench serve`` client at concurrency 16 sees no failed request.
-
-Three server processes (two engine cores beside them) take minutes on two cores, so this runs under
-``--run-slow``; the same pair runs in the default suite as two ``LLM`` processes (test_nixl_pd_engine.py)."""
+one engine's tokens, and vLLM's own ``bench serve`` client at concurrency 16 sees no failed request."""
 
 from __future__ import annotations
 
@@ -13,8 +10,6 @@ from typing import Any
 import pytest
 
 from kvfsm.showcase.engine.offline import prefix_prompts
-
-pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

@@ -246,8 +246,12 @@ class PDServers(Endpoint):
         self.servers: dict[str, Server] = {}
         self.router: Router | None = None
         try:
-            for role in (PREFILL, DECODE):
-                self.servers[role] = Server(model, self.connector.kv_transfer_config(role, options), env=env)
+            for core, role in enumerate((PREFILL, DECODE)):
+                # vLLM's CPU worker spins two OpenMP threads on every core it finds: two engines on two cores
+                # would wait on each other's spinning, so each gets one thread on a core of its own, as a
+                # deployment pins each engine to its cores.
+                pinned = {**env, "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core % (os.cpu_count() or 1))}
+                self.servers[role] = Server(model, self.connector.kv_transfer_config(role, options), env=pinned)
             for server in self.servers.values():
                 server.wait_ready(timeout)
             self.router = Router(self.servers[PREFILL].url, self.servers[DECODE].url, self.connector, free_port())
