@@ -52,6 +52,27 @@ def prefix_prompts(
     return [head + [rng.randrange(3, 300) for _ in range(suffix_len)] for head in heads for _ in range(per_prefix)]
 
 
+ENGINE_SETTINGS: dict[str, Any] = {
+    "dtype": "float32",
+    "block_size": BLOCK_SIZE,
+    "max_model_len": 1024,
+    "enforce_eager": True,
+    "seed": 0,
+    "disable_hybrid_kv_cache_manager": True,
+}
+"""``LLM(...)`` settings of every engine here (the server flags of :func:`.serve.engine_args` say the same): engines
+whose tokens are compared must differ only in their connector."""
+
+
+def make_llm(model: str | Path, kv_transfer_config: dict[str, Any] | None) -> Any:
+    """A vLLM ``LLM`` on ``model`` with :data:`ENGINE_SETTINGS` and the given connector (None: no connector)."""
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    transfer = None if kv_transfer_config is None else KVTransferConfig(**kv_transfer_config)
+    return LLM(str(model), kv_transfer_config=transfer, **ENGINE_SETTINGS)
+
+
 def connector_config(name: str, **extra: Any) -> dict[str, Any] | None:
     """The ``kv_transfer_config`` of kvfsm's connector ``name`` (``none``, ``cpu_offload``, ``mooncake_store``)."""
     if name == "none":
@@ -107,21 +128,10 @@ def run(model: str, connector: str, prompts: list[list[int]], *, passes: int = 2
     for name, value in ENGINE_ENV.items():
         os.environ.setdefault(name, value)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
+    from vllm import SamplingParams
 
     t0 = time.monotonic()
-    config = connector_config(connector, **(extra or {}))
-    llm = LLM(
-        model,
-        dtype="float32",
-        block_size=BLOCK_SIZE,
-        max_model_len=1024,
-        enforce_eager=True,
-        seed=0,
-        disable_hybrid_kv_cache_manager=True,
-        kv_transfer_config=None if config is None else KVTransferConfig(**config),
-    )
+    llm = make_llm(model, connector_config(connector, **(extra or {})))
     sampling = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     result = EngineRun(connector)
     for _ in range(passes):

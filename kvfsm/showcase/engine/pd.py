@@ -60,8 +60,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Protocol
 
-from .offline import BLOCK_SIZE, prefix_prompts
 from .offline import ENGINE_ENV as OFFLINE_ENV
+from .offline import make_llm, prefix_prompts
 
 ENGINE_ENV = {
     **OFFLINE_ENV,
@@ -246,21 +246,9 @@ class _Engine:
     """One ``LLM`` in this process, its requests by the runner's ids, and what finished since the last poll."""
 
     def __init__(self, role: str, model: str, connector: PDConnector, options: PDOptions) -> None:
-        from vllm import LLM
-        from vllm.config import KVTransferConfig
-
         self.role = role
         self.connector = connector
-        self.llm = LLM(
-            model,
-            dtype="float32",
-            block_size=BLOCK_SIZE,
-            max_model_len=1024,
-            enforce_eager=True,
-            seed=0,
-            disable_hybrid_kv_cache_manager=True,
-            kv_transfer_config=KVTransferConfig(**connector.kv_transfer_config(role, options)),
-        )
+        self.llm = make_llm(model, connector.kv_transfer_config(role, options))
         self.engine = self.llm.llm_engine
         self.scheduler = self.engine.engine_core.engine_core.scheduler
         self.internal: dict[str, str] = {}
