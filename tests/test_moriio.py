@@ -24,9 +24,11 @@ from kvfsm.drivers.moriio import (
     DecodeEngine,
     Fabric,
     FaultPlan,
+    FaultyTransport,
     PrefillEngine,
     Release,
     RemoteBlocks,
+    Source,
     WriteDone,
     decode,
     encode,
@@ -185,6 +187,96 @@ def test_read_mode_blocks_wait_for_every_release_and_are_reaped_without_it() -> 
     pair.clock.advance(2.5)
     pair.p.step()
     assert pair.p.outcomes == {"expired": 2} and pair.p.stats()["held_blocks"] == 0
+
+
+def test_acks_is_the_specs_count_of_ranks_and_a_spec_that_cannot_take_it_refuses() -> None:
+    fabric = Fabric()
+    p = PrefillEngine(fabric.endpoint("p"), 4, 256, mode="read", acks=2)
+    d = DecodeEngine(fabric.endpoint("d"), 4, 256, "p", acks=2)
+    assert p.tracker.params["readers"].value == 2 and d.tracker.params["writers"].value == 2
+    assert p.counted == {"release"} and d.counted == {"write_done"}
+    with pytest.raises(ValueError, match="disagree"):
+        PrefillEngine(fabric.endpoint("p2"), 4, 256, mode="read", acks=2, params={"readers": 3})
+    with pytest.raises(ValueError, match="does not count 'release'"):
+        PrefillEngine(fabric.endpoint("p3"), 4, 256, mode="read", acks=2, spec=pre_fix_spec("read_producer"))
+
+
+@pytest.mark.parametrize("other_rank", [True, False], ids=["other_rank_releases", "deadline"])
+def test_read_mode_a_release_repeated_by_one_decode_rank_never_frees_the_blocks_another_rank_reads(
+    other_rank: bool,
+) -> None:
+    """Decode TP = 2 × prefill TP: two decode ranks read one prefill rank's blocks, and rank 0's release comes twice.
+
+    The repeat is a ``duplicate``, never the second reader: the blocks stay held until rank 1's release, or the
+    reaper's deadline."""
+    fabric, clock = Fabric(), VirtualClock()
+    p = PrefillEngine(
+        fabric.endpoint("prefill"), 16, 256, mode="read", acks=expected_acks(2, 1), clock=clock,
+        params={"defer_timeout": 2.0},
+    )  # fmt: skip
+    twice = FaultyTransport(fabric.endpoint("decode-0"), FaultPlan(1.0, ["duplicate_release"]))
+    d0, d1 = (
+        DecodeEngine(t, 16, 256, "prefill", mode="read", rank=rank, clock=clock, params={"transfer_timeout": 1.0})
+        for rank, t in enumerate([twice, fabric.endpoint("decode-1")])
+    )
+    assert isinstance(p.blocks, KVBlocks)
+    source = Source("prefill", p.blocks.base, 256, tuple(p.compute("p-1", "t-1", 2)))
+    d0.start("d-0", "t-1", 2, source)
+    d0.step()  # read, checked, release sent twice
+    p.step()
+    assert d0.outcomes == {"loaded": 1} and twice.injected == {"duplicate_release": 1}
+    assert p.tracker.state("p-1") == "held" and p.stats()["held_blocks"] == 2
+    assert p.counts["release"] == 2 and p.anomalies == {"duplicate:request_id": 1}
+    if other_rank:
+        d1.start("d-1", "t-1", 2, source)
+        d1.step()
+        p.step()
+        assert d1.outcomes == {"loaded": 1} and p.outcomes == {"released": 1}
+    else:
+        clock.advance(2.5)
+        p.step()
+        assert p.outcomes == {"expired": 1}
+    assert p.stats()["held_blocks"] == 0
+
+
+@pytest.mark.parametrize("other_rank", [True, False], ids=["other_rank_writes", "deadline"])
+def test_write_mode_a_write_done_repeated_by_one_prefill_rank_never_finishes_a_load_another_rank_writes(
+    other_rank: bool,
+) -> None:
+    """Prefill TP = 2 × decode TP: two prefill ranks write into one decode rank's blocks, and rank 0's write_done
+    comes twice. The repeat is a ``duplicate``, never the second writer: the load waits for rank 1's write_done,
+    or its deadline (the blocks then reported invalid)."""
+    fabric, clock = Fabric(), VirtualClock()
+    timeouts = {"defer_timeout": 1.0, "transfer_timeout": 1.0}
+    twice = FaultyTransport(fabric.endpoint("prefill-0"), FaultPlan(1.0, ["duplicate_write_done"]))
+    p0, p1 = (
+        PrefillEngine(t, 16, 256, rank=rank, clock=clock, params=timeouts)
+        for rank, t in enumerate([twice, fabric.endpoint("prefill-1")])
+    )
+    d = DecodeEngine(
+        fabric.endpoint("decode"), 16, 256, "prefill-0", acks=expected_acks(2, 1), clock=clock,
+        params={"recv_timeout": 3.0},
+    )  # fmt: skip
+    p0.compute("p-1", "t-1", 2)
+    p1.compute("p-1", "t-1", 2)
+    blocks = d.start("d-1", "t-1", 2)  # remote_blocks to prefill-0
+    p0.step()  # written, write_done sent twice
+    assert d.step().recving == set()
+    assert p0.outcomes == {"written": 1} and twice.injected == {"duplicate_write_done": 1}
+    assert d.counts["write_done"] == 2 and d.anomalies == {"duplicate:request_id": 1}
+    assert d.tracker.state("d-1") == "waiting" and d.driver.stats["blocks_verified"] == 0
+    if other_rank:
+        assert isinstance(d.blocks, KVBlocks)
+        p1.on_message(RemoteBlocks("t-1", "decode", d.blocks.base, 256, blocks))  # the same announcement, rank 1
+        p1.step()
+        done = d.step()
+        assert p1.outcomes == {"written": 1} and d.outcomes == {"loaded": 1}
+        assert done.recving == {"d-1"} and not done.invalid_blocks and d.stats()["verified_blocks"] == 2
+    else:
+        clock.advance(3.5)
+        done = d.step()
+        assert d.outcomes == {"expired": 1} and done.invalid_blocks == set(blocks)
+    assert d.stats()["held_blocks"] == 0
 
 
 def test_a_late_or_unknown_completion_is_an_anomaly_not_an_error() -> None:

@@ -92,3 +92,62 @@ def test_read_mode_on_real_nixl_agents_with_faults() -> None:
     assert summary["finished"] == 300 and summary["leaked_blocks"] == 0 and summary["hung"] == 0
     assert summary["late"] == 0 and sum(summary["faults"].values()) >= 15
     assert summary["verified_blocks"] == 2 * summary["decode_outcomes"]["loaded"]
+
+
+DUPLICATED_RELEASE = """
+import json, os, time
+from kvfsm.drivers.moriio import DecodeEngine, FaultPlan, FaultyTransport, PrefillEngine, Source, expected_acks
+from kvfsm.drivers.moriio.nixl import NixlTransport
+
+def until(what, step, limit=10.0):
+    end = time.monotonic() + limit
+    while not what():
+        if time.monotonic() > end:
+            raise TimeoutError(what.__doc__)
+        step()
+        time.sleep(0.002)
+
+p, d0, d1 = (NixlTransport(f"moriio-{name}") for name in ("prefill", "decode-0", "decode-1"))
+prefill = PrefillEngine(p, 8, 1024, mode="read", acks=expected_acks(2, 1), params={"defer_timeout": 30.0})
+twice = FaultyTransport(d0, FaultPlan(1.0, ["duplicate_release"]))  # decode rank 0 sends each release twice
+decode = [
+    DecodeEngine(t, 8, 1024, p.name, mode="read", rank=rank, params={"transfer_timeout": 10.0})
+    for rank, t in enumerate([twice, d1])
+]
+for d in (d0, d1):
+    p.add_peer(d.metadata())
+    d.add_peer(p.metadata())
+source = Source(p.name, prefill.blocks.base, 1024, tuple(prefill.compute("p-1", "t-1", 2)))
+out = {}
+heard = (2, 3)  # releases at the prefill once rank 0's (twice), then rank 1's, arrived
+for rank, engine in enumerate(decode):
+    engine.start(f"d-{rank}", "t-1", 2, source)
+    until(lambda: engine.outcomes, engine.step)
+    until(lambda: prefill.counts["release"] >= heard[rank], prefill.step)
+    out[rank] = {
+        "decode": dict(engine.outcomes), "state": prefill.tracker.state("p-1"),
+        "held_blocks": prefill.stats()["held_blocks"], "anomalies": dict(prefill.anomalies),
+    }
+out["prefill"] = dict(prefill.outcomes)
+out["verified_blocks"] = sum(e.driver.stats["blocks_verified"] for e in decode)
+print(json.dumps(out), flush=True)
+os._exit(0)
+"""
+
+
+@pytest.mark.nixl
+def test_read_mode_on_real_nixl_agents_a_release_repeated_by_one_decode_rank_never_frees_the_blocks() -> None:
+    """Decode TP = 2 × prefill TP over three NIXL agents: decode rank 0's release reaches the prefill twice, and the
+    blocks stay held (the repeat is a ``duplicate``) until rank 1 has read them and said so."""
+    pytest.importorskip("nixl")
+    env = {**os.environ, "UCX_MODULES": "^ib", "NIXL_LOG_LEVEL": "WARN"}
+    done = subprocess.run(
+        [sys.executable, "-c", DUPLICATED_RELEASE], capture_output=True, timeout=60, env=env, check=True
+    )
+    out = json.loads(done.stdout.decode().strip().splitlines()[-1])
+    first, second = out["0"], out["1"]
+    assert first == {
+        "decode": {"loaded": 1}, "state": "held", "held_blocks": 2, "anomalies": {"duplicate:request_id": 1}
+    }  # fmt: skip
+    assert second["decode"] == {"loaded": 1} and second["state"] is None and second["held_blocks"] == 0
+    assert out["prefill"] == {"released": 1} and out["verified_blocks"] == 4

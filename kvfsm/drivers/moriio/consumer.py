@@ -25,7 +25,7 @@ from ..nixl.blocks import KVBlocks
 from ..nixl.memory import BlockMemory
 from ..report import Finished, Report
 from .messages import Computed, LayoutPart, Message, Release, RemoteBlocks, Stats, WriteDone
-from .side import Side
+from .side import Side, count_senders, counted_events
 from .specs import moriio_spec
 from .transport import Extent, Transport, split_statuses
 
@@ -46,11 +46,10 @@ class Source:
 
 @dataclass
 class Load:
-    """One request's local blocks, the transfer id, the write_done count so far, and whether they were checked."""
+    """One request's local blocks, the transfer id, and whether they were checked."""
 
     transfer_id: str
     blocks: tuple[int, ...]
-    acks: int = 0
     verified: bool = False
     peer: str = ""
     """WRITE mode: the prefill rank this load announces its blocks to (the engine's ``peer`` if empty)."""
@@ -59,16 +58,16 @@ class Load:
 class BlockLoader:
     """Actions both consumer specs share: pin the allocated blocks, byte-check them, unpin and report.
 
-    ``_loads[key]`` is the ``dst_blocks`` record (:meth:`pin_dst`, :meth:`unpin_dst`).
+    ``_loads[key]`` is the ``dst_blocks`` record (:meth:`pin_dst`, :meth:`unpin_dst`). Who has written the
+    blocks is the spec's to count (``count: writers``), not this driver's.
     """
 
-    def __init__(self, blocks: BlockMemory, transport: Transport, peer: str, rank: int = 0, acks: int = 1) -> None:
+    def __init__(self, blocks: BlockMemory, transport: Transport, peer: str, rank: int = 0) -> None:
         self.blocks = blocks
         self.pool = blocks.pool
         self.transport = transport
         self.peer = peer
         self.rank = rank
-        self.acks = acks
         self.report = Report()
         self.stats: Counter[str] = Counter()
         self._loads: dict[Hashable, Load] = {}
@@ -97,14 +96,6 @@ class BlockLoader:
         load.verified = True
         self.stats["blocks_verified" if wrong is not None else "blocks_unchecked"] += len(load.blocks)
 
-    def count_done(self, key: Hashable) -> bool:
-        """One more prefill rank's write_done for ``key``: True on the last expected one (or if not loading)."""
-        load = self._loads.get(key)
-        if load is None:
-            return True
-        load.acks += 1
-        return load.acks >= self.acks
-
     def observe(self, key: Hashable) -> set[str]:
         return {"dst_blocks"} if self.pool.held_by(self.holder(key)) else set()
 
@@ -120,8 +111,8 @@ class WriteReceiver(BlockLoader):
     and give the blocks back.
     """
 
-    def __init__(self, blocks: BlockMemory, transport: Transport, peer: str, rank: int = 0, acks: int = 1) -> None:
-        super().__init__(blocks, transport, peer, rank, acks)
+    def __init__(self, blocks: BlockMemory, transport: Transport, peer: str, rank: int = 0) -> None:
+        super().__init__(blocks, transport, peer, rank)
         self.announce_to: dict[Hashable, str] = {}
         self.recv_timeout = 0.0
         self.wall: Callable[[], float] = time.time
@@ -158,8 +149,8 @@ class BlockReader(BlockLoader):
     the ``peer_release`` one (:meth:`owe_release`, :meth:`send_release`).
     """
 
-    def __init__(self, blocks: BlockMemory, transport: Transport, peer: str, rank: int = 0, acks: int = 1) -> None:
-        super().__init__(blocks, transport, peer, rank, acks)
+    def __init__(self, blocks: BlockMemory, transport: Transport, peer: str, rank: int = 0) -> None:
+        super().__init__(blocks, transport, peer, rank)
         self._sources: dict[Hashable, Source] = {}
         self._batches: dict[Hashable, object] = {}
         self._owed: dict[Hashable, tuple[str, str]] = {}
@@ -224,7 +215,7 @@ class DecodeEngine(Side):
         *,
         mode: str = "write",
         rank: int = 0,
-        acks: int = 1,
+        acks: int | None = None,
         params: dict[str, Any] | None = None,
         clock: Callable[[], float] = time.monotonic,
         spec: Spec | None = None,
@@ -238,12 +229,16 @@ class DecodeEngine(Side):
         ``write_by``), and the prefill refuses writes that could still be in flight then, so none lands in blocks
         given back, however late the message reached it. Without it, safety rests on the timeouts' order alone
         (``recv_timeout`` above the prefill's ``defer_timeout + transfer_timeout``), which a prefill that computes
-        a request after its ``remote_blocks`` came does not keep."""
+        a request after its ``remote_blocks`` came does not keep. ``acks`` (WRITE mode): how many prefill ranks
+        write into each load (:func:`~.producer.expected_acks`), the spec's ``writers``; None leaves it to
+        ``params`` or the spec."""
         super().__init__(transport, num_blocks, block_bytes, mode, blocks)
         kind = driver if driver is not None else WriteReceiver if mode == "write" else BlockReader
-        self.driver: BlockLoader = kind(self.blocks, transport, peer, rank, acks)
+        self.driver: BlockLoader = kind(self.blocks, transport, peer, rank)
         spec = spec if spec is not None else moriio_spec(f"{mode}_consumer")
+        params = count_senders(spec, "write_done", acks, params) if mode == "write" else params
         self.tracker = Tracker(spec, self.driver, params=params, clock=clock)
+        self.counted = counted_events(spec)
         if bound_writes and isinstance(self.driver, WriteReceiver) and "waiting" in spec.states:
             self.driver.recv_timeout = self.tracker.timeout("waiting") or 0.0
         self.sources: dict[str, Source] = {}
@@ -319,9 +314,7 @@ class DecodeEngine(Side):
     def on_message(self, message: Message) -> None:
         if isinstance(message, WriteDone):
             self.counts["write_done"] += 1
-            key = self.tracker.route("transfer_id", message.transfer_id)
-            if key is None or self.driver.count_done(key):
-                self._deliver("write_done", message.transfer_id)  # an unknown or finished id is counted there
+            self._heard("write_done", message.transfer_id, message.rank)  # an unknown or finished id: an anomaly
         elif isinstance(message, Computed):
             self.sources[message.transfer_id] = Source(
                 message.peer, message.base, message.block_bytes, tuple(message.blocks)

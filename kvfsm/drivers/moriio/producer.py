@@ -29,7 +29,7 @@ from ..nixl.memory import BlockLayout, BlockMemory, Part, read_extents
 from ..report import Finished, Report
 from .faults import FaultyTransport
 from .messages import Computed, Message, Prefill, Release, RemoteBlocks, Stats, StatsQuery, WriteDone
-from .side import Side
+from .side import Side, count_senders, counted_events
 from .specs import moriio_spec
 from .transport import Transport, split_statuses
 
@@ -176,24 +176,10 @@ def remote_layout(message: RemoteBlocks) -> BlockLayout:
 
 
 class BlockLender(BlockHolder):
-    """Actions of ``moriio_read_producer``: the blocks wait for the decode side's releases (counted)."""
+    """Actions of ``moriio_read_producer``: the blocks wait for the decode side's releases.
 
-    def __init__(self, blocks: BlockMemory, transport: Transport, rank: int = 0, acks: int = 1) -> None:
-        super().__init__(blocks, transport, rank)
-        self.acks = acks
-        self._released: Counter[str] = Counter()
-
-    def count_release(self, transfer_id: str) -> bool:
-        """One more decode rank is done with ``transfer_id``: True on the last expected one."""
-        self._released[transfer_id] += 1
-        if self._released[transfer_id] >= self.acks:
-            del self._released[transfer_id]
-            return True
-        return False
-
-    def free_blocks(self, key: Hashable, /) -> None:
-        self._released.pop(self._jobs[key].transfer_id, None)
-        super().free_blocks(key)
+    Who has released them is the spec's to count (``count: readers``), not this driver's.
+    """
 
 
 class PrefillEngine(Side):
@@ -207,21 +193,23 @@ class PrefillEngine(Side):
         *,
         mode: str = "write",
         rank: int = 0,
-        acks: int = 1,
+        acks: int | None = None,
         params: dict[str, Any] | None = None,
         clock: Callable[[], float] = time.monotonic,
         spec: Spec | None = None,
         driver: type[BlockWriter] | type[BlockLender] | None = None,
         blocks: BlockMemory | None = None,
     ) -> None:
-        """``blocks``: the rank's block memory (vLLM's cache); kvfsm's own ``num_blocks`` × ``block_bytes`` if None."""
+        """``blocks``: the rank's block memory (vLLM's cache); kvfsm's own ``num_blocks`` × ``block_bytes`` if None.
+        ``acks`` (READ mode): how many decode ranks read each request's blocks (:func:`expected_acks`), the
+        spec's ``readers``; None leaves it to ``params`` or the spec."""
         super().__init__(transport, num_blocks, block_bytes, mode, blocks)
         kind = driver if driver is not None else BlockWriter if mode == "write" else BlockLender
         self.driver: BlockHolder = kind(self.blocks, transport, rank)
-        if isinstance(self.driver, BlockLender):
-            self.driver.acks = acks
         spec = spec if spec is not None else moriio_spec(f"{mode}_producer")
+        params = count_senders(spec, "release", acks, params) if mode == "read" else params
         self.tracker = Tracker(spec, self.driver, params=params, clock=clock)
+        self.counted = counted_events(spec)
         if isinstance(self.driver, BlockWriter) and "writing" in spec.states:
             self.driver.transfer_timeout = self.tracker.timeout("writing") or 0.0
         self.queued: OrderedDict[str, Prefill] = OrderedDict()
@@ -307,8 +295,8 @@ class PrefillEngine(Side):
             self.counts["release"] += 1
             if self.mode == "write":
                 self._cancel(message.transfer_id)
-            elif not isinstance(self.driver, BlockLender) or self.driver.count_release(message.transfer_id):
-                self._deliver("release", message.transfer_id)
+            else:
+                self._heard("release", message.transfer_id, message.rank)
         elif isinstance(message, Prefill):
             self.queued[message.transfer_id] = message
             self._admit()

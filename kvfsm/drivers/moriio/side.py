@@ -17,20 +17,59 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping
 from typing import Any
 
 from ...engine import Tracker
 from ...errors import ActionError
+from ...spec import Spec
 from ..nixl.blocks import own_blocks
 from ..nixl.memory import BlockMemory
 from .transport import Transport
+
+
+def counted_events(spec: Spec) -> frozenset[str]:
+    """The events ``spec`` counts (``count:`` on a transition): each arrival must say which rank sent it."""
+    return frozenset(event for _, event in spec.counted())
+
+
+def count_senders(
+    spec: Spec, event: str, senders: int | None, params: Mapping[str, Any] | None
+) -> dict[str, Any] | None:
+    """``params`` with ``senders`` as the count of ``event``: the param the spec counts it by (``count: <param>``).
+
+    ``senders`` None leaves the count to ``params`` or the spec's default. A spec that does not count ``event``
+    waits for one message (any number other than 1 is refused), and one that counts it by anything but a param
+    is refused too: the engine has nowhere to put the number.
+    """
+    given = dict(params) if params is not None else None
+    if senders is None:
+        return given
+    counted = [t for (_, e), t in spec.counted().items() if e == event]
+    if not counted:
+        if senders != 1:
+            raise ValueError(f"machine {spec.name!r} does not count {event!r}: it cannot wait for {senders} ranks")
+        return given
+    source = spec.count_source(counted[0])
+    if source is None or source[0] != "param":
+        raise ValueError(
+            f"machine {spec.name!r} counts {event!r} by {counted[0].count!r}, not by a param: "
+            f"it cannot be told to wait for {senders} ranks"
+        )
+    name = str(source[1])
+    out = given if given is not None else {}
+    if name in out and out[name] != senders:
+        raise ValueError(f"{senders} ranks (acks) and params {name}={out[name]!r} disagree on the count of {event!r}")
+    out[name] = senders
+    return out
 
 
 class Side:
     """A tracker and its counters: outcomes by final state, anomalies by ``kind:space``, errors kept."""
 
     tracker: Tracker
+    counted: frozenset[str] = frozenset()
+    """The events the spec counts by sender (:func:`counted_events`): :meth:`_heard` says which rank sent each."""
 
     def __init__(
         self, transport: Transport, num_blocks: int, block_bytes: int, mode: str, blocks: BlockMemory | None = None
@@ -76,6 +115,14 @@ class Side:
 
     def _deliver(self, event: str, transfer_id: str, **payload: Any) -> None:
         self._call(self.tracker.deliver, event, transfer_id, **payload)
+
+    def _heard(self, event: str, transfer_id: str, rank: int) -> None:
+        """A peer rank's ``event`` for ``transfer_id``: where the spec counts it, ``rank`` is the sender counted, so
+        a message repeated by one rank is a ``duplicate``, never another rank's."""
+        if event in self.counted:
+            self._deliver(event, transfer_id, sender=rank)
+        else:
+            self._deliver(event, transfer_id)
 
     def _poll(self, now: float | None) -> None:
         """Fire due deadlines, then count what finished and what was dropped."""
