@@ -199,9 +199,7 @@ class KVCache:
 
     def block_bytes(self, block: int) -> bytes:
         """Block ``block``'s bytes in every part, in part order: what a test compares across caches and engines."""
-        return b"".join(
-            p[block].contiguous().cpu().view(torch.uint8).numpy().tobytes() for p in self.parts
-        )
+        return b"".join(p[block].contiguous().cpu().view(torch.uint8).numpy().tobytes() for p in self.parts)
 
     def poison(self, blocks: Sequence[int]) -> None:
         """Overwrite ``blocks`` in every part with garbage (NaN, or all bits set): what a failed copy leaves."""
@@ -290,7 +288,9 @@ def copy_blocks(
     measures both against one contiguous ``copy_``.
     """
     if src.signature != dst.signature:
-        raise ValueError(f"cannot copy between KV layouts {src.layout} and {dst.layout} (parts {src.signature} and {dst.signature})")
+        raise ValueError(
+            f"cannot copy between KV layouts {src.layout} and {dst.layout} (parts {src.signature} and {dst.signature})"
+        )
     if len(src_blocks) != len(dst_blocks):
         raise ValueError(f"{len(src_blocks)} source blocks but {len(dst_blocks)} destination blocks")
     if not src_blocks:

@@ -118,9 +118,7 @@ def _offload_part(run: dict[str, Any], baseline: list[list[int]]) -> PartLedger:
     return part
 
 
-def _pd_parts(
-    connector: str, pd_run: Any, baseline: list[list[int]], deadline: float, lost: float
-) -> list[PartLedger]:
+def _pd_parts(connector: str, pd_run: Any, baseline: list[list[int]], deadline: float, lost: float) -> list[PartLedger]:
     """The P/D run's phases as ledger parts."""
     what = {
         "serve": "serve" + (f", {lost:.0%} notifs lost" if lost else ""),

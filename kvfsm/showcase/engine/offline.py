@@ -122,8 +122,15 @@ def settle(llm: Any, *, timeout: float = 30.0) -> int:
     return steps
 
 
-def run(model: str, connector: str, prompts: list[list[int]], *, passes: int = 2, max_tokens: int = 8,
-        extra: dict[str, Any] | None = None) -> EngineRun:
+def run(
+    model: str,
+    connector: str,
+    prompts: list[list[int]],
+    *,
+    passes: int = 2,
+    max_tokens: int = 8,
+    extra: dict[str, Any] | None = None,
+) -> EngineRun:
     """Generate ``prompts`` ``passes`` times on one engine, resetting vLLM's prefix cache between passes."""
     for name, value in ENGINE_ENV.items():
         os.environ.setdefault(name, value)

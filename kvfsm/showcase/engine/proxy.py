@@ -43,7 +43,12 @@ class PDRouter:
         body: dict[str, Any] = await request.json()
         key = uuid.uuid4().hex
         session = await self.session()
-        prefill_body = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": self.connector.prefill_params(key)}
+        prefill_body = {
+            **body,
+            "max_tokens": 1,
+            "stream": False,
+            "kv_transfer_params": self.connector.prefill_params(key),
+        }
         prefill_body.pop("stream_options", None)
         try:
             if self.connector.concurrent:

@@ -72,7 +72,9 @@ class Endpoint:
         }
         return list(self.post("/v1/completions", body)["choices"][0]["token_ids"])
 
-    def complete_all(self, prompts: Sequence[Sequence[int]], *, concurrency: int = 4, max_tokens: int = 8) -> list[list[int]]:
+    def complete_all(
+        self, prompts: Sequence[Sequence[int]], *, concurrency: int = 4, max_tokens: int = 8
+    ) -> list[list[int]]:
         """:meth:`complete` for every prompt, ``concurrency`` in flight at once; results in prompt order."""
         with ThreadPoolExecutor(concurrency) as pool:
             return list(pool.map(lambda p: self.complete(p, max_tokens=max_tokens), prompts))
@@ -234,7 +236,9 @@ class PDServers(Endpoint):
     """A prefill and a decode OpenAI server with a P/D connector, and the router in front of them (its
     :attr:`url` is what a client talks to); a context manager that stops all three."""
 
-    def __init__(self, model: str | Path, connector: str = "nixl", *, options: Any = None, timeout: float = 300.0) -> None:
+    def __init__(
+        self, model: str | Path, connector: str = "nixl", *, options: Any = None, timeout: float = 300.0
+    ) -> None:
         from .pd import DECODE, PREFILL, PDOptions, connector_named
         from .pd import ENGINE_ENV as PD_ENV
         from .proxy import Router

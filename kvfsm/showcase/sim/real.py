@@ -202,7 +202,6 @@ def make_request(request_id: str, prompt: list[int], max_tokens: int, block_size
     )
 
 
-
 def engine_kv_caches(config: KVCacheConfig) -> dict[str, torch.Tensor]:
     """Per-layer KV caches allocated as vLLM's CPU attention backend allocates them, views of one buffer shaped
     ``[blocks, kv_heads, block_size, 2 * head_size]``: what a real engine hands ``register_kv_caches``."""
