@@ -154,15 +154,80 @@ def test_a_write_is_deferred_until_remote_blocks_and_the_ids_stay_apart() -> Non
     assert pair.p.stats()["held_blocks"] == 0 and pair.d.stats()["held_blocks"] == 0
 
 
-def test_remote_blocks_before_the_forward_pass_is_kept_until_it() -> None:
+def test_remote_blocks_before_the_forward_pass_is_kept_by_the_spec_and_applied_at_hold() -> None:
     pair = Pair()
     pair.d.start("d-1", "t-1", 2)
     pair.step()
     assert pair.p.counts["remote_blocks"] == 1 and pair.p.tracker.live() == 0
+    assert pair.p.tracker.counts["kept_early"] == 1 and pair.p.anomalies == {}  # kept (early:), not unknown
+    pair.clock.advance(0.9)  # within its window (defer_timeout, 1 s)
     pair.p.compute("p-1", "t-1", 2)
+    assert pair.p.tracker.state("p-1") == "writing"  # applied as the hold began: no wait in `deferred`
     pair.step()
     pair.step()
-    assert pair.d.outcomes == {"loaded": 1}
+    assert pair.d.outcomes == {"loaded": 1} and pair.p.outcomes == {"written": 1}
+    assert pair.p.tracker.counts["early"] == 0 and pair.p.anomalies == {}
+
+
+@pytest.mark.parametrize("event", ["remote_blocks", "release"])
+def test_a_message_kept_past_its_window_is_dropped_as_early_and_the_request_waits_for_its_deadline(
+    event: str,
+) -> None:
+    pair = Pair()
+    if event == "remote_blocks":
+        pair.p.on_message(RemoteBlocks("t-1", "decode", pair.d.blocks.base, 256, [0, 1]))
+    else:
+        pair.p.on_message(Release("t-1"))  # WRITE mode: the decode side gave up
+    pair.clock.advance(1.5)  # past defer_timeout (1 s): the forward pass came too late for it
+    pair.p.step()
+    assert pair.p.tracker.counts["early"] == 1 and pair.p.anomalies == {"early:transfer_id": 1}
+    pair.p.compute("p-1", "t-1", 2)
+    assert pair.p.tracker.state("p-1") == "deferred"  # as if the message never came
+    pair.clock.advance(1.5)
+    pair.p.step()
+    assert pair.p.outcomes == {"expired": 1} and pair.p.stats()["held_blocks"] == 0
+    assert pair.p.driver.stats["batches_posted"] == 0
+
+
+def test_kept_remote_blocks_whose_writes_cannot_be_posted_fail_the_hold_as_post_writes_raising_would() -> None:
+    pair = Pair()
+    pair.p.on_message(RemoteBlocks("t-1", "nobody", pair.d.blocks.base, 256, [0, 1]))  # no such peer
+    pair.p.compute("p-1", "t-1", 2)
+    assert pair.p.tracker.state("p-1") == "failed"
+    assert "no such peer" in str(pair.p.errors[0].__cause__)
+    pair.p.step()
+    assert pair.p.outcomes == {"failed": 1} and pair.p.stats()["held_blocks"] == 0
+    assert pair.p.driver.stats["batches_posted"] == 0
+
+
+def test_read_mode_a_release_before_the_hold_is_kept_with_its_rank_and_counted_when_the_hold_begins() -> None:
+    pair = Pair(mode="read", acks=2)
+    pair.p.on_message(Release("t-1", rank=0))  # the decode rank heard of the blocks before this worker did
+    pair.p.on_message(Release("t-1", rank=0))  # repeated by the same rank: kept too, a duplicate once applied
+    assert pair.p.tracker.counts["kept_early"] == 2 and pair.p.tracker.live() == 0
+    pair.p.compute("p-1", "t-1", 2)
+    assert pair.p.tracker.state("p-1") == "held"  # one of two readers heard
+    pair.p.on_message(Release("t-1", rank=1))
+    pair.p.step()
+    assert pair.p.outcomes == {"released": 1} and pair.p.stats()["held_blocks"] == 0
+    assert pair.p.anomalies == {"duplicate:request_id": 1}
+
+
+def test_a_release_beyond_the_bound_is_dropped_as_early_at_once_and_the_kept_ones_still_abort() -> None:
+    pair = Pair()
+    early = pair.p.tracker.spec.event_decls["release"].early
+    assert early is not None
+    for i in range(early.keep + 1):
+        pair.p.on_message(Release(f"t-{i}"))
+    pair.p.step()
+    assert pair.p.tracker.counts["kept_early"] == early.keep
+    assert pair.p.anomalies == {"early:transfer_id": 1}  # the one past the bound, at once
+    pair.p.compute("p-first", "t-0", 1)
+    pair.p.compute("p-last", f"t-{early.keep}", 1)
+    assert pair.p.tracker.state("p-last") == "deferred"  # its release was dropped: it waits as if none came
+    pair.clock.advance(1.5)
+    pair.p.step()
+    assert pair.p.outcomes == {"aborted": 1, "expired": 1} and pair.p.stats()["held_blocks"] == 0
 
 
 def test_write_done_from_every_prefill_rank_is_counted_before_the_load_finishes() -> None:
@@ -443,6 +508,29 @@ def test_an_aborted_decode_load_tells_the_prefill_which_frees_its_blocks_and_nev
     assert p.stats()["held_blocks"] == 0 and d.stats()["held_blocks"] == 0 and p.tracker.live() == 0
     assert not any(cache.block_bytes(5)) and not any(cache.block_bytes(9))
     assert d.anomalies == {}  # no write_done came for blocks given back
+
+
+@pytest.mark.parametrize("apart", [False, True], ids=["one_batch", "steps_apart"])
+def test_a_release_before_the_forward_pass_aborts_the_hold_as_it_begins_and_nothing_is_written(apart: bool) -> None:
+    """The decode side announces its blocks, then gives up, before the prefill has computed the transfer.
+
+    Both messages wait in the tracker (``early:``) and are applied at hold, oldest first: even when the
+    ``remote_blocks`` came a step earlier and so is applied first, its writes are withdrawn unposted."""
+    p, d, cache = _cache_pair()
+    d.load("d-1", "t-1", [5, 9])
+    if apart:
+        _steps(p, d, 1)
+        assert p.tracker.counts["kept_early"] == 1
+    d.abort("d-1")
+    _steps(p, d, 1)
+    assert p.tracker.counts["kept_early"] == 2 and p.tracker.live() == 0
+    p.compute("p-1", "t-1", 2)
+    _steps(p, d)
+    assert d.outcomes == {"aborted": 1} and p.outcomes == {"aborted": 1}
+    assert p.driver.stats["batches_posted"] == 0  # not even posted: on a real fabric it could land at once
+    assert p.driver.stats["batches_withdrawn"] == (1 if apart else 0)  # one batch: the release went first
+    assert p.stats()["held_blocks"] == 0 and p.tracker.counts["early"] == 0
+    assert not any(cache.block_bytes(5)) and not any(cache.block_bytes(9))
 
 
 def test_a_hold_or_a_load_that_cannot_begin_is_still_reported_so_vllm_never_waits_for_it() -> None:

@@ -4,13 +4,13 @@
 :class:`BlockLender` of ``read_producer.yaml``; :class:`PrefillEngine` owns a
 rank's blocks, transport and tracker, and once per step turns the messages
 it received and the statuses of its posted writes into events. Every message
-is routed by ``transfer_id`` (the spec says so); a ``remote_blocks`` that
-arrives before its request was computed is kept until it is (vLLM's deferred
-task the other way round), bounded in number. In WRITE mode a ``release``
+is routed by ``transfer_id`` (the spec says so). In WRITE mode a ``release``
 from the decode side means it gave up on the transfer (vLLM's MoRIIO sends
 it when a decode request is aborted): the request is aborted, its blocks
-freed and nothing written; one that arrives before the request was computed
-aborts it as soon as it is.
+freed and nothing written. A message that names a transfer not computed here
+yet is the spec's to keep (``early:`` on ``remote_blocks`` and ``release``):
+the tracker applies it when the hold begins, or drops it as an ``early``
+anomaly past its window.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...engine import Tracker
+from ...errors import ActionError, Failure
 from ...spec import Spec
 from ..block_pool import NoFreeBlocks
 from ..nixl.blocks import KVBlocks
@@ -31,13 +32,7 @@ from .faults import FaultyTransport
 from .messages import Computed, Message, Prefill, Release, RemoteBlocks, Stats, StatsQuery, WriteDone
 from .side import Side, count_senders, counted_events
 from .specs import moriio_spec
-from .transport import Transport, split_statuses
-
-EARLY_LIMIT = 4096
-"""How many remote_blocks for requests not yet computed are kept (vLLM keeps 4096 terminal ids)."""
-
-COMPUTED_LIMIT = 1 << 16
-"""How many computed transfer ids are remembered, to tell an early message from a late one."""
+from .transport import Extent, Transport, split_statuses
 
 
 def expected_acks(consumer_tp: int, producer_tp: int) -> int:
@@ -98,15 +93,18 @@ class BlockWriter(BlockHolder):
     """Actions of ``moriio_write_producer``: post the writes into the decode side's blocks, tell it when they landed.
 
     ``_batches[key]`` is the ``xfer`` record (:meth:`post_writes`,
-    :meth:`release_writes`). ``transfer_timeout`` (set by :class:`PrefillEngine`
-    from the spec's params) is how long posted writes may stay in flight: a
-    ``remote_blocks`` whose ``write_by`` comes sooner is refused, so no write
-    can land in blocks the decode side has given back.
+    :meth:`release_writes`): the peer and the posted batch, None while the
+    batch is held back (:meth:`hold_back_writes`). ``transfer_timeout`` (set by
+    :class:`PrefillEngine` from the spec's params) is how long posted writes
+    may stay in flight: a ``remote_blocks`` whose ``write_by`` comes sooner is
+    refused, so no write can land in blocks the decode side has given back.
     """
 
     def __init__(self, blocks: BlockMemory, transport: Transport, rank: int = 0) -> None:
         super().__init__(blocks, transport, rank)
-        self._batches: dict[Hashable, tuple[str, object]] = {}
+        self._batches: dict[Hashable, tuple[str, object | None]] = {}
+        self._held_back: dict[Hashable, tuple[str, list[Extent], list[int], str]] | None = None
+        """While not None: the batches :meth:`post_writes` prepared and did not post yet (:meth:`hold_back_writes`)."""
         self.transfer_timeout = 0.0
         self.wall: Callable[[], float] = time.time
         """The clock ``write_by`` is read on: wall time, the one both engines share."""
@@ -137,16 +135,46 @@ class BlockWriter(BlockHolder):
         local, remote = read_extents(
             self.blocks.layout, src, 0, remote_layout(remote_blocks), dst, 0, remote_blocks.block_bytes
         )
-        batch = self.transport.write(remote_blocks.peer, local, [a for a, _ in remote], job.transfer_id)
-        self._batches[key] = (remote_blocks.peer, batch)
+        job.sent = (n, sum(size for _, size in local))
+        if self._held_back is not None:
+            self._batches[key] = (remote_blocks.peer, None)
+            self._held_back[key] = (remote_blocks.peer, local, [a for a, _ in remote], job.transfer_id)
+        else:
+            self._post(key, remote_blocks.peer, local, [a for a, _ in remote], job.transfer_id)
+
+    def _post(self, key: Hashable, peer: str, local: list[Extent], remote: list[int], transfer_id: str) -> None:
+        batch = self.transport.write(peer, local, remote, transfer_id)
+        self._batches[key] = (peer, batch)
         self.stats["batches_posted"] += 1
         self.stats["extents_posted"] += len(local)
-        self.stats["blocks_posted"] += n
-        job.sent = (n, sum(size for _, size in local))
+        self.stats["blocks_posted"] += self._jobs[key].sent[0]
+
+    def hold_back_writes(self) -> None:
+        """Until :meth:`post_held_back`, :meth:`post_writes` prepares each batch and keeps it unposted.
+
+        The tracker applies the messages it kept for a transfer in one call (at begin, oldest first): a
+        ``release`` applied after its ``remote_blocks`` then withdraws the batch before it was ever posted.
+        """
+        self._held_back = {}
+
+    def post_held_back(self) -> dict[Hashable, Exception]:
+        """Post the batches held back since :meth:`hold_back_writes` and not withdrawn; the requests whose post
+        raised, with the error (their batch is gone: the caller fails them)."""
+        held, self._held_back = self._held_back or {}, None
+        raised: dict[Hashable, Exception] = {}
+        for key, (peer, local, remote, transfer_id) in held.items():
+            try:
+                self._post(key, peer, local, remote, transfer_id)
+            except Exception as exc:  # what post_writes would have raised: TransferError, a dead peer
+                raised[key] = exc
+        return raised
 
     def release_writes(self, key: Hashable, /) -> None:
         _, batch = self._batches.pop(key)
-        self.transport.release(batch)
+        if self._held_back is not None and self._held_back.pop(key, None) is not None:
+            self.stats["batches_withdrawn"] += 1  # never posted: nothing can land
+        elif batch is not None:
+            self.transport.release(batch)
 
     def notify_write_done(self, key: Hashable, /) -> None:
         peer, _ = self._batches[key]
@@ -159,7 +187,8 @@ class BlockWriter(BlockHolder):
 
     def statuses(self) -> tuple[list[Hashable], list[Hashable]]:
         """The requests whose writes all succeeded, and those whose writes ended with a failure."""
-        return split_statuses(self.transport, {key: batch for key, (_, batch) in self._batches.items()})
+        posted = {key: batch for key, (_, batch) in self._batches.items() if batch is not None}
+        return split_statuses(self.transport, posted)
 
     def observe(self, key: Hashable) -> set[str]:
         return super().observe(key) | ({"xfer"} if key in self._batches else set())
@@ -214,11 +243,6 @@ class PrefillEngine(Side):
             self.driver.transfer_timeout = self.tracker.timeout("writing") or 0.0
         self.queued: OrderedDict[str, Prefill] = OrderedDict()
         """Requests waiting for free blocks, in arrival order (vLLM's waiting queue)."""
-        self._early: OrderedDict[str, RemoteBlocks] = OrderedDict()
-        self._cancelled: OrderedDict[str, None] = OrderedDict()
-        """WRITE mode: transfers the decode side gave up on before they were computed here."""
-        self._computed: OrderedDict[str, None] = OrderedDict()
-        """The latest transfer ids computed here: a message for one of them goes to the tracker (late or not)."""
 
     # -- requests -----------------------------------------------------------------------
 
@@ -240,23 +264,24 @@ class PrefillEngine(Side):
     def hold(self, request_id: str, transfer_id: str, block_ids: Sequence[int]) -> None:
         """request_finished handed over ``block_ids`` (delay_free): hold them for ``transfer_id``'s writes or reads.
 
-        A ``remote_blocks`` that came first is delivered now; a ``release`` that came first aborts at once. If the
-        hold cannot even begin, the request is reported finished_sending at once: its owner must not keep the
-        blocks for a hold that does not exist.
+        The messages the tracker kept for ``transfer_id`` (``early:``) are applied as the hold begins, oldest
+        first; writes they start are posted only once all of them have been applied, so a ``release`` kept after
+        its ``remote_blocks`` still means nothing is written. If the hold cannot even begin, the request is
+        reported finished_sending at once: its owner must not keep the blocks for a hold that does not exist.
         """
-        self._call(self.tracker.begin, request_id, transfer_id=transfer_id, block_ids=list(block_ids))
+        writer = self.driver if isinstance(self.driver, BlockWriter) else None
+        if writer is not None:
+            writer.hold_back_writes()
+        try:
+            self._call(self.tracker.begin, request_id, transfer_id=transfer_id, block_ids=list(block_ids))
+        finally:
+            raised = writer.post_held_back() if writer is not None else {}
         if self.tracker.state(request_id) is None:  # begin refused (hold_blocks raised): nothing holds them
             self.driver.report.send(request_id)  # vLLM still keeps them for us (delay_free) until it hears
-        self._computed[transfer_id] = None
-        while len(self._computed) > COMPUTED_LIMIT:
-            self._computed.popitem(last=False)
-        early = self._early.pop(transfer_id, None)
-        if transfer_id in self._cancelled:
-            del self._cancelled[transfer_id]
-            self.counts["cancelled_early"] += 1
-            self._fire(request_id, "abort")
-        elif early is not None:
-            self._deliver("remote_blocks", transfer_id, remote_blocks=early)
+        for key, exc in raised.items():  # as if post_writes had raised: the spec's on_error
+            self._fire(key, "fail")
+            state = self.tracker.state(key) or "failed"
+            self.errors.append(ActionError([Failure(key, "remote_blocks", "post_writes", "acquire", exc, state)]))
 
     def abort(self, request_id: str) -> None:
         self._fire(request_id, "abort")
@@ -269,6 +294,8 @@ class PrefillEngine(Side):
         Of one step's messages the ``release`` ones go first: a decode side
         that gave up on a transfer must never see it written, even when its
         ``remote_blocks`` waited in the same batch (a prefill that was stalled).
+        Messages for a transfer not computed yet wait in the tracker until
+        :meth:`hold`, which keeps the same rule for them.
         """
         messages = self.transport.messages()
         messages.sort(key=lambda m: not isinstance(m, Release))  # stable: otherwise in arrival order
@@ -283,20 +310,13 @@ class PrefillEngine(Side):
         return self.driver.report.take()
 
     def on_message(self, message: Message) -> None:
+        """One message, to the tracker by ``transfer_id``: one for a transfer not computed yet is the spec's to keep."""
         if isinstance(message, RemoteBlocks):
             self.counts["remote_blocks"] += 1
-            if message.transfer_id in self._cancelled:
-                self.counts["remote_blocks_cancelled"] += 1
-            elif message.transfer_id not in self._computed:  # decode was quicker than the forward pass
-                self._keep_early(message)
-            else:
-                self._deliver("remote_blocks", message.transfer_id, remote_blocks=message)
-        elif isinstance(message, Release):
+            self._deliver("remote_blocks", message.transfer_id, remote_blocks=message)
+        elif isinstance(message, Release):  # WRITE: the decode side gave up; READ: its reads ended
             self.counts["release"] += 1
-            if self.mode == "write":
-                self._cancel(message.transfer_id)
-            else:
-                self._heard("release", message.transfer_id, message.rank)
+            self._heard("release", message.transfer_id, message.rank)
         elif isinstance(message, Prefill):
             self.queued[message.transfer_id] = message
             self._admit()
@@ -304,20 +324,6 @@ class PrefillEngine(Side):
             self.transport.notify(message.reply_to, Stats(self.stats()))
         else:
             self.counts[f"unexpected:{type(message).__name__}"] += 1
-
-    def _cancel(self, transfer_id: str) -> None:
-        """The decode side gave up on ``transfer_id`` (WRITE mode): abort it here, or as soon as it is computed."""
-        key = self.tracker.route("transfer_id", transfer_id)
-        if key is not None:
-            self.counts["cancelled"] += 1
-            self._fire(key, "abort")
-        elif transfer_id not in self._computed:
-            self._early.pop(transfer_id, None)
-            self._cancelled[transfer_id] = None
-            while len(self._cancelled) > EARLY_LIMIT:
-                self._cancelled.popitem(last=False)
-                self.counts["cancelled_dropped"] += 1
-        # else: it has ended already (written, failed, expired): nothing to undo
 
     def stats(self) -> dict[str, object]:
         """Held requests, blocks held, outcomes, counts and anomalies, for the load report."""
@@ -329,12 +335,6 @@ class PrefillEngine(Side):
         }
 
     # -- internals ----------------------------------------------------------------------
-
-    def _keep_early(self, message: RemoteBlocks) -> None:
-        self._early[message.transfer_id] = message
-        while len(self._early) > EARLY_LIMIT:
-            self._early.popitem(last=False)
-            self.counts["early_dropped"] += 1
 
     def _admit(self) -> None:
         while self.queued:
