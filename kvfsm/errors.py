@@ -105,7 +105,7 @@ class PayloadError(KvfsmError, TypeError):
     """``fire``/``begin`` given payload keys the spec does not declare for that event; nothing changed."""
 
 
-AnomalyKind = Literal["unknown", "late", "stale", "forced", "misaddressed"]
+AnomalyKind = Literal["unknown", "late", "stale", "forced", "misaddressed", "duplicate", "early"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +120,11 @@ class Anomaly:
     finish; ``misaddressed``: a message this side sent named an id from
     another space than the one its spec says it carries (``space`` is that
     declared space, ``event`` the outgoing message; see
-    :mod:`kvfsm.engine.outbox`).
+    :mod:`kvfsm.engine.outbox`); ``duplicate``: a counted event from a
+    sender already heard during this stay in the state (``count:``), never
+    counted twice; ``early``: a message of an ``early:`` event kept for an
+    id not yet known, dropped because its window passed, the bound was full or
+    the tracker closed.
     """
 
     kind: AnomalyKind

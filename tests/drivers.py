@@ -117,3 +117,21 @@ def recording_driver(spec: Spec) -> RecordingDriver:
     cls = type(f"{spec.name.title().replace('_', '')}Driver", (RecordingDriver,), namespace)
     driver: RecordingDriver = cls()
     return driver
+
+
+class Pins:
+    """A driver for one-resource specs: ``pin`` (any payload) holds the key, ``unpin`` lets go; ``observe``
+    says what a leak would show. Used where a test is about the engine's rules, not the driver's calls."""
+
+    def __init__(self, resource: str = "blocks") -> None:
+        self.resource = resource
+        self.held: set[Hashable] = set()
+
+    def pin(self, key: Hashable, /, **_: Any) -> None:
+        self.held.add(key)
+
+    def unpin(self, key: Hashable, /) -> None:
+        self.held.discard(key)
+
+    def observe(self, key: Hashable) -> set[str]:
+        return {self.resource} if key in self.held else set()

@@ -252,9 +252,23 @@ class Pair:
         else:
             assert after == before, "a refused begin leaves the key's instance as it was"
 
-    def fire(self, key: str, event: str) -> None:
-        out = self.model.fire(key, event)
-        self.agree(f"fire({key!r}, {event!r})", lambda: self.tracker.fire(key, event), out, out.state)
+    def fire(self, key: str, event: str, n: int = 0) -> None:
+        payload = self.counted(key, event, n)
+        out = self.model.fire(key, event, payload)
+        self.agree(
+            f"fire({key!r}, {event!r}, {payload})", lambda: self.tracker.fire(key, event, **payload), out, out.state
+        )
+
+    def counted(self, key: str, event: str, n: int) -> dict[str, Any]:
+        """For an event counted where ``key`` is: one of three senders, and K (0–2) where the arrival gives it."""
+        inst = self.model.live.get(key)
+        source = self.model.counted.get((inst.state, event)) if inst is not None else None
+        if source is None:
+            return {}
+        payload: dict[str, Any] = {"sender": f"s{n % 3}"}
+        if source[0] == "event":
+            payload[str(source[1])] = n // 3 % 3
+        return payload
 
     def fault(self, action: str | None, key: str | None) -> None:
         note(f"fail_next({action!r}, key={key!r})")
@@ -397,7 +411,7 @@ def step(pair: Pair, op: Op) -> None:
     spec = pair.spec
     if kind == "fire":
         key = pick_key(pair, a, live=True)
-        pair.fire(key, pick_event(spec, pair.tracker.state(key), b))
+        pair.fire(key, pick_event(spec, pair.tracker.state(key), b), b)
     elif kind == "begin":
         pair.begin(pick_key(pair, a, live=False))
     elif kind == "fault":

@@ -9,6 +9,7 @@ over short tuples; nothing on the per-event path looks at the spec again.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import reprlib
 from collections import deque
@@ -19,7 +20,7 @@ from typing import Any
 
 from ..errors import BindingError, KvfsmError
 from ..spec import well_formed
-from ..spec.model import Spec
+from ..spec.model import Spec, Transition
 
 Action = Callable[..., Any]
 
@@ -55,8 +56,8 @@ class CEdge:
     """
 
     __slots__ = (
-        "acquire_fns", "acquires", "bare", "batch_acquires", "batch_do", "batch_releases", "before", "do", "do_name",
-        "event", "links", "release_fns", "releases", "source", "target",
+        "acquire_fns", "acquires", "bare", "batch_acquires", "batch_do", "batch_releases", "before", "count", "do",
+        "do_name", "event", "links", "release_fns", "releases", "source", "target",
     )  # fmt: skip
 
     def __init__(
@@ -72,6 +73,8 @@ class CEdge:
         self.event = event
         self.links: tuple[str, ...] = ()
         """Id spaces whose id this edge's payload carries (``spaces: {name: {linked_at: event}}``), linked on it."""
+        self.count: Count | None = None
+        """How many distinct senders this edge waits for (``count:``); None: every arrival takes it."""
         self.source = source
         self.target = target
         self.do = per_key(do) if do is not None else None
@@ -99,6 +102,44 @@ class CEdge:
     def __repr__(self) -> str:
         src = self.source.name if self.source else "∅"
         return f"<edge {src} -{self.event}-> {self.target.name}>"
+
+
+class Count:
+    """How many distinct senders a counted edge waits for during one stay in its source state.
+
+    ``kind`` says where K comes from: ``"number"`` (``value``: written in the
+    spec, or a param resolved at binding), ``"begin"`` (the instance's
+    ``begin`` payload key ``name``, kept per instance) or ``"event"`` (the
+    arrival's own payload key ``name``: each arrival says how many).
+    """
+
+    __slots__ = ("kind", "name", "value")
+
+    def __init__(self, kind: str, name: str = "", value: int = 0) -> None:
+        self.kind, self.name, self.value = kind, name, value
+
+    @property
+    def at_entry(self) -> bool:
+        """Whether K is known as the instance enters the state (so K = 0 fires the edge at once)."""
+        return self.kind != "event"
+
+    def __repr__(self) -> str:
+        return f"<count {self.kind} {self.name or self.value}>"
+
+
+SENDER = "sender"
+"""The keyword that names who sent a counted event: ``fire(key, event, sender=...)``; never passed to actions."""
+
+
+def whole(value: object) -> int | None:
+    """``value`` as a count of senders (an int, or a float with no fraction, at least 0); None if it is not one."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value if value >= 0 else None
+    if isinstance(value, float) and value.is_integer() and value >= 0:
+        return int(value)
+    return None
 
 
 def _distinct(actions: tuple[Action, ...]) -> tuple[Action, ...]:
@@ -240,11 +281,16 @@ class Program:
         return [edge for state in self.states for edge in state.row.values() if edge is not None]
 
     payloads: Mapping[str, frozenset[str]]
-    """Event → the payload keys ``fire`` accepts for it; ``begin`` is :attr:`begin_payload`."""
+    """Event → the payload keys ``fire`` accepts for it (``sender`` for a counted event); ``begin`` is
+    :attr:`begin_payload`."""
     begin_payload: frozenset[str]
     releases: Mapping[str, tuple[str, Action]]
     """Resource → (its release action's name, the action as ``fire`` calls it, with one key): what ``close()``
     calls when it must release an instance by force (a batch release then gets a one-key list)."""
+    begin_counts: frozenset[str] = frozenset()
+    """``begin`` payload keys that give a count's K: each must be a whole number, kept per instance."""
+    entry_counts: Mapping[str, tuple[tuple[str, Count], ...]] = dataclasses.field(default_factory=dict)
+    """State → its counted edges whose K is known on entry ((event, count)): K = 0 fires the event at once."""
 
 
 def _bind(driver: object, name: str, missing: list[str]) -> Action:
@@ -380,6 +426,7 @@ def compile_program(spec: Spec, driver: object, params: Mapping[str, float] | No
     for (source, event), e in spec.table.items():
         by_name[source].row[event] = compiled = edge(event, source, e.target, e.do)
         compiled.links = compiled.bare.links = spec.linked_at(event)
+        compiled.count = _count(spec, e.transition, params)
     for state_name, event, _rule in spec.ignored():  # in declaration order, so messages list events stably
         by_name[state_name].row.setdefault(event, None)
     for s in spec.states.values():
@@ -394,4 +441,38 @@ def compile_program(spec: Spec, driver: object, params: Mapping[str, float] | No
     begin = edge("begin", None, initial, None)
     begin.links = spec.linked_at("begin")
     releases = {r: (spec.resources[r].release, per_key(fn)) for r, fn in release.items()}
-    return Program(spec, states, by_name, begin, spec.payloads, frozenset(spec.begin_payload), releases)
+    payloads = dict(spec.payloads)
+    entry: dict[str, list[tuple[str, Count]]] = {}
+    begin_counts = set()
+    for cs in states:
+        for event, ce in cs.row.items():
+            if ce is None or ce.count is None:
+                continue
+            payloads[event] = payloads.get(event, frozenset()) | {SENDER}
+            if ce.count.at_entry:
+                entry.setdefault(cs.name, []).append((event, ce.count))
+            if ce.count.kind == "begin":
+                begin_counts.add(ce.count.name)
+    return Program(
+        spec, states, by_name, begin, payloads, frozenset(spec.begin_payload), releases,
+        frozenset(begin_counts), {name: tuple(counts) for name, counts in entry.items()},
+    )  # fmt: skip
+
+
+def _count(spec: Spec, transition: Transition, params: Mapping[str, float]) -> Count | None:
+    """The compiled ``count:`` of a transition (a param's value as bound); raises BindingError for a bad param."""
+    source = spec.count_source(transition)
+    if source is None:
+        return None
+    kind, what = source
+    if kind == "number":
+        return Count("number", value=int(what))
+    if kind == "param":
+        value = whole(spec.param(str(what), params))
+        if value is None:
+            raise BindingError(
+                f"param {what!r} of machine {spec.name!r} is the count of {transition.event!r}: it must be a whole "
+                f"number of senders (0 or more), not {spec.param(str(what), params)!r}"
+            )
+        return Count("number", str(what), value)
+    return Count(kind, str(what))

@@ -16,6 +16,7 @@ instance in the middle of a transition.
 from __future__ import annotations
 
 import difflib
+import heapq
 import logging
 import math
 import time
@@ -48,7 +49,7 @@ from ..spec.model import ABORT
 from .deadlines import Deadlines
 from .mutex import Mutex
 from .params import log_once, resolve
-from .program import Action, CEdge, CState, checked, compile_program
+from .program import SENDER, Action, CEdge, CState, checked, compile_program, whole
 from .retired import RetiredIds
 
 Observer = Callable[[Hashable, int, str, str, str, float], None]
@@ -73,6 +74,12 @@ _BEGIN: Final[Any] = object()
 _RETIRE: Final[Any] = object()
 """Queue entry kind: instances ``finished()`` drained while a transition was running, retired once it is over."""
 
+_AT_ONCE: Final[Any] = object()
+"""The queue entry of a count with K = 0: the counted event fires as the instance enters the state."""
+
+_NOBODY: Final[Any] = object()
+"""No sender (the at-once firing of a count with K = 0), or no value given."""
+
 _EMPTY: frozenset[str] = frozenset()
 
 
@@ -96,6 +103,13 @@ class Tracker:
       the ``(space, id)`` pairs to forget when key's instance is drained;
     - ``_busy`` is true exactly while a call is running driver actions or the
       observer; ``_queue`` is empty whenever no call is running;
+    - ``_heard[key]`` holds the senders of a counted event heard since key's
+      instance entered its current state (a self-loop keeps it; leaving the
+      state, retiring or a forced release drops it); ``_need[key]`` the K its
+      ``begin`` payload gave;
+    - ``_early[(space, id)]`` holds the messages of ``early:`` events kept for
+      an id not yet known in that space, each also in ``_early_order`` until
+      it is applied (the id appeared) or dropped (due, bound, close);
     - the per-key step (do, acquires, state change, deadlines, releases) is
       written once, in ``fire``: poll, close and the queue run theirs through
       it (``_fire_inner``, with ``_inner`` set so that the outer call drains
@@ -127,7 +141,7 @@ class Tracker:
         "spec", "driver", "counts", "_program", "_begin_edge", "_payloads", "_clock", "_observer", "_mutex", "_guard",
         "_live", "_gens", "_links", "_linked", "_deadlines", "_finished", "_queue", "_busy", "_closed", "_failures",
         "_anomalies", "_armed", "_serial", "_begin_taps", "params", "_retired", "_on_anomaly", "_plain_begin", "_inner",
-        "_epoch",
+        "_epoch", "_heard", "_need", "_early_rules", "_early", "_early_order", "_early_held",
     )  # fmt: skip
 
     def __init__(
@@ -184,10 +198,16 @@ class Tracker:
                 "observer_errors",
                 "queued_errors",
                 "clock_backwards",
+                "counted",
+                "duplicate",
+                "kept_early",
+                "early",
             ),
             0,
         )
-        """Running totals; ``unknown`` and ``stale`` count events that were dropped, not raised."""
+        """Running totals; ``unknown`` and ``stale`` count events that were dropped, not raised; ``counted`` the
+        arrivals of a counted event that did not complete its count, ``duplicate`` repeats from one sender;
+        ``kept_early`` messages kept for an id not yet known (``early:``), ``early`` those dropped unapplied."""
         self._clock = clock if clock is time.monotonic else self._held_back(clock)
         self._observer = observer
         self._mutex = Mutex() if threadsafe else None
@@ -216,6 +236,22 @@ class Tracker:
         self._serial = 0
         self._failures: list[Failure] = []
         self._anomalies: deque[Anomaly] = deque(maxlen=ANOMALY_LIMIT)
+        self._heard: dict[Hashable, set[Hashable]] = {}
+        """Key → the senders of a counted event heard during its instance's stay in the counting state."""
+        self._need: dict[Hashable, dict[str, int]] = {}
+        """Key → the K its ``begin`` payload gave each count (``count: <begin payload key>``), by key name."""
+        self._install_counts()
+        self._early_rules: dict[str, tuple[int, float]] = {
+            name: (decl.early.keep, spec.param(decl.early.within, {n: r.value for n, r in resolved.items()}))
+            for name, decl in spec.event_decls.items()
+            if decl.early is not None
+        }
+        """Event → (how many may wait, seconds each may wait) for the events declared ``early:``."""
+        self._early: dict[tuple[str, Hashable], list[tuple[str, dict[str, Any]]]] = {}
+        """(space, id) → the messages kept for that id, in arrival order, until it appears."""
+        self._early_order: list[tuple[float, int, str, Hashable, tuple[str, dict[str, Any]]]] = []
+        """A heap of (due, arrival number, space, id, entry) per kept message: what ``poll`` drops when due."""
+        self._early_held: Counter[str] = Counter()
         if observer is not None:  # compiled into every transition, after its releases: the step has no check
             for edge in self._program.edges():
                 source = edge.source.name if edge.source is not None else ""
@@ -271,6 +307,8 @@ class Tracker:
         """Decide, once per change of what begin runs, whether it can take the plain path (nothing that calls back)."""
         edge = self._begin_edge
         plain = not (edge.acquire_fns or edge.links or self._observer is not None or self._closed)
+        plain = plain and edge.target.name not in self._program.entry_counts
+        plain = plain and not any(self.spec.routed_by(e) == self.spec.key for e in self._early_rules)
         self._plain_begin = edge.target if plain else None
 
     def fire(self, key: Hashable, event: str, /, **payload: Any) -> str | None:
@@ -304,7 +342,8 @@ class Tracker:
             if source is None:
                 if self._closed and not self._inner:
                     raise TrackerClosed(f"tracker for {self.spec.name!r} is closed; {event!r} for {key!r} refused")
-                self._anomaly("unknown", self.spec.key, key, event)
+                if not (self._early_rules and self._keep_early(self.spec.key, key, event, payload)):
+                    self._anomaly("unknown", self.spec.key, key, event)
                 return None
             if payload and not payload.keys() <= self._payloads.get(event, _EMPTY):
                 raise self._payload_error(event, payload)
@@ -313,6 +352,11 @@ class Tracker:
                 if self._closed and not self._inner:  # after close() every instance is final: only this path sees it
                     raise TrackerClosed(f"tracker for {self.spec.name!r} is closed; {event!r} for {key!r} refused")
                 return self._refuse(key, source, event)
+            if edge.count is not None or (payload and SENDER in payload):
+                counted = self._count(key, edge, payload)
+                if counted is None:  # heard, and the count not complete: the instance stays, its deadline too
+                    return source.name
+                payload = counted
             # The step, written once, here on the per-event path (every other caller comes through
             # _fire_inner): do and acquires; the state change, deadlines and releases; on_error if an
             # action before the change raised.
@@ -404,6 +448,7 @@ class Tracker:
 
     def _begin_batch(self, keys: list[Hashable], payload: dict[str, Any]) -> None:
         live, edge = self._live, self._begin_edge
+        need = self._begin_need(payload)
         fresh = keys if live.keys().isdisjoint(keys) else self._beginnable(keys)
         for done, acquire in enumerate(edge.batch_acquires):
             if not fresh:
@@ -422,6 +467,8 @@ class Tracker:
         target = edge.target
         regen = [] if fresh is keys else [key for key in fresh if key in live]  # begun again before the drain
         live.update(zip(fresh, repeat(target)))
+        if need is not None:
+            self._need.update(zip(fresh, repeat(need)))
         if regen or self._observer is not None:
             for key in regen if self._observer is None else fresh:
                 self._gens[key] = self._serial = self._serial + 1
@@ -439,6 +486,10 @@ class Tracker:
         if self._observer is not None:
             for key in fresh:
                 self._notify(key, "begin", "", target.name)
+        if self._early:
+            for key in fresh:
+                if (self.spec.key, key) in self._early:
+                    self._release_early(self.spec.key, key, key)
 
     def _beginnable(self, keys: list[Hashable]) -> list[Hashable]:
         """The keys that may begin; each that is live already is a ``refused`` failure."""
@@ -512,6 +563,9 @@ class Tracker:
                     if self._closed:
                         raise TrackerClosed(f"tracker for {self.spec.name!r} is closed; {event!r} refused")
                     self._refuse_many(group, state, event)
+                elif edge.count is not None or SENDER in payload:
+                    for key in group:  # each arrival is counted on its own: fire's step, key by key
+                        self._fire_inner(key, event, payload)
                 else:
                     self._step_many(group, state, edge, payload)
                 if self._queue:
@@ -560,14 +614,15 @@ class Tracker:
                 continue
             if self._closed:
                 raise TrackerClosed(f"tracker for {self.spec.name!r} is closed; {event!r} refused")
-            self._anomaly("unknown", self.spec.key, key, event)
+            if not (self._early_rules and self._keep_early(self.spec.key, key, event, payload)):
+                self._anomaly("unknown", self.spec.key, key, event)
 
     def _fire_moved(self, item: Hashable, event: str, payload: dict[str, Any], via: _Via | None) -> None:
         """Step one key of a batch that is no longer where it was grouped, as ``fire`` (or ``fire_by``) would now."""
         key: Hashable | None = item
         if via is not None:
             ident = item.ident if isinstance(item, _Unresolved) else via.at[item][0]
-            key = self._resolve(via.space, ident, event)
+            key = self._resolve(via.space, ident, event, payload)
             if key is None:
                 return
         try:
@@ -587,7 +642,7 @@ class Tracker:
         if space == self.spec.key:
             return self.fire(ident, event, **payload)
         with self._guard:
-            key = self._resolve(space, ident, event)
+            key = self._resolve(space, ident, event, payload)
             return None if key is None else self.fire(key, event, **payload)
 
     def deliver(self, event: str, ident: Hashable, /, **payload: Any) -> str | None:
@@ -615,7 +670,7 @@ class Tracker:
             ids = ids if isinstance(ids, list) else list(ids)
             if self._busy or not ids:  # from inside an action: looked up now, queued as fire_by would queue them
                 resolve = self._resolve
-                keys = [key for key in (resolve(space, ident, event) for ident in ids) if key is not None]
+                keys = [key for key in (resolve(space, ident, event, payload) for ident in ids) if key is not None]
                 self.fire_many(event, keys, **payload)
                 return
             table, live, gens = self._space(space), self._live, self._gens
@@ -682,6 +737,8 @@ class Tracker:
             table[ident] = (key, gen)
             self._linked.setdefault(key, []).append((space, ident))
             self._epoch += 1
+            if self._early and (space, ident) in self._early:
+                self._release_early(space, ident, key)
 
     def route(self, space: str, ident: Hashable) -> Hashable | None:
         """The key ``ident`` names in ``space`` (current generations only), or None."""
@@ -709,6 +766,8 @@ class Tracker:
             elif isinstance(now, bool) or not isinstance(now, int | float) or not math.isfinite(now):
                 raise ValueError(f"poll(now={now!r}): now must be a finite number of seconds on the tracker's clock")
             fired: list[tuple[Hashable, str, str]] = []
+            if self._early_order:
+                self._drop_early(now)
             self._deadlines.sweep()
             self._run(lambda: self._fire_due(now, fired), fired)
             return fired
@@ -733,6 +792,8 @@ class Tracker:
                 return
             self._closed = True
             self._settle_begin()
+            if self._early_order:
+                self._drop_early(math.inf)
             self._run(self._abort_all)
 
     def _abort_all(self) -> None:
@@ -1030,6 +1091,7 @@ class Tracker:
             raise DuplicateKey(f"{key!r} is already live in state {old.name!r}; finish it before beginning it again")
         if payload and not payload.keys() <= self._program.begin_payload:
             raise self._payload_error("begin", payload)
+        need = self._begin_need(payload)
         edge = self._begin_edge
         for done, acquire in enumerate(edge.acquire_fns):
             try:
@@ -1038,6 +1100,8 @@ class Tracker:
                 self._acquire_failed(key, edge, done, exc, "(not begun)")
                 return
         target = live[key] = edge.target
+        if need is not None:
+            self._need[key] = need
         if old is not None or self._observer is not None:  # begun again before the drain: see _retire
             self._gens[key] = self._serial = self._serial + 1
         if target.after is not None:
@@ -1048,6 +1112,8 @@ class Tracker:
             tap(key)
         if self._observer is not None:
             self._notify(key, "begin", "", target.name)
+        if self._early and (self.spec.key, key) in self._early:
+            self._release_early(self.spec.key, key, key)
 
     def _notify(self, key: Hashable, event: str, source: str, target: str) -> None:
         """Tell the observer; one that raises is reported like a failed action and changes nothing."""
@@ -1122,6 +1188,147 @@ class Tracker:
         self.counts["ignored"] += 1
         return state.name
 
+    # -- counted events ----------------------------------------------------------
+
+    def _install_counts(self) -> None:
+        """Tap the edges around each counting state: leaving it forgets who was heard; entering it with K = 0
+        fires the counted event at once (queued, as a call from an action would be)."""
+        counting = {e.source for e in self._program.edges() if e.count is not None and e.source is not None}
+        entry = self._program.entry_counts
+        for edge in self._program.edges():
+            if edge.source in counting and edge.target is not edge.source:
+                edge.add_tap(self._forget_heard)
+            if edge.target.name in entry and edge.target is not edge.source:
+                edge.add_tap(partial(self._entered_counting, state=edge.target))
+        initial = self._begin_edge.target
+        if initial.name in entry:
+            self._begin_taps += (partial(self._entered_counting, state=initial),)
+
+    def _forget_heard(self, key: Hashable) -> None:
+        self._heard.pop(key, None)
+
+    def _entered_counting(self, key: Hashable, state: CState) -> None:
+        for event, count in self._program.entry_counts[state.name]:
+            need = count.value if count.kind == "number" else self._need.get(key, {}).get(count.name, 0)
+            if need == 0:
+                self._queue.append((key, _AT_ONCE, {"state": state, "event": event}))
+
+    def _begin_need(self, payload: Mapping[str, Any]) -> dict[str, int] | None:
+        """The K a ``begin`` payload gives each of its instance's counts (None: the spec counts nothing by begin)."""
+        names = self._program.begin_counts
+        if not names:
+            return None
+        return {name: self._whole(name, payload, "begin") for name in names}
+
+    def _whole(self, name: str, payload: Mapping[str, Any], event: str) -> int:
+        value = payload.get(name, _NOBODY)
+        need = whole(value)
+        if need is None:
+            given = "nothing" if value is _NOBODY else repr(value)
+            raise PayloadError(
+                f"{'begin' if event == 'begin' else f'event {event!r}'} of machine {self.spec.name!r} must carry "
+                f"{name!r}, the number of distinct senders its count waits for (a whole number, 0 or more), not "
+                f"{given}; nothing changed"
+            )
+        return need
+
+    def _count(self, key: Hashable, edge: CEdge, payload: dict[str, Any]) -> dict[str, Any] | None:
+        """Count one arrival of a counted event; the payload to step with (without ``sender``) once K distinct
+        senders were heard in this stay, else None. A sender heard before is a ``duplicate``, never counted."""
+        rest = dict(payload)
+        sender = rest.pop(SENDER, _NOBODY)
+        count = edge.count
+        if count is None:  # a sender for an edge that counts nothing: who sent it does not matter here
+            return rest
+        if sender is _NOBODY and SENDER not in payload:
+            raise PayloadError(
+                f"event {edge.event!r} of machine {self.spec.name!r} is counted in state {edge.source.name if edge.source else None!r} "
+                f"(count: {count.name or count.value}): pass who sent it, fire(key, {edge.event!r}, sender=...); "
+                "nothing changed"
+            )
+        if count.kind == "number":
+            need = count.value
+        elif count.kind == "begin":
+            need = self._need.get(key, {}).get(count.name, 0)
+        else:
+            need = self._whole(count.name, rest, edge.event)
+        heard = self._heard.get(key)
+        if heard is None:
+            heard = self._heard[key] = set()
+        if sender is not _NOBODY:
+            try:
+                repeat_ = sender in heard
+            except TypeError as exc:
+                raise PayloadError(f"sender={sender!r} must be hashable (it is told apart from the others)") from exc
+            if repeat_:
+                self._anomaly("duplicate", self.spec.key, key, edge.event)
+                return None
+            heard.add(sender)
+        if len(heard) < need:
+            self.counts["counted"] += 1
+            return None
+        return rest
+
+    # -- early events ------------------------------------------------------------
+
+    def _keep_early(self, space: str, ident: Hashable, event: str, payload: Mapping[str, Any]) -> bool:
+        """Keep a message of an ``early:`` event naming an id not yet known in its space; False if the event is not
+        early there, or the id is one this tracker retired (then it is late). A full bound drops it (``early``)."""
+        rule = self._early_rules.get(event)
+        if rule is None or self.spec.routed_by(event) != space:
+            return False
+        try:
+            retired = self._retired.get(space)
+            if retired is not None and ident in retired:
+                return False
+            hash(ident)
+        except TypeError:
+            return False
+        allowed = self._payloads.get(event, _EMPTY)
+        if payload and not payload.keys() <= allowed:
+            raise self._payload_error(event, payload)
+        if SENDER in allowed and SENDER not in payload:
+            raise PayloadError(
+                f"event {event!r} of machine {self.spec.name!r} is counted: pass who sent it, "
+                f"deliver({event!r}, id, sender=...), also for an id not yet known; nothing changed"
+            )
+        keep, within = rule
+        if self._early_held[event] >= keep:
+            self._anomaly("early", space, ident, event)
+            return True
+        entry = (event, dict(payload))
+        self._early.setdefault((space, ident), []).append(entry)
+        self._early_held[event] += 1
+        heapq.heappush(self._early_order, (self._clock() + within, self.counts["kept_early"], space, ident, entry))
+        self.counts["kept_early"] += 1
+        return True
+
+    def _release_early(self, space: str, ident: Hashable, key: Hashable) -> None:
+        """The id appeared: what was kept for it runs once the current call's step is done, oldest first."""
+        for event, payload in self._early.pop((space, ident)):
+            self._early_held[event] -= 1
+            self._queue.append((key, event, payload))
+        if not self._busy:  # link() from the owner's loop: nothing else will drain
+            self._run(self._drain)
+
+    def _drop_early(self, now: float) -> None:
+        """Drop, as ``early`` anomalies, the kept messages whose window has passed by ``now``."""
+        order = self._early_order
+        while order and order[0][0] <= now:
+            _due, _n, space, ident, entry = heapq.heappop(order)
+            kept = self._early.get((space, ident))
+            if kept is None or not any(e is entry for e in kept):
+                continue  # applied already
+            kept.remove(entry)
+            if not kept:
+                del self._early[(space, ident)]
+            self._early_held[entry[0]] -= 1
+            self._anomaly("early", space, ident, entry[0])
+        if len(order) > 2 * sum(self._early_held.values()) + 1024:  # applied entries linger until due: compact
+            live = {id(e) for kept in self._early.values() for e in kept}
+            self._early_order = [x for x in order if id(x[4]) in live]
+            heapq.heapify(self._early_order)
+
     # -- calls made from inside actions ------------------------------------------
 
     def _enqueue(self, key: Hashable, event: Any, payload: dict[str, Any]) -> None:
@@ -1143,6 +1350,11 @@ class Tracker:
             key, event, payload = queue.popleft()
             if event is _RETIRE:
                 self._retire(payload["done"])
+                continue
+            if event is _AT_ONCE:  # a count with K = 0, if the instance is still where it was entered
+                state, counted = payload["state"], payload["event"]
+                if self._live.get(key) is state:
+                    self._fire_inner(key, counted, {SENDER: _NOBODY})
                 continue
             try:
                 if event is _BEGIN:
@@ -1168,6 +1380,9 @@ class Tracker:
             pop = live.pop
             for key in keys:
                 pop(key, None)
+            if self._need:
+                for key in keys:
+                    self._need.pop(key, None)
             return
         gone = []
         for key, name in done:
@@ -1175,6 +1390,7 @@ class Tracker:
             if current is not None and current.name == name:
                 del live[key]
                 gone.append(key)
+                self._need.pop(key, None)
                 if gens:
                     gens.pop(key, None)
                 if linked and key in linked:
@@ -1199,6 +1415,8 @@ class Tracker:
         if state.after is not None:
             self._armed.pop(key, None)
         self._gens.pop(key, None)
+        self._heard.pop(key, None)
+        self._need.pop(key, None)
         self._unlink(key, keep_from=None)
 
     # -- ids -------------------------------------------------------------------
@@ -1231,10 +1449,11 @@ class Tracker:
             except (KvfsmError, TypeError) as exc:
                 self._record(key, edge.event, f"<link {space}>", "link", exc, edge.target.name)
 
-    def _resolve(self, space: str, ident: Hashable, event: str) -> Hashable | None:
+    def _resolve(self, space: str, ident: Hashable, event: str, payload: dict[str, Any]) -> Hashable | None:
         entry = self._space(space).get(ident)
         if entry is None:
-            self._anomaly("unknown", space, ident, event)
+            if not (self._early_rules and self._keep_early(space, ident, event, payload)):
+                self._anomaly("unknown", space, ident, event)
             return None
         if not self._current(*entry):
             self._anomaly("stale", space, ident, event)

@@ -318,12 +318,14 @@ class LocalSystem:
         return heard.bit_count() < self.count[m]
 
     def _after(self, bits: int, move: Move, at: tuple[int, ...]) -> int:
-        """The deadline order and counts after ``move``: a fired transition re-arms and forgets its counts."""
+        """The deadline order and counts after ``move``: a fired transition re-arms; one that leaves its state
+        forgets its counts (a self-loop keeps them, as the engine does)."""
         if move.action == "count":
             return bits | self.heard_bit[move.message]
         if move.action != "fire":
             return bits
-        bits &= ~self.heard_mask[move.role]
+        if move.source != move.target:
+            bits &= ~self.heard_mask[move.role]
         return self.clocks.fired(bits, move.role, at) if self.clocks else bits
 
     def _build(self) -> None:

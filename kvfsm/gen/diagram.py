@@ -49,12 +49,18 @@ def _effects(spec: Spec, source: str | None, target: str, many: bool) -> list[st
 
 
 def _title(spec: Spec, t: Transition) -> str:
-    """``event ⟨id space⟩ / do()``: the id a message of the event names, when it is not the key, and who sends it."""
+    """``event ⟨id space⟩ ×K / do()``: the id a message of the event names, when it is not the key, who sends it,
+    how many distinct senders it waits for, and whether it may come before its id (early)."""
     event = t.event
     if spec.routed_by(event) != spec.key:
         event = f"{event} ⟨{spec.routed_by(event)}⟩"
     if spec.is_remote(t.event):
         event = f"{event} (remote)"
+    if t.count is not None:
+        event = f"{event} ×{t.count} senders"
+    decl = spec.event_decls.get(t.event)
+    if decl is not None and decl.early is not None:
+        event = f"{event} (early ≤{decl.early.within})"
     text = event if t.do is None else f"{event} / {t.do}()"
     return f"{text}  (on_error)" if t.event == spec.on_error else text
 

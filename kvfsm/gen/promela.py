@@ -113,10 +113,13 @@ class _Model:
         enough = [x for x in range(1 << width) if x.bit_count() >= msg.count]
         return heard, "(" + " || ".join(f"{heard} == {x}" for x in enough) + ")"
 
-    def rearm(self, role: str, target: str) -> list[str]:
-        """What ``role`` firing into ``target`` does to the deadline order bits and to the counts it kept."""
+    def rearm(self, role: str, source: str, target: str) -> list[str]:
+        """What ``role`` firing from ``source`` into ``target`` does to the deadline order bits and to the counts
+        it kept (a count lives for one stay in a state: a self-loop keeps it)."""
         r = self.roles.index(role)
-        lines = [f"h_{k}[_pid] = 0" for (receiver, _e), k in self.heard.items() if receiver == role]
+        lines = [
+            f"h_{k}[_pid] = 0" for (receiver, _e), k in self.heard.items() if receiver == role and source != target
+        ]
         lines += [f"o_{k}[_pid] = 0" for k, (e, x) in enumerate(self.clocks.pairs) if r in (e, x)]
         if target not in self.specs[role].states or self.specs[role].states[target].timeout is None:
             return lines
@@ -301,7 +304,7 @@ def _spontaneous(m: _Model, role: str) -> Iterator[str]:
                 ],
                 0,
                 kept,
-                [f"{m.var(role)} = {m.const(role, e.target)}", *m.rearm(role, e.target)],
+                [f"{m.var(role)} = {m.const(role, e.target)}", *m.rearm(role, e.source, e.target)],
                 (m.roles.index(role) if owed else NOBODY, len(kept) < len(sends)),
             )
     if m.system.roles[role].crash:
@@ -313,7 +316,7 @@ def _spontaneous(m: _Model, role: str) -> Iterator[str]:
                     [f"{m.var(role)} == {m.const(role, state)}"],
                     0,
                     (),
-                    [f"{m.var(role)} = {m.const(role, CRASHED)}", *m.rearm(role, CRASHED)],
+                    [f"{m.var(role)} = {m.const(role, CRASHED)}", *m.rearm(role, "", CRASHED)],
                     (NOBODY, False),
                 )
 
@@ -359,7 +362,7 @@ def _deliveries(m: _Model, name: str) -> Iterator[str]:
             body = list(consume)
             if target is not None:
                 body.append(f"{m.var(role)} = {m.const(role, target)}")
-                body += m.rearm(role, target)
+                body += m.rearm(role, state, target)
             if what.startswith("rejected"):
                 kind = "late_message" if final else "unexpected_message"
                 if kind in m.props:

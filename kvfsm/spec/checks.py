@@ -440,6 +440,65 @@ def check_remote_events(spec: Spec) -> Iterable[Finding]:
             )
 
 
+def check_counts(spec: Spec) -> Iterable[Finding]:
+    """KVF116: a counted transition says where K comes from, leaves its state, and is not a local exit."""
+    local = {ABORT, spec.on_error} | {st.timeout.fire for st in spec.states.values() if st.timeout is not None}
+    for t in spec.transitions:
+        if "sender" in t.payload:
+            yield _finding(
+                "KVF116", t.loc, f"transition on {t.event!r} declares payload 'sender', which the engine keeps "
+                "for the identity of who sent a counted event",
+                "Rename the payload key; to count who sent it, write 'count: K' on the transition.",
+            )  # fmt: skip
+        if t.count is None:
+            continue
+        where = f"counted transition on {t.event!r}"
+        source = spec.count_source(t)
+        if source is None:
+            yield _finding(
+                "KVF116", t.loc, f"{where} counts {t.count!r}, which is neither a param, a 'begin' payload key nor "
+                "a key of its own payload: nothing says how many senders it waits for",
+                f"Declare {t.count!r} under 'params:', in 'begin: {{payload: [...]}}', or in this transition's "
+                "'payload: [...]'; or write the number.",
+            )  # fmt: skip
+        elif source[0] == "param" and not float(spec.params[str(source[1])]).is_integer():
+            yield _finding(
+                "KVF116", t.loc, f"{where} counts param {source[1]!r}, whose value {spec.params[str(source[1])]} "
+                "is not a whole number", "Give the param a whole number of senders (0 or more).",
+            )  # fmt: skip
+        if t.wildcard or t.event in local:
+            yield _finding(
+                "KVF116", t.loc, f"{where}: abort, on_error, a timeout's event and '*' transitions are the local "
+                "way out of a state and must never wait for senders", "Count a peer's message, not a way out.",
+            )  # fmt: skip
+        if t.target in t.sources:
+            yield _finding(
+                "KVF116", t.loc, f"{where} loops back to {t.target!r}: the count lives for one stay in the state, "
+                "so the K-th sender would end it and the next ones count again",
+                "Send the counted transition to another state (a self-loop may sit beside it; it keeps the count).",
+            )  # fmt: skip
+
+
+def check_early(spec: Spec) -> Iterable[Finding]:
+    """KVF117: an early event waits a known time, for ids that can appear."""
+    for decl in spec.event_decls.values():
+        early = decl.early
+        if early is None:
+            continue
+        if isinstance(early.within, str) and early.within not in spec.params:
+            yield _finding(
+                "KVF117", early.loc, f"early event {decl.name!r} waits within undeclared param {early.within!r}",
+                f"Declare it under 'params:' (e.g. '{early.within}: 30.0') or write the seconds.",
+            )  # fmt: skip
+        space = spec.spaces.get(decl.by)
+        if decl.by != spec.key and space is not None and space.linked_at not in (BEGIN, *spec.events):
+            yield _finding(
+                "KVF117", early.loc, f"early event {decl.name!r} waits for ids of {decl.by!r}, which no event links "
+                f"({space.linked_at!r} is not an event of this machine): every kept message would time out",
+                f"Link {decl.by!r} at begin or at an event ('linked_at:'), or drop 'early:'.",
+            )  # fmt: skip
+
+
 CHECKS: tuple[Check, ...] = (
     check_initial,
     check_references,
@@ -456,6 +515,8 @@ CHECKS: tuple[Check, ...] = (
     check_id_spaces,
     check_outgoing,
     check_remote_events,
+    check_counts,
+    check_early,
 )
 
 

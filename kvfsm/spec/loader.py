@@ -17,8 +17,21 @@ from yaml.nodes import Node, ScalarNode, SequenceNode
 
 from ..errors import KvfsmError
 from .findings import READ_ERROR, Finding, SpecError
-from .model import EventDecl, IgnoreRule, Outgoing, Relation, Resource, Send, Space, Spec, State, Timeout, Transition
-from .schema import NULL, STR, Schema
+from .model import (
+    Early,
+    EventDecl,
+    IgnoreRule,
+    Outgoing,
+    Relation,
+    Resource,
+    Send,
+    Space,
+    Spec,
+    State,
+    Timeout,
+    Transition,
+)
+from .schema import INT, NULL, STR, Schema
 
 TOP_KEYS = {
     "kvfsm": "schema version (required, 1)",
@@ -39,12 +52,13 @@ TOP_KEYS = {
 }
 BEGIN_KEYS = ("payload", "doc")
 SPACE_KEYS = ("linked_at", "doc")
-EVENT_KEYS = ("by", "remote", "doc")
+EVENT_KEYS = ("by", "remote", "early", "doc")
+EARLY_KEYS = ("keep", "within")
 OUTGOING_KEYS = ("to", "event", "carries", "doc")
 RESOURCE_KEYS = ("release", "acquire", "doc")
 STATE_KEYS = ("initial", "final", "holds", "waits", "timeout", "warn_after", "doc")
 TIMEOUT_KEYS = ("after", "fire")
-TRANSITION_KEYS = ("event", "from", "to", "do", "doc", "send", "payload")
+TRANSITION_KEYS = ("event", "from", "to", "do", "doc", "send", "payload", "count")
 SEND_KEYS = ("to", "message")
 IGNORE_KEYS = ("event", "in")
 
@@ -182,9 +196,18 @@ def _transition(s: Schema, node: Node) -> Transition | None:
     doc = s.text(items["doc"][1], "transition doc") if "doc" in items else ""
     sends = _sends(s, items["send"][1]) if "send" in items else ()
     payload = s.names(items["payload"][1], "transition payload", empty=True) if "payload" in items else ()
+    count = _count(s, items["count"][1]) if "count" in items else None
     if event is None or not sources or target is None:
         return None
-    return Transition(event, sources, target, do, doc, s.loc(node), sends, payload)
+    return Transition(event, sources, target, do, doc, s.loc(node), sends, payload, count)
+
+
+def _count(s: Schema, node: Node) -> int | str | None:
+    """``count: K``: a whole number of senders (0 or more), or the name of a param or payload key that gives it."""
+    fix = "Write how many distinct senders it waits for (e.g. 2), or a param or payload key that says (e.g. readers)."
+    if node.tag == INT:
+        return s.whole(node, "transition count", fix)
+    return s.name(node, "transition count")
 
 
 def _begin(s: Schema, node: Node) -> tuple[str, ...]:
@@ -265,7 +288,25 @@ def _event_decl(s: Schema, name: str, knode: Node, node: Node, key: str) -> Even
     by = s.name(items["by"][1], f"{what}: by") if "by" in items else key
     remote = s.boolean(items["remote"][1], f"{what}: remote") if "remote" in items else False
     doc = s.text(items["doc"][1], f"{what}: doc") if "doc" in items else ""
-    return EventDecl(name, by or key, remote, doc, s.loc(knode)) if by is not None else None
+    early = _early(s, items["early"][1], what) if "early" in items else None
+    return EventDecl(name, by or key, remote, doc, s.loc(knode), early) if by is not None else None
+
+
+def _early(s: Schema, node: Node, what: str) -> Early | None:
+    """``early: {keep: N, within: <seconds or param>}``: how many early messages wait, and for how long."""
+    items = s.mapping(node, f"{what}: early", EARLY_KEYS)
+    if items is None:
+        return None
+    example = "'early: {keep: 1024, within: abort_timeout}'"
+    keep_node = s.require(items, "keep", node, f"{what}: early", f"Say how many may wait at once: {example}.")
+    within_node = s.require(items, "within", node, f"{what}: early", f"Say how long one may wait: {example}.")
+    if keep_node is None or within_node is None:
+        return None
+    keep = s.count(keep_node, f"{what}: early: keep", f"Write how many messages may wait at once: {example}.")
+    within = _seconds(s, within_node, f"{what}: early: within")
+    if keep is None or within is None:
+        return None
+    return Early(keep, within, s.loc(node))
 
 
 def _outgoing(s: Schema, name: str, knode: Node, node: Node) -> Outgoing | None:

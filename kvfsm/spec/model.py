@@ -107,6 +107,10 @@ class Transition:
     """Messages sent when the transition happens, in the order written."""
     payload: tuple[str, ...] = ()
     """The keyword arguments the event carries to this transition's ``do`` and acquire actions."""
+    count: int | str | None = None
+    """``count: K``: the transition waits for the event from K distinct senders (``fire(..., sender=...)``)
+    during one stay in its source state. K is a number, a param, a ``begin`` payload key (per instance) or
+    a key of this transition's payload (each arrival says it); None: every arrival fires it."""
 
     @property
     def wildcard(self) -> bool:
@@ -145,6 +149,19 @@ class EventDecl:
     by: str
     remote: bool = False
     doc: str = ""
+    loc: Loc = NOWHERE
+    early: Early | None = None
+    """``early: {keep, within}``: a message of this event naming an id not yet known in its space is kept and
+    applied when the id appears (None: it is an ``unknown`` anomaly at once)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Early:
+    """How many messages of an event may wait for their id (``keep``, over all ids) and for how long
+    (``within``: seconds or a param); past either they are dropped as ``early`` anomalies."""
+
+    keep: int
+    within: str | float
     loc: Loc = NOWHERE
 
 
@@ -266,6 +283,25 @@ class Spec:
         """Whether a remote party sends ``event`` (so it may arrive late, anywhere, even after the end)."""
         decl = self.event_decls.get(event)
         return decl is not None and decl.remote
+
+    def count_source(self, t: Transition) -> tuple[str, int | str] | None:
+        """Where transition ``t``'s K comes from: ``("number", K)``, ``("param", name)``, ``("begin", key)``
+        or ``("event", key)``; None if ``t`` counts nothing or names nothing that gives K (KVF116)."""
+        if t.count is None:
+            return None
+        if isinstance(t.count, int):
+            return ("number", t.count)
+        if t.count in t.payload:
+            return ("event", t.count)
+        if t.count in self.begin_payload:
+            return ("begin", t.count)
+        if t.count in self.params:
+            return ("param", t.count)
+        return None
+
+    def counted(self) -> dict[tuple[str, str], Transition]:
+        """Every (source state, event) whose transition counts senders."""
+        return {(e.source, e.event): e.transition for e in self.edges() if e.transition.count is not None}
 
     def linked_at(self, event: str) -> tuple[str, ...]:
         """The spaces whose id ``event`` (or ``"begin"``) carries in its payload, to link on the way."""

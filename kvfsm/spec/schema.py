@@ -180,6 +180,14 @@ class Schema:
             return None
         return number
 
+    def whole(self, node: Node, what: str, fix: str) -> int | None:
+        """A whole number of at least 0 (how many senders a count waits for: none is meaningful)."""
+        number = _to_int(node)
+        if number is None or number < 0:
+            self.error(node, f"{what} must be a whole number of at least 0, not {self.scalar(node, what)!r}", fix)
+            return None
+        return number
+
     def names(self, node: Node, what: str, *, wildcard: bool = False, empty: bool = False) -> tuple[str, ...]:
         """A name or a list of names, each once; ``"*"`` allowed where ``wildcard``, ``[]`` where ``empty``."""
         if isinstance(node, MappingNode):

@@ -166,6 +166,10 @@ class SpecMachine(RuleBasedStateMachine):
         if self.outbox is not None:
             self.outbox.bind(self.tracker)
         self._ids = 0
+        self._sender = "s0"
+        """Who sends the next counted event (the ``hear`` rule draws it; other steps repeat the last)."""
+        self._need = 1
+        """The K a count gets where its payload gives it and the driver did not (drawn by the ``hear`` rule)."""
         cls.coverage.examples += 1
 
     # -- the steps -------------------------------------------------------------------
@@ -181,6 +185,7 @@ class SpecMachine(RuleBasedStateMachine):
                 payload = self._hook(f"begin {key}", "before_begin", key, self.given)
             if not live and not self.model.closed:
                 payload = self._with_ids(BEGIN, self.spec.begin_payload, payload)
+                payload = self._with_counts(payload, [w for k, w in self.model.count_sources() if k == "begin"])
             self.arm(self.model.begin_actions(key), fault)
             outcome = self.model.begin(key, payload)
             self._tell(begin_line(key, outcome), outcome)
@@ -189,8 +194,28 @@ class SpecMachine(RuleBasedStateMachine):
     def fire(self, key: str, event: str, fault: int | None = None) -> None:
         """``fire(key, event)``; ``fault``: make the fault-th action the transition runs raise.
 
-        An edge the driver cannot take (:attr:`blocked`) is left alone: the step does nothing.
+        An edge the driver cannot take (:attr:`blocked`) is left alone: the step does nothing. Where the
+        event is counted, every sender it waits for sends it (distinct senders, one step each), so that
+        walks and random steps take the edge; the ``hear`` rule sends them one at a time, repeats included.
         """
+        inst = None if self.model.closed else self.model.live.get(key)
+        need = self.model.need(inst, event, {self._count_key(inst, event): self._need}) if inst is not None else None
+        if need is None:
+            self.hear(key, event, fault)
+            return
+        state = inst.state if inst is not None else None
+        for i in range(max(need, 1)):
+            self._sender = f"q{i}"
+            self.hear(key, event, fault)
+            if self.model.state(key) != state:
+                return
+
+    def _count_key(self, inst: Any, event: str) -> str:
+        source = self.model.counted.get((inst.state, event)) if inst is not None else None
+        return str(source[1]) if source is not None else ""
+
+    def hear(self, key: str, event: str, fault: int | None = None) -> None:
+        """One ``fire(key, event)`` step (one arrival, where the event is counted)."""
         state = None if self.model.closed else self.model.state(key)
         if state is not None and (state, event) in (self.blocked or {}):
             return
@@ -225,6 +250,8 @@ class SpecMachine(RuleBasedStateMachine):
         """The payload ``event`` carries from ``state`` (the driver's ``before_fire``, fresh ids for the spaces it
         links) and the fault still to arm (none when the caller took what the target holds)."""
         payload: Mapping[str, Any] = {}
+        if state is None and event in self.model.early:  # kept for an id not yet known: as the initial state takes it
+            state = self.spec.initial.name
         edge = self.spec.table.get((state, event)) if state is not None else None
         if edge is None:
             return payload, fault
@@ -233,7 +260,19 @@ class SpecMachine(RuleBasedStateMachine):
             payload = self._hook(f"fire {key} {event}", "before_fire", key, event, taken)
             if taken:
                 fault = None  # what the caller took for the target would outlive a transition that fails
-        return self._with_ids(event, edge.transition.payload, payload), fault
+        payload = self._with_ids(event, edge.transition.payload, payload)
+        source = self.model.counted.get((state, event)) if state is not None else None
+        if source is not None:
+            payload = {
+                **self._with_counts(payload, [source[1]] if source[0] == "event" else []),
+                "sender": self._sender,
+            }
+        return payload, fault
+
+    def _with_counts(self, payload: Mapping[str, Any], names: Sequence[int | str]) -> Mapping[str, Any]:
+        """``payload`` with the drawn K under each count key ``names`` lists that the driver left out."""
+        missing = [str(n) for n in names if str(n) not in payload]
+        return {**payload, **dict.fromkeys(missing, self._need)} if missing else payload
 
     def _with_ids(self, at: str, carried: Sequence[str], payload: Mapping[str, Any]) -> Mapping[str, Any]:
         """``payload`` with a fresh id for each space linked at ``at`` that it may carry and the driver left out."""
@@ -561,6 +600,7 @@ def spec_machine(
     )
 
     declared = tuple(spec.event_decls)
+    counting = bool(spec.counted())
     deep = tuple(s for s in spec.live if s != spec.initial.name) if steer else ()
     """Live states a planned prefix may walk a key to."""
 
@@ -608,6 +648,18 @@ def spec_machine(
                 """A peer's message naming a live instance by the id of the space the spec routes it by."""
                 options = self.model.deliverable()
                 self.deliver(*options[which % len(options)])
+
+        if counting:
+
+            @precondition(lambda self: bool(self.model.countable()))
+            @rule(which=st.integers(0, 15), sender=st.integers(0, 2), need=st.integers(0, 3))
+            def hear_a_counted_event(self, which: int, sender: int, need: int) -> None:
+                """A counted event at an instance waiting for it, from one of three senders (repeats included),
+                with a drawn K where its payload gives K."""
+                options = self.model.countable()
+                key, event = options[which % len(options)]
+                self._sender, self._need = f"s{sender}", need
+                self.hear(str(key), event)
 
         @rule(dt=st.sampled_from(ticks))
         def advance_clock_and_poll(self, dt: float) -> None:

@@ -41,6 +41,7 @@ The rules, as DESIGN.md states them and as they are applied below:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -91,7 +92,7 @@ class ExpectedFailure:
         return (self.key, self.event, self.action, self.phase, self.state)
 
 
-Refusal = Literal["ignored", "illegal", "unknown", "duplicate", "closed"]
+Refusal = Literal["ignored", "illegal", "unknown", "duplicate", "closed", "counted", "kept"]
 
 
 @dataclass
@@ -107,7 +108,10 @@ class Outcome:
     """fire(): the event fired."""
     refused: Refusal | None = None
     """A call that moved nothing: an event ignored (legal), illegal (IllegalTransition) or for an
-    unknown key; a begin of a live key (DuplicateKey); any begin or fire after close() (TrackerClosed)."""
+    unknown key; a begin of a live key (DuplicateKey); any begin or fire after close() (TrackerClosed);
+    an arrival of a counted event that did not complete its count (``counted``; a repeat from a sender
+    already heard is also a ``duplicate`` anomaly); a message of an ``early:`` event kept for its id
+    (``kept``, or an ``early`` anomaly when the bound is full)."""
     state: str | None = None
     """The state the event met (for refusals) or the call returns (for fire)."""
     fired: list[tuple[Hashable, str, str]] = field(default_factory=list)
@@ -119,7 +123,8 @@ class Outcome:
     forced: list[Hashable] = field(default_factory=list)
     """close(): keys whose resources were released without a transition."""
     anomaly: str = ""
-    """The kind of the anomaly a refused ``unknown`` call counts: ``unknown``, ``late`` or ``stale``."""
+    """The kind of the anomaly a refused call counts: ``unknown``, ``late`` or ``stale`` (refused as
+    ``unknown``), ``duplicate`` (refused as ``counted``)."""
     key: Hashable | None = None
     """deliver(): the instance the id named (None: it named none)."""
 
@@ -159,7 +164,7 @@ class Edge:
 class Instance:
     """One begun instance: its state and its armed deadline, if any."""
 
-    __slots__ = ("by_close", "due", "gen", "key", "seq", "state")
+    __slots__ = ("by_close", "due", "gen", "heard", "key", "need", "seq", "state")
 
     def __init__(self, key: Hashable, state: str, gen: int = 0) -> None:
         self.key = key
@@ -170,6 +175,10 @@ class Instance:
         self.seq = 0
         """Arming number of ``due``: deadlines fire in arming order within a state."""
         self.by_close = False
+        self.heard: set[Hashable] = set()
+        """Senders of a counted event heard during this stay in the state."""
+        self.need: dict[str, int] = {}
+        """The K its ``begin`` payload gave each count, by payload key."""
 
 
 class SpecModel:
@@ -189,6 +198,9 @@ class SpecModel:
             releases = tuple(spec.resources[r].release for r in spec.releases(e.source, e.target))
             self.edges[e.source, e.event] = Edge(e.source, e.event, e.target, e.do, acquires, releases)
         self.ignored = {(state, event) for state, event, _rule in spec.ignored()}
+        self.counted = {where: spec.count_source(t) for where, t in spec.counted().items()}
+        """(state, event) → where its K comes from (see :meth:`Spec.count_source`)."""
+        self.params = dict(params or {})
         self.after = {
             s.name: (spec.param(s.timeout.after, params), s.timeout.fire)
             for s in spec.states.values()
@@ -208,7 +220,21 @@ class SpecModel:
         self.now = 0.0
         self.closed = False
         self.counts = dict.fromkeys(
-            ("ignored", "illegal", "unknown", "late", "stale", "forced", "timeouts", "action_errors", "release_errors"),
+            (
+                "ignored",
+                "illegal",
+                "unknown",
+                "late",
+                "stale",
+                "forced",
+                "timeouts",
+                "action_errors",
+                "release_errors",
+                "counted",
+                "duplicate",
+                "kept_early",
+                "early",
+            ),
             0,
         )
         self.anomalies: list[tuple[str, str, Hashable, str]] = []
@@ -221,6 +247,12 @@ class SpecModel:
         """Per declared space: ids whose instance was drained (a message naming one is ``late``)."""
         self._gen = 0
         self._seq = 0
+        self.early = {
+            n: (d.early.keep, spec.param(d.early.within, params)) for n, d in spec.event_decls.items() if d.early
+        }
+        """Event → (how many may wait, for how long), for events declared ``early:``."""
+        self.kept: dict[tuple[str, Hashable], list[tuple[str, dict[str, Any], float]]] = {}
+        """(space, id) → (event, payload, due) per message kept for an id not yet known, in arrival order."""
 
     def _acquires(self, source: str | None, target: str) -> tuple[tuple[str, str], ...]:
         out = []
@@ -380,10 +412,68 @@ class SpecModel:
         initial = self.spec.initial.name
         self._gen += 1
         inst = self.live[key] = Instance(key, initial, self._gen)
+        inst.need = {
+            str(what): int((payload or {})[str(what)]) for kind, what in self.count_sources() if kind == "begin"
+        }
         self._arm(inst)
         self._link(out, inst, BEGIN, "begin", payload)
         out.moves.append(Move(key, "begin", "", initial, "begin"))
+        self._at_once(inst, out)
+        self._apply_kept(out, self.spec.key, key, key)
         return out
+
+    def countable(self) -> list[tuple[Hashable, str]]:
+        """(key, event) for each live instance in a state where ``event`` is counted."""
+        return [
+            (key, event) for key, inst in self.live.items() for (state, event) in self.counted if state == inst.state
+        ]
+
+    def count_sources(self) -> set[tuple[str, int | str]]:
+        return {source for source in self.counted.values() if source is not None}
+
+    def need(self, inst: Instance, event: str, payload: Mapping[str, Any] | None) -> int | None:
+        """How many distinct senders ``event`` waits for in ``inst``'s state (None: it counts nothing there)."""
+        source = self.counted.get((inst.state, event))
+        if source is None:
+            return None
+        kind, what = source
+        if kind == "number":
+            return int(what)
+        if kind == "param":
+            return int(self.spec.param(str(what), self.params))
+        if kind == "begin":
+            return inst.need.get(str(what), 0)
+        return int((payload or {})[str(what)])
+
+    def _hear(self, inst: Instance, event: str, payload: Mapping[str, Any] | None, out: Outcome) -> bool:
+        """Count one arrival of a counted event; whether it completes the count (the edge is then taken)."""
+        need = self.need(inst, event, payload)
+        if need is None:
+            return True
+        sender = (payload or {}).get("sender")
+        if sender in inst.heard:
+            self.counts["duplicate"] += 1
+            self.anomalies.append(("duplicate", self.spec.key, inst.key, event))
+            out.refused, out.anomaly = "counted", "duplicate"
+            return False
+        inst.heard.add(sender)
+        if len(inst.heard) < need:
+            self.counts["counted"] += 1
+            out.refused = "counted"
+            return False
+        return True
+
+    def _at_once(self, inst: Instance, out: Outcome) -> None:
+        """A count whose K is known on entry and is 0 fires its event as the instance enters the state."""
+        for (state, event), source in self.counted.items():
+            if (
+                state == inst.state
+                and source is not None
+                and source[0] != "event"
+                and self.need(inst, event, None) == 0
+            ):
+                self._take(inst, self.edges[state, event], "fire", out)
+                return
 
     def fire(self, key: Hashable, event: str, payload: Mapping[str, Any] | None = None) -> Outcome:
         """After close() every instance is final or gone, so every event is refused, and counted nowhere."""
@@ -393,7 +483,9 @@ class SpecModel:
             out.refused, out.state = "closed", inst.state if inst is not None else None
             return out
         if inst is None:
-            self._anomaly(out, "late" if key in self.retired else "unknown", self.spec.key, key, event)
+            kind = "late" if key in self.retired else "unknown"
+            if not (kind == "unknown" and self._keep(out, self.spec.key, key, event, payload)):
+                self._anomaly(out, kind, self.spec.key, key, event)
             return out
         out.state = inst.state
         edge = self.edges.get((inst.state, event))
@@ -401,7 +493,9 @@ class SpecModel:
             out.refused = "ignored" if (inst.state, event) in self.ignored else "illegal"
             self.counts[out.refused] += 1
             return out
-        self._take(inst, edge, "fire", out, payload)
+        if not self._hear(inst, event, payload, out):
+            return out
+        self._take(inst, edge, "fire", out, {k: v for k, v in (payload or {}).items() if k != "sender"})
         out.state = inst.state
         return out
 
@@ -420,7 +514,8 @@ class SpecModel:
         key, kind = self.resolve(space, ident)
         if key is None:
             out = Outcome(event=event)
-            self._anomaly(out, kind, space, ident, event)
+            if not (kind == "unknown" and self._keep(out, space, ident, event, payload)):
+                self._anomaly(out, kind, space, ident, event)
             return out
         out = self.fire(key, event, payload)
         out.key = key
@@ -429,6 +524,7 @@ class SpecModel:
     def poll(self, now: float | None = None) -> Outcome:
         """Fire the timeouts due at ``now`` (default: the clock); ones armed meanwhile wait for the next poll."""
         out = Outcome()
+        self._drop_kept(self.now if now is None else now)
         for seq, inst in self._due(self.now if now is None else now):
             if inst.seq != seq or inst.due is None:
                 continue
@@ -466,6 +562,7 @@ class SpecModel:
         out = Outcome()
         if self.closed:
             return out
+        self._drop_kept(math.inf)
         for key, inst in list(self.live.items()):
             if self.spec.states[inst.state].is_final:
                 continue
@@ -506,6 +603,8 @@ class SpecModel:
         source = inst.state
         inst.state = edge.target
         inst.due = None
+        if edge.target != source:
+            inst.heard = set()  # a count lives for one stay in its state
         self._arm(inst)
         if self.spec.states[edge.target].is_final:
             self.finished.append(inst)
@@ -513,6 +612,8 @@ class SpecModel:
             self._link(out, inst, edge.event, edge.event, payload)
         out.moves.append(Move(key, edge.event, source, edge.target, how))
         self._release(out, key, edge.event, edge.releases, edge.target)
+        if edge.target != source:
+            self._at_once(inst, out)
 
     def _on_error(self, inst: Instance, failed: Edge, mine: int, out: Outcome) -> None:
         """Fire on_error from the source, if it handles it (bare if ``failed`` is that very edge);
@@ -543,6 +644,44 @@ class SpecModel:
             self._seq += 1
             inst.due, inst.seq = self.now + timed[0], self._seq
 
+    def _keep(self, out: Outcome, space: str, ident: Hashable, event: str, payload: Mapping[str, Any] | None) -> bool:
+        """Keep a message of an ``early:`` event for an id not yet known (see ``Tracker``); False: not early here."""
+        rule = self.early.get(event)
+        if rule is None or self.spec.routed_by(event) != space:
+            return False
+        keep, within = rule
+        if sum(1 for kept in self.kept.values() for e in kept if e[0] == event) >= keep:
+            self._anomaly(out, "early", space, ident, event)
+            return True
+        self.kept.setdefault((space, ident), []).append((event, dict(payload or {}), self.now + within))
+        self.counts["kept_early"] += 1
+        out.refused = "kept"
+        return True
+
+    def _apply_kept(self, out: Outcome, space: str, ident: Hashable, key: Hashable) -> None:
+        """The id appeared: apply what was kept for it, oldest first, as the Tracker's queue does."""
+        for event, payload, _due in self.kept.pop((space, ident), []):
+            inst = self.live.get(key)
+            if inst is None:
+                continue
+            edge = self.edges.get((inst.state, event))
+            if edge is None:
+                self.counts["ignored" if (inst.state, event) in self.ignored else "illegal"] += 1
+                continue
+            if self._hear(inst, event, payload, Outcome()):
+                self._take(inst, edge, "fire", out, {k: v for k, v in payload.items() if k != "sender"})
+
+    def _drop_kept(self, now: float) -> None:
+        """Drop, as ``early`` anomalies in arrival order, the kept messages whose window has passed."""
+        due = sorted(((e[2], where, e) for where, kept in self.kept.items() for e in kept), key=lambda x: x[0])
+        for d, where, entry in due:
+            if d > now:
+                break
+            self.kept[where].remove(entry)
+            if not self.kept[where]:
+                del self.kept[where]
+            self._anomaly(Outcome(), "early", where[0], where[1], entry[0])
+
     def _anomaly(self, out: Outcome, kind: str, space: str, ident: Hashable, event: str) -> None:
         """Count a message that named no current instance; the call is refused as ``unknown``."""
         self.counts[kind] += 1
@@ -564,6 +703,7 @@ class SpecModel:
                 self._failed(out, inst.key, event, f"<link {space}>", "link", inst.state)
                 continue
             table[ident] = (inst.key, inst.gen)
+            self._apply_kept(out, space, ident, inst.key)
 
     def _unlink(self, key: Hashable, below: int | None) -> None:
         """Retire ``key``'s linked ids (only those of generations before ``below``, if given)."""

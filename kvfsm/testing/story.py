@@ -62,12 +62,20 @@ def begin_line(key: str, outcome: Outcome) -> str:
 def fire_line(key: str, event: str, outcome: Outcome) -> str:
     if outcome.refused == "closed":
         return f"{event} {key}: {CLOSED}"
+    if outcome.refused == "kept":
+        return f"{event} {key}: no such instance yet; kept for when it appears (early)"
+    if outcome.refused == "unknown" and outcome.anomaly == "early":
+        return f"{event} {key}: no such instance yet, and the early bound is full (an early anomaly, dropped)"
     if outcome.refused == "unknown":
         return f"{event} {key}: no such instance (counted as unknown, not applied)"
     if outcome.refused == "ignored":
         return f"{event} {key}: ignored in {outcome.state}"
     if outcome.refused == "illegal":
         return f"{event} {key}: illegal in {outcome.state} (IllegalTransition, nothing may change)"
+    if outcome.refused == "counted" and outcome.anomaly == "duplicate":
+        return f"{event} {key}: from a sender already heard in {outcome.state} (a duplicate anomaly, not counted)"
+    if outcome.refused == "counted":
+        return f"{event} {key}: counted in {outcome.state}, fewer senders than the count waits for"
     if outcome.failures:
         return f"{event} {key}: {_after_faults(outcome)}"
     return _move(outcome.moves[0])
@@ -76,6 +84,8 @@ def fire_line(key: str, event: str, outcome: Outcome) -> str:
 def deliver_line(event: str, ident: object, space: str, outcome: Outcome) -> str:
     """``deliver read_done 'r-3' (remote_request_id) → read_done req-1: held → done``, or what the id named."""
     head = f"deliver {event} {ident!r} ({space})"
+    if outcome.refused == "kept":
+        return f"{head}: names no instance yet; kept for when it appears (early)"
     if outcome.refused == "unknown" and outcome.key is None:
         return f"{head}: {outcome.anomaly} id, names no live instance (counted as {outcome.anomaly}, not applied)"
     return f"{head} → {fire_line(str(outcome.key), event, outcome)}"

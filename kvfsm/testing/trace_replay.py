@@ -288,6 +288,20 @@ class TraceRun:
 
     # -- performing a step -------------------------------------------------------
 
+    def _counted(self, role: str, req: str, event: str) -> dict[str, Any]:
+        """Who sent a message the role's spec counts where the request is: the message's sending role (a
+        replayed trace has one instance per role), and K = 1 where the arrival gives K."""
+        model = self._models[role]
+        inst = model.live.get(req)
+        source = model.counted.get((inst.state, event)) if inst is not None else None
+        if source is None:
+            return {}
+        message = self.system.messages.get(event)
+        payload: dict[str, Any] = {"sender": message.sender if message is not None else role}
+        if source[0] == "event":
+            payload[str(source[1])] = 1
+        return payload
+
     def _perform(self, step: Step) -> str:
         """Make the step happen on the role's tracker; returns what was called."""
         role, req = step.role, step.request
@@ -315,8 +329,9 @@ class TraceRun:
             if polled:
                 return polled
         ignored = tracker.counts["ignored"]
-        got = self._call(lambda: tracker.fire(req, event), step)
-        model.fire(req, event)
+        payload = self._counted(role, req, event)
+        got = self._call(lambda: tracker.fire(req, event, **payload), step)
+        model.fire(req, event, payload)
         call = f"fire ({why})" if why else "fire"
         if step.action == "reject":
             if not self._rejected:

@@ -10,7 +10,8 @@ composition checks (KVF2xx) are :mod:`kvfsm.spec.system.checks`.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import yaml
@@ -278,6 +279,32 @@ def _relation(s: Schema, node: Node) -> TimeRelation | None:
     return TimeRelation(left[0], right, text.strip(), s.loc(node))  # type: ignore[arg-type]  # pairs by the regex
 
 
+def _counted_by_receiver(path: str, message: Message, roles: Mapping[str, Role], out: list[Finding]) -> Message:
+    """``message`` with the count its receiver's machine spec declares for its event (``count:`` on the
+    transition): K where the spec writes a number or a param, else every sender rank (-1). One count, in one
+    place: a system that writes its own for such a message is told to drop it."""
+    role = roles.get(message.receiver)
+    if role is None:
+        return message
+    counted = [t for t in role.spec.counted().values() if t.event == message.event]
+    if not counted:
+        return message
+    if message.count:
+        out.append(
+            Finding(
+                "KVF216", "error", path, message.loc.line,
+                f"message {message.name!r} declares 'count:', but {message.receiver!r}'s spec counts {message.event!r} "
+                f"itself ({role.path} line {counted[0].loc.line}): one count, in one place",
+                "Drop 'count:' from the message; the explorer takes it from the receiver's spec.", message.loc.col,
+            )
+        )  # fmt: skip
+    source = role.spec.count_source(counted[0])
+    if source is not None and source[0] in ("number", "param"):
+        k = int(source[1]) if source[0] == "number" else int(role.spec.params[str(source[1])])
+        return replace(message, count=k) if k > 1 else message  # K = 1: the first copy fires, as with no count
+    return replace(message, count=-1)
+
+
 def _count(s: Schema, node: Node, what: str) -> int:
     """``count: all`` (-1: every sender rank) or ``count: K``: the receiver fires on the K-th distinct sender."""
     if isinstance(node, ScalarNode) and node.value == "all":
@@ -340,6 +367,7 @@ def read_system_text(text: str, path: str) -> Draft:
         top, "messages", root, "the system", "Add 'messages:' with '<name>: {from: <role>, to: <role>}' per message."
     )
     messages = _messages(s, msgs_node) if msgs_node is not None else {}
+    messages = {name: _counted_by_receiver(s.path, m, roles, role_findings) for name, m in messages.items()}
     channel = _channel(s, *top["channel"]) if "channel" in top else Channel()
     requests = DEFAULT_REQUESTS
     if "requests" in top:
