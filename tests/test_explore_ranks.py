@@ -25,12 +25,28 @@ needs_spin = pytest.mark.skipif(
 
 
 def fanin_counting_one(folder: Path) -> Path:
-    """The fan-in composition where the first decode rank's notification frees the prefill rank's blocks."""
-    text = (BUNDLED / "nixl_fanin.yaml").read_text().replace("count: all", "count: 1")
-    text = text.replace("spec: ../", f"spec: {BUNDLED}/../").replace("spec: nixl_mla", f"spec: {BUNDLED}/nixl_mla")
+    """The fan-in composition where the prefill spec does not count its readers (a driver counting raw
+    notifications, or none): the first decode rank's notification frees the prefill rank's blocks."""
+    prefill = (BUNDLED.parent / "nixl_prefill.yaml").read_text()
+    counted = "payload: [readers], count: readers"
+    assert counted in prefill
+    (folder / "nixl_prefill.yaml").write_text(prefill.replace(counted, "payload: [readers]"))
+    text = (BUNDLED / "nixl_fanin.yaml").read_text().replace("spec: ../nixl_prefill.yaml", "spec: nixl_prefill.yaml")
+    text = text.replace("spec: nixl_mla", f"spec: {BUNDLED}/nixl_mla")
     path = folder / "nixl_fanin_one.yaml"
     path.write_text(text)
     return path
+
+
+def test_the_count_comes_from_the_receivers_spec_and_is_declared_once(tmp_path: Path) -> None:
+    system = load_system(BUNDLED / "nixl_fanin.yaml")
+    assert system.messages["read"].count == -1, "every decode rank, as the prefill spec's count: readers says"
+    text = (BUNDLED / "nixl_fanin.yaml").read_text().replace("to: prefill, doc", "to: prefill, count: all, doc")
+    text = text.replace("spec: ../", f"spec: {BUNDLED}/../").replace("spec: nixl_mla", f"spec: {BUNDLED}/nixl_mla")
+    twice = tmp_path / "twice.yaml"
+    twice.write_text(text)
+    findings = [f for f in check_system(twice) if f.code == "KVF216"]
+    assert findings and "one count, in one place" in findings[0].message
 
 
 def test_a_send_to_a_role_with_ranks_reaches_every_rank() -> None:

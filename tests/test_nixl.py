@@ -107,10 +107,22 @@ def test_decode_tp_above_prefill_tp_frees_only_after_every_reader_notified() -> 
     c.request("p-1")
     c.decode[0].step(), c.decode[1].step(), c.decode[2].step()
     c.prefill[0].step()
-    assert c.held() == [1] and c.prefill[0].counts["partial"] == 3
+    assert c.held() == [1] and c.prefill[0].stats()["partial"] == 3
     c.step()
     assert c.held() == [0] and c.prefill[0].outcomes == {"read": 1}
     assert all(d.outcomes == {"loaded": 1} for d in c.decode), "each decode rank byte-checked its slice of the heads"
+
+
+def test_a_reader_heard_twice_is_a_duplicate_not_a_second_reader() -> None:
+    c = Cluster(Topology(prefill_tp=1, decode_tp=2, mla=False, kv_bytes=256))
+    c.request("p-1")
+    c.decode[0].step()
+    c.decode[0].agent.send_notif(c.prefill[0].agent.name, encode("p-1", 2))  # the same reader again
+    c.prefill[0].step()
+    assert c.held() == [1], "decode rank 1 may still be reading"
+    assert c.prefill[0].stats()["duplicate"] == 1
+    c.step()
+    assert c.held() == [0] and c.prefill[0].outcomes == {"read": 1}
 
 
 def test_prefill_tp_above_decode_tp_without_mla_reads_every_rank_of_the_group() -> None:

@@ -37,14 +37,17 @@ class Real:
 
     def __init__(
         self, topology: Topology, *, abort_timeout: float = 30.0, read_timeout: float = 5.0,
-        reader: type[BlockReader] = BlockReader, lost: bool = False,
+        reader: type[BlockReader] = BlockReader, lost: bool = False, faults: dict[int, list[str]] | None = None,
     ) -> None:  # fmt: skip
+        """``lost``: every decode rank's notifications are lost; ``faults``: decode rank → the faults its agent
+        injects on every READ (see :class:`FaultyAgent`)."""
         self.topology = topology
         self.peer = PeerProcess(topology, 64, abort_timeout=abort_timeout)
         self.decode = []
         for d in range(topology.decode_tp):
             agent = NixlAgent(f"decode-{os.getpid()}-{next(_names)}")
-            transport = FaultyAgent(agent, 1.0, faults=["lost_notif"]) if lost else agent
+            injected = ["lost_notif"] if lost else (faults or {}).get(d)
+            transport = FaultyAgent(agent, 1.0, faults=injected) if injected else agent
             rank = DecodeRank(d, topology, transport, 64, params={"read_timeout": read_timeout}, reader=reader)
             self.peer.add_decode(agent.metadata())
             rank.handshake(self.peer.peers)
@@ -136,8 +139,23 @@ def test_nixl_real_decode_tp_above_prefill_tp_counts_notifications_to_the_ratio(
     assert [d.outcomes for d in r.decode] == [{"loaded": 1}] * 2
     assert r.held() == [0]
     stats = r.stats_once(lambda s: bool(s["outcomes"]))
-    assert stats["counts"] == {"partial": 1, "read": 1} and stats["outcomes"] == {"read": 1}
+    assert stats["counts"] == {"notifs": 2, "partial": 1} and stats["outcomes"] == {"read": 1}
     assert r.leaked() == 0
+
+
+def test_nixl_real_a_duplicated_notification_never_stands_in_for_a_reader_still_reading(real: list[Real]) -> None:
+    """Decode TP = 2 × prefill TP: rank 0's notification comes twice, rank 1's never. Counting raw notifications
+    frees the blocks on the duplicate while rank 1 may still READ them; the spec counts readers and holds them."""
+    faults = {0: ["duplicate_notif"], 1: ["lost_notif"]}
+    r = Real(Topology(prefill_tp=1, decode_tp=2, mla=False, kv_bytes=4096), abort_timeout=1.0, faults=faults)
+    real.append(r)
+    r.request("p-1")
+    r.settle()
+    assert [d.outcomes for d in r.decode] == [{"loaded": 1}] * 2
+    stats = r.stats_once(lambda s: bool(s["outcomes"]), until=5.0)
+    assert stats["counts"]["duplicate"] == 1 and stats["counts"]["notifs"] == 2
+    assert stats["outcomes"] == {"expired": 1}, "freed by the expiry, never by rank 0's second notification"
+    assert r.held() == [0] and r.leaked() == 0
 
 
 def test_nixl_real_lost_notification_is_freed_by_the_expiry(real: list[Real]) -> None:

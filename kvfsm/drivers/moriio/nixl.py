@@ -64,4 +64,4 @@ class NixlTransport:
             self.dropped["dead_peer"] += 1  # like a ZMQ PUSH to nobody: lost, never raised
 
     def messages(self) -> list[Message]:
-        return decode_all(self.agent.notifs(), self.dropped)
+        return decode_all([message for _sender, message in self.agent.notifs()], self.dropped)

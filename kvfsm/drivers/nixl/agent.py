@@ -88,5 +88,5 @@ class NixlAgent:
         except Exception as exc:
             raise TransferError("send_notif", peer, f"{type(exc).__name__}: {exc}") from exc
 
-    def notifs(self) -> list[bytes]:
-        return [m for messages in self.agent.get_new_notifs().values() for m in messages]
+    def notifs(self) -> list[tuple[str, bytes]]:
+        return [(peer, m) for peer, messages in self.agent.get_new_notifs().items() for m in messages]

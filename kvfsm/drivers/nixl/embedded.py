@@ -58,7 +58,7 @@ class EmbeddedAgent:
         self._name = name
         self.fabric = fabric
         self._memory: list[tuple[int, int]] = []
-        self._inbox: list[bytes] = []
+        self._inbox: list[tuple[str, bytes]] = []
         self._xfers: dict[int, _Xfer] = {}
         self._ids = itertools.count(1)
 
@@ -101,7 +101,7 @@ class EmbeddedAgent:
             ctypes.memmove(dst, src, n)
         xfer.done = True
         if xfer.notif:
-            self.fabric.agents[xfer.peer]._inbox.append(xfer.notif)
+            self.fabric.agents[xfer.peer]._inbox.append((self._name, xfer.notif))
         return "DONE"
 
     def release(self, handle: object) -> None:
@@ -111,9 +111,9 @@ class EmbeddedAgent:
     def send_notif(self, peer: str, message: bytes) -> None:
         target = self._peer(peer, "send_notif")
         if peer not in self.fabric.stopped:
-            target._inbox.append(message)
+            target._inbox.append((self._name, message))
 
-    def notifs(self) -> list[bytes]:
+    def notifs(self) -> list[tuple[str, bytes]]:
         out, self._inbox = self._inbox, []
         return out
 

@@ -68,5 +68,5 @@ class FaultyAgent:
     def send_notif(self, peer: str, message: bytes) -> None:
         self.inner.send_notif(peer, message)
 
-    def notifs(self) -> list[bytes]:
+    def notifs(self) -> list[tuple[str, bytes]]:
         return self.inner.notifs()

@@ -39,16 +39,13 @@ def prefill_spec() -> Spec:
 class BlockHolder:
     """Actions of ``nixl_prefill``: hold a request's blocks for its readers, free them and report finished_sending.
 
-    ``_reads[key]`` counts the notifications a held request has had; it is part
-    of the ``kv_blocks`` hold, taken by :meth:`hold_blocks` and dropped by
-    :meth:`free_blocks`, so it lives exactly as long as the blocks are held.
+    Who has read them is the spec's to count (``count: readers``), not this driver's.
     """
 
     def __init__(self, blocks: BlockMemory, report: Report | None = None) -> None:
         self.blocks = blocks
         self.pool = blocks.pool
         self.report = report if report is not None else Report()
-        self._reads: dict[Hashable, int] = {}
 
     @staticmethod
     def holder(key: Hashable) -> tuple[str, Hashable]:
@@ -56,19 +53,10 @@ class BlockHolder:
 
     def hold_blocks(self, key: Hashable, /, block_ids: Sequence[int]) -> None:
         self.pool.pin(self.holder(key), block_ids)
-        self._reads[key] = 0
 
     def free_blocks(self, key: Hashable, /) -> None:
-        del self._reads[key]
         self.pool.release(self.holder(key))
         self.report.send(key)
-
-    def count_read(self, key: Hashable, expected: int) -> bool:
-        """One more reader is done with ``key``'s blocks: True once ``expected`` have said so (or it is not held)."""
-        if key not in self._reads:
-            return True
-        self._reads[key] += 1
-        return self._reads[key] >= expected
 
     def observe(self, key: Hashable) -> set[str]:
         return {"kv_blocks"} if self.pool.held_by(self.holder(key)) else set()
@@ -104,7 +92,8 @@ class PrefillRank(Generic[M]):
             prefill_spec(), self.driver, params=params, clock=clock, observer=observer, on_anomaly=on_anomaly
         )
         self.counts: Counter[str] = Counter()
-        """``malformed`` notifications dropped, ``partial`` ones counted toward a ratio, ``read`` events fired."""
+        """``malformed`` notifications dropped and ``notifs`` delivered; :meth:`stats` adds the tracker's
+        ``partial`` (counted, the count not complete) and ``duplicate`` (a reader heard twice)."""
         self.outcomes: Counter[str] = Counter()
         """Finished requests by final state: ``read``, ``expired``, ``aborted``."""
         self.anomalies: Counter[str] = Counter()
@@ -139,29 +128,32 @@ class PrefillRank(Generic[M]):
     def abort(self, request_id: str) -> None:
         self.tracker.fire(request_id, "abort")
 
-    def on_notif(self, raw: bytes) -> None:
-        """Apply one notification; a malformed one is counted and dropped."""
-        self.on_notifs([raw])
+    def on_notifs(self, notifs: Sequence[tuple[str, bytes]]) -> None:
+        """Deliver a step's notifications, ``(sending agent, bytes)``, as ``read`` batches, one per sender and count.
 
-    def on_notifs(self, raws: Sequence[bytes]) -> None:
-        """Apply a step's notifications as one batch: ``read`` for each request whose last expected one came.
-
-        The batch goes to ``deliver_many``, routed by the space the spec
-        declares for ``read`` (this rank's own request id): an id this rank
-        does not hold is counted as unknown, a repeated one as late or ignored.
+        ``deliver_many`` routes them by the space the spec declares for
+        ``read`` (this rank's own request id: one it does not hold is
+        ``unknown``); the spec counts the distinct readers of each request and
+        frees the blocks on the last (``readers``: decode world size /
+        prefill TP, from the notification), and a second notification from one
+        reader is a ``duplicate``, never a read.
         """
-        ready = []
-        for raw in raws:
+        batches: dict[tuple[str, int], list[str]] = {}
+        for sender, raw in notifs:
             notif = parse(raw)
             if notif is None:
                 self.counts["malformed"] += 1
-            elif self.driver.count_read(notif.request_id, self.topology.expected(notif.world_size)):
-                self.counts["read"] += 1
-                ready.append(notif.request_id)
-            else:
-                self.counts["partial"] += 1
-        if ready:
-            self.tracker.deliver_many("read", ready)
+                continue
+            self.counts["notifs"] += 1
+            batches.setdefault((sender, self.topology.expected(notif.world_size)), []).append(notif.request_id)
+        for (sender, readers), ids in batches.items():
+            self.tracker.deliver_many("read", ids, sender=sender, readers=readers)
+
+    def stats(self) -> Counter[str]:
+        """:attr:`counts` with the tracker's count of ``read``: ``partial`` arrivals and ``duplicate`` readers."""
+        return self.counts + Counter(
+            {"partial": self.tracker.counts["counted"], "duplicate": self.tracker.counts["duplicate"]}
+        )
 
     def step(self, now: float | None = None) -> Finished:
         """Once per scheduler step: take the notifications, fire due expiries, drain finished_sending."""
@@ -190,7 +182,7 @@ def engine_stats(ranks: Sequence[PrefillRank[Any]]) -> dict[str, Any]:
     anomalies: Counter[str] = Counter()
     for r in ranks:
         outcomes.update(r.outcomes)
-        counts.update(r.counts)
+        counts.update(r.stats())
         anomalies.update(r.anomalies)
     return {
         "held": [r.held_requests() for r in ranks],

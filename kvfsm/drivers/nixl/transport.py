@@ -59,6 +59,7 @@ class Transport(Protocol):
 
     def send_notif(self, peer: str, message: bytes) -> None: ...
 
-    def notifs(self) -> list[bytes]:
-        """Every notification received since the last call, from any peer."""
+    def notifs(self) -> list[tuple[str, bytes]]:
+        """Every notification received since the last call, each with the name of the agent that sent it
+        (what a count of distinct readers tells apart: NIXL's ``get_new_notifs`` keys them by sender)."""
         ...
