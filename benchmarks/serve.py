@@ -30,18 +30,27 @@ def main() -> int:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="kvfsm-tiny-") as tmp:
         model = make_tiny_model(tmp)
-        rows = compare_serving(model, args.connector or ["cpu_offload"], args.pd or ["nixl"],
-                               num_prompts=args.prompts, concurrency=args.concurrency)
+        rows = compare_serving(
+            model,
+            args.connector or ["cpu_offload"],
+            args.pd or ["nixl"],
+            num_prompts=args.prompts,
+            concurrency=args.concurrency,
+        )
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
     base = rows["none"]
-    print(f"{'server':<14}{'done':>6}{'failed':>7}{'TTFT ms':>10}{'p99 ms':>9}{'req/s':>8}{'tok/s':>8}"
-          f"{'TTFT ×':>8}{'tok/s ×':>9}")
+    print(
+        f"{'server':<14}{'done':>6}{'failed':>7}{'TTFT ms':>10}{'p99 ms':>9}{'req/s':>8}{'tok/s':>8}"
+        f"{'TTFT ×':>8}{'tok/s ×':>9}"
+    )
     for name, r in rows.items():
-        print(f"{name:<14}{r['completed']:>6.0f}{r['failed']:>7.0f}{r['mean_ttft_ms']:>10.1f}{r['p99_ttft_ms']:>9.1f}"
-              f"{r['request_throughput']:>8.2f}{r['output_throughput']:>8.1f}"
-              f"{r['mean_ttft_ms'] / base['mean_ttft_ms']:>8.2f}{r['output_throughput'] / base['output_throughput']:>9.2f}")
+        print(
+            f"{name:<14}{r['completed']:>6.0f}{r['failed']:>7.0f}{r['mean_ttft_ms']:>10.1f}{r['p99_ttft_ms']:>9.1f}"
+            f"{r['request_throughput']:>8.2f}{r['output_throughput']:>8.1f}"
+            f"{r['mean_ttft_ms'] / base['mean_ttft_ms']:>8.2f}{r['output_throughput'] / base['output_throughput']:>9.2f}"
+        )
     return 0 if all(r["failed"] == 0 for r in rows.values()) else 1
 
 
