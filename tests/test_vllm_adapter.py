@@ -323,3 +323,11 @@ def test_a_vllm_connector_asked_for_without_vllm_says_how_to_install_it() -> Non
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
     assert "CpuOffloadConnector is a vLLM connector" in out and "docs/vllm.md" in out
+
+
+def test_the_connector_reports_every_anomaly_kind_the_engine_has_and_nothing_else() -> None:
+    from typing import get_args
+
+    from kvfsm.errors import AnomalyKind
+
+    assert set(Rig().sched.anomalies()) == set(get_args(AnomalyKind))  # ignored events are no anomaly

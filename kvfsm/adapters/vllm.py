@@ -51,12 +51,12 @@ import itertools
 import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, get_args
 
 from ..drivers.cpu_offload import LOAD_SPEC, STORE_SPEC, CpuOffload
 from ..drivers.kv_cache import BlockCopier, Copier, Copy, KVCache
 from ..engine import Tracker
-from ..errors import ActionError
+from ..errors import ActionError, AnomalyKind
 from .vllm_api import (
     KVCacheBlocks,
     KVConnectorMetadata,
@@ -421,8 +421,9 @@ class CpuOffloadScheduler:
         return self.loads.live() + self.stores.live() + self.report.owed()
 
     def anomalies(self) -> dict[str, int]:
-        """Events dropped because they named no live instance (late, duplicate or unknown job ids), by kind."""
-        kinds = ("unknown", "late", "stale", "ignored", "forced")
+        """The trackers' anomalies by kind (every kind ``kvfsm.Anomaly`` has: late, duplicate or unknown job ids,
+        forced releases, …); an event the spec ignores is not one."""
+        kinds = get_args(AnomalyKind)
         return {kind: self.loads.counts.get(kind, 0) + self.stores.counts.get(kind, 0) for kind in kinds}
 
     def shutdown(self) -> None:
