@@ -58,3 +58,10 @@ def test_over_the_mooncake_transfer_engine_the_corrected_protocol_leaves_a_clean
     ledger = run_job(JobConfig(requests=300, concurrency=32, fault_rate=0.1, seed=8, backend="real"))
     assert ledger.errors == [] and ledger.clean, ledger.as_dict()
     assert ledger.outcomes.get("received", 0) > 0  # pages that went over the engine and were byte-checked
+
+
+def test_the_deadline_bounds_a_stall_not_the_jobs_length() -> None:
+    """A job that runs far longer than ``deadline`` while requests keep ending is not cut off (demo --requests 20000)."""
+    ledger = run_job(JobConfig(requests=400, concurrency=8, fault_rate=0.0, seed=9, deadline=1.0), kill_prefill=False)
+    assert ledger.seconds > 1.0, "the job must outlast its deadline for this test to mean anything"
+    assert ledger.finished == 400 and ledger.hung == 0 and ledger.clean, ledger.as_dict()

@@ -38,7 +38,8 @@ class JobConfig:
     decode_time: tuple[float, float] = (0.010, 0.030)
     abort_within: float = 0.025
     deadline: float = 50.0
-    """Decode gives up on the job after this long; whatever is still live then is counted as hung."""
+    """Decode gives up on the job once no request has ended for this long (a stall, not the job's length, so
+    any number of requests runs); whatever is still live then is counted as hung."""
     metrics: bool = False
     """Each process serves its trackers' state and metrics on 127.0.0.1 (kvfsm.observe); URLs in the ledger."""
 

@@ -99,9 +99,9 @@ class Decode(Role):
 
     def run(self) -> dict[str, Any]:
         cfg = self.config
-        start = time.monotonic()
         issued = 0
         next_hello = 0.0
+        ended, progress = 0, time.monotonic()
         while True:
             now = time.monotonic()
             if now >= next_hello:
@@ -120,7 +120,9 @@ class Decode(Role):
             self._finish(now)
             if issued == cfg.requests and not self.begun:
                 break
-            if now - start > cfg.deadline:
+            if issued - len(self.begun) != ended:
+                ended, progress = issued - len(self.begun), now
+            elif now - progress > cfg.deadline:  # nothing has ended for that long: the rest is hung
                 break
             time.sleep(0.0003)
         hung = len(self.begun)  # rooms not ended by the deadline (decoding ones included)

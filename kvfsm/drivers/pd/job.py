@@ -163,6 +163,7 @@ def run_job(
                     continue
                 kind = item[0]
                 if kind == "done":
+                    deadline = time.monotonic() + config.deadline + 30  # a stall bound, as decode's own
                     _, _room, outcome, latency, _bad = item
                     outcomes[outcome] += 1
                     latencies.append(latency)
