@@ -284,6 +284,7 @@ def _coverage(report: Report) -> None:
     summary = cov.summary()
     names = {"edges": "edges", "timeouts": "deadlines", "ignored": "ignored pairs"}
     parts = [f"{names[k]} {done}/{total}" for k, (done, total) in summary.items() if total]
+    parts += [f"{kind} {n}" for kind, n in sorted(cov.arrivals.items())]
     faults = ", ".join(f"{a} {n}" for a, n in sorted(cov.faults.items())) or "none"
     out.print(f"exercised: {' · '.join(parts)} · injected faults: {escape(faults)}")
 

@@ -81,6 +81,9 @@ class Coverage:
         """Instances close() had to release without a transition (abort could not finish them)."""
         self.examples = 0
         self.steps = 0
+        self.arrivals: Counter[str] = Counter()
+        """Counted and early messages by what became of them: ``counted`` (the count not complete), ``duplicate``
+        (a sender heard before), ``kept`` (an id not yet known), ``early`` (dropped unapplied)."""
 
     def record(self, outcome: Outcome) -> None:
         for move in outcome.moves:
@@ -91,6 +94,10 @@ class Coverage:
         self.forced += len(outcome.forced)
         for failure in outcome.failures:
             self.faults[failure.action] += 1
+        if outcome.refused in ("counted", "kept"):
+            self.arrivals[outcome.anomaly or outcome.refused] += 1
+        elif outcome.anomaly == "early":
+            self.arrivals["early"] += 1
         if outcome.refused == "closed":
             self.refused_closed += 1
         elif outcome.refused == "unknown":
@@ -185,6 +192,7 @@ class Coverage:
             "mid_example_closes": self.mid_example_closes,
             "refused_closed": self.refused_closed,
             "forced": self.forced,
+            "arrivals": dict(self.arrivals),
             "edges": [
                 {
                     "source": r.source,
