@@ -261,14 +261,7 @@ class Pair:
 
     def counted(self, key: str, event: str, n: int) -> dict[str, Any]:
         """For an event counted where ``key`` is: one of three senders, and K (0–2) where the arrival gives it."""
-        inst = self.model.live.get(key)
-        source = self.model.counted.get((inst.state, event)) if inst is not None else None
-        if source is None:
-            return {}
-        payload: dict[str, Any] = {"sender": f"s{n % 3}"}
-        if source[0] == "event":
-            payload[str(source[1])] = n // 3 % 3
-        return payload
+        return self.model.count_payload(self.model.state(key), event, f"s{n % 3}", n // 3 % 3)
 
     def fault(self, action: str | None, key: str | None) -> None:
         note(f"fail_next({action!r}, key={key!r})")

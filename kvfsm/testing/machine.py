@@ -199,7 +199,8 @@ class SpecMachine(RuleBasedStateMachine):
         walks and random steps take the edge; the ``hear`` rule sends them one at a time, repeats included.
         """
         inst = None if self.model.closed else self.model.live.get(key)
-        need = self.model.need(inst, event, {self._count_key(inst, event): self._need}) if inst is not None else None
+        drawn = self.model.count_payload(inst.state, event, "", self._need) if inst is not None else {}
+        need = self.model.need(inst, event, drawn) if inst is not None else None
         if need is None:
             self.hear(key, event, fault)
             return
@@ -209,10 +210,6 @@ class SpecMachine(RuleBasedStateMachine):
             self.hear(key, event, fault)
             if self.model.state(key) != state:
                 return
-
-    def _count_key(self, inst: Any, event: str) -> str:
-        source = self.model.counted.get((inst.state, event)) if inst is not None else None
-        return str(source[1]) if source is not None else ""
 
     def hear(self, key: str, event: str, fault: int | None = None) -> None:
         """One ``fire(key, event)`` step (one arrival, where the event is counted)."""
@@ -261,13 +258,7 @@ class SpecMachine(RuleBasedStateMachine):
             if taken:
                 fault = None  # what the caller took for the target would outlive a transition that fails
         payload = self._with_ids(event, edge.transition.payload, payload)
-        source = self.model.counted.get((state, event)) if state is not None else None
-        if source is not None:
-            payload = {
-                **self._with_counts(payload, [source[1]] if source[0] == "event" else []),
-                "sender": self._sender,
-            }
-        return payload, fault
+        return {**self.model.count_payload(state, event, self._sender, self._need), **payload}, fault
 
     def _with_counts(self, payload: Mapping[str, Any], names: Sequence[int | str]) -> Mapping[str, Any]:
         """``payload`` with the drawn K under each count key ``names`` lists that the driver left out."""

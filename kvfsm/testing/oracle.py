@@ -422,6 +422,14 @@ class SpecModel:
         self._apply_kept(out, self.spec.key, key, key)
         return out
 
+    def count_payload(self, state: str | None, event: str, sender: Hashable, need: int) -> dict[str, Any]:
+        """What an arrival of ``event`` in ``state`` carries for its count: ``sender``, and K (``need``) where the
+        arrival gives it; nothing where ``event`` counts nothing there. Every caller that delivers one uses this."""
+        source = self.counted.get((state, event)) if state is not None else None
+        if source is None:
+            return {}
+        return {"sender": sender, **({str(source[1]): need} if source[0] == "event" else {})}
+
     def countable(self) -> list[tuple[Hashable, str]]:
         """(key, event) for each live instance in a state where ``event`` is counted."""
         return [

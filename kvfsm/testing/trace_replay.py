@@ -289,18 +289,11 @@ class TraceRun:
     # -- performing a step -------------------------------------------------------
 
     def _counted(self, role: str, req: str, event: str) -> dict[str, Any]:
-        """Who sent a message the role's spec counts where the request is: the message's sending role (a
-        replayed trace has one instance per role), and K = 1 where the arrival gives K."""
-        model = self._models[role]
-        inst = model.live.get(req)
-        source = model.counted.get((inst.state, event)) if inst is not None else None
-        if source is None:
-            return {}
+        """Who sent a message the role's spec counts: its sending role (a replayed trace has one instance per
+        role, so K = 1 where the arrival gives K)."""
         message = self.system.messages.get(event)
-        payload: dict[str, Any] = {"sender": message.sender if message is not None else role}
-        if source[0] == "event":
-            payload[str(source[1])] = 1
-        return payload
+        sender = message.sender if message is not None else role
+        return self._models[role].count_payload(self.trackers[role].state(req), event, sender, 1)
 
     def _perform(self, step: Step) -> str:
         """Make the step happen on the role's tracker; returns what was called."""
