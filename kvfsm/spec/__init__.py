@@ -7,7 +7,7 @@ from pathlib import Path
 from .checks import run_checks
 from .findings import Finding, SpecError
 from .loader import read, read_text
-from .model import Edge, IgnoreRule, Loc, Resource, Send, Spec, State, Timeout, Transition
+from .model import Edge, IgnoreRule, Loc, Phase, Resource, Send, Spec, State, Timeout, Transition
 from .system import System, check_system, is_system_file, load_system
 
 __all__ = [
@@ -15,6 +15,7 @@ __all__ = [
     "Finding",
     "IgnoreRule",
     "Loc",
+    "Phase",
     "Resource",
     "Send",
     "Spec",

@@ -1,4 +1,4 @@
-"""Static checks KVF101–KVF115: properties proved over a spec's transition graph.
+"""Static checks KVF101–KVF118: properties proved over a spec's transition graph.
 
 Every check works on the expanded edge set of the model (``Spec.edges``), so a
 wildcard source, a timeout or an ``on_error`` path is seen exactly as the
@@ -238,7 +238,7 @@ def check_deterministic(spec: Spec) -> Iterable[Finding]:
 def check_waiting(spec: Spec) -> Iterable[Finding]:
     """KVF107: every live state either times out or is left only by local code."""
     for state in spec.states.values():
-        if not state.is_final and state.timeout is None and not state.waits_local:
+        if not state.is_final and state.timeout is None and not state.waits_local and not spec.phases_of(state.name):
             yield _finding(
                 "KVF107",
                 state.loc,
@@ -442,7 +442,7 @@ def check_remote_events(spec: Spec) -> Iterable[Finding]:
 
 def check_counts(spec: Spec) -> Iterable[Finding]:
     """KVF116: a counted transition says where K comes from, leaves its state, and is not a local exit."""
-    local = {ABORT, spec.on_error} | {st.timeout.fire for st in spec.states.values() if st.timeout is not None}
+    local = {ABORT, spec.on_error} | {t.fire for st in spec.states for t in spec.timeouts(st)}
     for t in spec.transitions:
         if "sender" in t.payload:
             yield _finding(
@@ -499,6 +499,47 @@ def check_early(spec: Spec) -> Iterable[Finding]:
             )  # fmt: skip
 
 
+def check_phases(spec: Spec) -> Iterable[Finding]:
+    """KVF118: a phase spans live, declared states, and its deadline takes every one of them out of the phase."""
+    for phase in spec.phases.values():
+        where = f"phase {phase.name!r}"
+        for name in spec.expand(phase.states):
+            if name not in spec.states:
+                declared = ", ".join(spec.live)
+                yield _finding(
+                    "KVF118", phase.loc, f"{where} names undeclared state {name!r}", f"Use one of: {declared}."
+                )
+            elif spec.states[name].is_final:
+                yield _finding(
+                    "KVF118", phase.loc, f"{where} spans final state {name!r}, but a finished request has nothing "
+                    "left to wait for", f"Remove {name!r} from the phase's states.",
+                )  # fmt: skip
+        after, fire = phase.timeout.after, phase.timeout.fire
+        if isinstance(after, str) and after not in spec.params:
+            yield _finding(
+                "KVF118", phase.timeout.loc, f"{where} times out after undeclared param {after!r}",
+                f"Declare it under 'params:' (e.g. '{after}: 30.0') or write the seconds directly.",
+            )  # fmt: skip
+        inside = spec.phase_states[phase.name]
+        for name in spec.expand(phase.states):
+            if name not in spec.states or spec.states[name].is_final:
+                continue
+            edge = spec.table.get((name, fire))
+            if edge is None:
+                how = "only ignores" if (name, fire) in spec.ignores else "does not accept"
+                yield _finding(
+                    "KVF118", phase.timeout.loc, f"the deadline of {where} fires {fire!r}, which state {name!r} {how}: "
+                    "the deadline could pass with the instance still there", f"Add a transition '{{event: {fire}, "
+                    f"from: {name}, to: <a state outside the phase>}}', or fire an event every state of it accepts.",
+                )  # fmt: skip
+            elif edge.target in inside:
+                yield _finding(
+                    "KVF118", phase.timeout.loc, f"the deadline of {where} fires {fire!r}, which takes {name!r} to "
+                    f"{edge.target!r}, inside the phase: a phase's deadline fires once per entry, so the instance "
+                    "would then wait there with no deadline", f"Send {fire!r} from {name!r} out of the phase.",
+                )  # fmt: skip
+
+
 CHECKS: tuple[Check, ...] = (
     check_initial,
     check_references,
@@ -517,6 +558,7 @@ CHECKS: tuple[Check, ...] = (
     check_remote_events,
     check_counts,
     check_early,
+    check_phases,
 )
 
 

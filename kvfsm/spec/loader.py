@@ -22,6 +22,7 @@ from .model import (
     EventDecl,
     IgnoreRule,
     Outgoing,
+    Phase,
     Relation,
     Resource,
     Send,
@@ -49,7 +50,9 @@ TOP_KEYS = {
     "spaces": "id spaces besides the key's: {name: {linked_at: <event or begin>}}",
     "events": "what events are: {name: {by: <id space>, remote: true}}",
     "outgoing": "messages sent to peers: {name: {to: <peer machine>, event: <its event>, carries: <id space>}}",
+    "phases": "deadlines that span states: {name: {states: [<states>] or '*', timeout: {after, fire}}}",
 }
+PHASE_KEYS = ("states", "timeout", "doc")
 BEGIN_KEYS = ("payload", "doc")
 SPACE_KEYS = ("linked_at", "doc")
 EVENT_KEYS = ("by", "remote", "early", "doc")
@@ -94,9 +97,9 @@ def _seconds(s: Schema, node: Node, what: str) -> str | float | None:
     return s.name(node, what)
 
 
-def _timeout(s: Schema, owner: str, knode: Node, node: Node) -> Timeout | None:
+def _timeout(s: Schema, owner: str, knode: Node, node: Node, what: str = "") -> Timeout | None:
     """``knode`` is the ``timeout:`` key: findings about the timeout point there."""
-    what = f"state {owner!r} timeout"
+    what = what or f"state {owner!r} timeout"
     items = s.mapping(node, what, TIMEOUT_KEYS)
     if items is None:
         return None
@@ -309,6 +312,25 @@ def _early(s: Schema, node: Node, what: str) -> Early | None:
     return Early(keep, within, s.loc(node))
 
 
+def _phase(s: Schema, name: str, knode: Node, node: Node) -> Phase | None:
+    """``name: {states: [...] or '*', timeout: {after, fire}}``: one deadline over a set of states."""
+    what = f"phase {name!r}"
+    items = s.mapping(node, what, PHASE_KEYS)
+    if items is None:
+        return None
+    example = f"'{name}: {{states: [reading, acked], timeout: {{after: lease_ttl, fire: expire}}}}'"
+    states_node = s.require(items, "states", knode, what, f"Say which states the deadline spans: {example}.")
+    timeout_node = s.require(items, "timeout", knode, what, f"Say when it fires and what: {example}.")
+    doc = s.text(items["doc"][1], f"{what}: doc") if "doc" in items else ""
+    if states_node is None or timeout_node is None:
+        return None
+    states = s.names(states_node, f"{what}: states", wildcard=True)
+    timeout = _timeout(s, name, items["timeout"][0], timeout_node, f"{what} timeout")
+    if not states or timeout is None:
+        return None
+    return Phase(name, states, timeout, doc, s.loc(knode))
+
+
 def _outgoing(s: Schema, name: str, knode: Node, node: Node) -> Outgoing | None:
     what = f"outgoing message {name!r}"
     items = s.mapping(node, what, OUTGOING_KEYS)
@@ -397,6 +419,13 @@ def read_text(text: str, path: str = "<string>") -> Spec:
             if message is not None:
                 outgoing[oname] = message
 
+    phases: dict[str, Phase] = {}
+    if "phases" in top:
+        for pname, pknode, pnode in s.named_mapping(top["phases"][1], "phases", "phase"):
+            phase = _phase(s, pname, pknode, pnode)
+            if phase is not None:
+                phases[pname] = phase
+
     if s.errors or name is None or key is None:
         raise SpecError(sorted(s.errors, key=lambda f: (f.line, f.col)))
     locs = {k: s.loc(knode) for k, (knode, _v) in top.items()}
@@ -417,6 +446,7 @@ def read_text(text: str, path: str = "<string>") -> Spec:
         spaces=spaces,
         event_decls=event_decls,
         outgoing=outgoing,
+        phases=phases,
     )
 
 

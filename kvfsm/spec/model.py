@@ -62,6 +62,23 @@ class Timeout:
 
 
 @dataclass(frozen=True, slots=True)
+class Phase:
+    """A deadline that spans states: armed on entering any of ``states`` from outside them (or at ``begin``),
+    kept while the instance moves among them or takes a self-loop, disarmed on leaving them.
+
+    It fires at most once per entry into the phase. ``states`` is as written;
+    ``"*"`` means every non-final state (a lease on the whole instance, from
+    ``begin``).
+    """
+
+    name: str
+    states: tuple[str, ...]
+    timeout: Timeout
+    doc: str = ""
+    loc: Loc = NOWHERE
+
+
+@dataclass(frozen=True, slots=True)
 class State:
     name: str
     initial: bool = False
@@ -262,6 +279,8 @@ class Spec:
     """Events declared under ``events:`` (routing space, remote or not); undeclared ones are local, by key."""
     outgoing: Mapping[str, Outgoing] = field(default_factory=dict)
     """Messages sent to peer machines, by name, each with the id space its id comes from (``outgoing:``)."""
+    phases: Mapping[str, Phase] = field(default_factory=dict)
+    """Deadlines that span states (``phases:``), by name."""
 
     def routed_by(self, event: str) -> str:
         """The id space a message of ``event`` names: its declared ``by``, else the key's."""
@@ -302,6 +321,30 @@ class Spec:
     def counted(self) -> dict[tuple[str, str], Transition]:
         """Every (source state, event) whose transition counts senders."""
         return {(e.source, e.event): e.transition for e in self.edges() if e.transition.count is not None}
+
+    @cached_property
+    def phase_states(self) -> Mapping[str, frozenset[str]]:
+        """Phase → the states it spans, ``"*"`` expanded (names a spec does not declare are kept: KVF118)."""
+        return {name: frozenset(self.expand(p.states)) for name, p in self.phases.items()}
+
+    def phases_of(self, state: str | None) -> tuple[str, ...]:
+        """The phases ``state`` is in, in declaration order (None, before ``begin``: none)."""
+        return tuple(name for name, states in self.phase_states.items() if state in states)
+
+    def phase_moves(self, source: str | None, target: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """``(entered, left)``: the phases whose deadline moving ``source`` → ``target`` arms and disarms
+        (``None`` source: entering at ``begin``). A move inside a phase, or a self-loop, does neither."""
+        before, after = self.phases_of(source), self.phases_of(target)
+        return tuple(p for p in after if p not in before), tuple(p for p in before if p not in after)
+
+    def timeouts(self, state: str) -> tuple[Timeout, ...]:
+        """Every deadline that may be armed while an instance is in ``state``: its own, then its phases'."""
+        own = self.states[state].timeout if state in self.states else None
+        return (*((own,) if own is not None else ()), *(self.phases[p].timeout for p in self.phases_of(state)))
+
+    def fires_on_timeout(self, state: str, event: str) -> bool:
+        """Whether ``event`` in ``state`` may be a deadline firing (the state's own or a phase's)."""
+        return any(t.fire == event for t in self.timeouts(state))
 
     def linked_at(self, event: str) -> tuple[str, ...]:
         """The spaces whose id ``event`` (or ``"begin"``) carries in its payload, to link on the way."""
