@@ -1,4 +1,4 @@
-"""Deadlines as one FIFO per timed state, with lazy cancellation.
+"""Deadlines as one FIFO per timed state (or phase), with lazy cancellation.
 
 Every deadline a state arms is ``clock() + after`` with that state's single
 ``after``, so with a monotonic clock the order of arming is the order of
@@ -54,15 +54,21 @@ class Deadlines:
             queue.clear()
             queue.extend(live)
 
-    def pop_due(self, now: float) -> Iterator[tuple[Hashable, int]]:
-        """Yield (and disarm) ``(key, state index)`` for each deadline at or before ``now``.
+    def ends(self) -> list[int]:
+        """Each queue's length now: entries past these were armed later (see :meth:`pop_due`)."""
+        return [len(q) for q in self.queues]
+
+    def pop_due(self, now: float, ends: list[int] | None = None) -> Iterator[tuple[Hashable, int]]:
+        """Yield (and disarm) ``(key, queue index)`` for each deadline at or before ``now``.
 
         Lazy, so the caller may fire each timeout (and arm new deadlines) before
-        taking the next. Deadlines armed during this pass, in any state, wait
-        for the next poll, so timeouts cannot chain or spin within one poll.
+        taking the next. Deadlines armed during this pass (or after ``ends``
+        was taken), in any queue, wait for the next poll, so timeouts cannot
+        chain or spin within one poll.
         """
         armed, queues = self.armed, self.queues
-        ends = [len(q) for q in queues]  # entries past these were armed during this pass
+        if ends is None:
+            ends = self.ends()
         for index, queue in enumerate(queues):
             for _ in range(ends[index]):
                 if not queue or queue[0][0] > now:

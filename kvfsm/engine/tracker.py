@@ -29,7 +29,7 @@ from itertools import repeat
 from operator import itemgetter
 from pathlib import Path
 from threading import get_ident
-from typing import Any, Final
+from typing import Any, Final, cast
 
 from ..errors import (
     ActionError,
@@ -99,6 +99,8 @@ class Tracker:
       tracker, assigned on first need (a link, the observer, ``generation()``,
       or the key being begun again before its previous instance was drained);
     - ``_deadlines.armed`` holds ``key`` iff ``_live[key]`` has a timeout;
+      ``_phase_deadlines.armed`` holds ``(key, p)`` iff key's instance
+      entered phase p and has not left it, nor had p's deadline fire since;
     - ``_links[space][id] == (key, generation)``, and ``_linked[key]`` lists
       the ``(space, id)`` pairs to forget when key's instance is drained;
     - ``_busy`` is true exactly while a call is running driver actions or the
@@ -140,7 +142,7 @@ class Tracker:
     __slots__ = (
         "spec", "driver", "counts", "_program", "_begin_edge", "_payloads", "_clock", "_observer", "_mutex", "_guard",
         "_live", "_gens", "_links", "_linked", "_deadlines", "_finished", "_queue", "_busy", "_closed", "_failures",
-        "_anomalies", "_armed", "_serial", "_begin_taps", "params", "_retired", "_on_anomaly", "_plain_begin", "_inner",
+        "_anomalies", "_armed", "_phase_rules", "_phase_deadlines", "_serial", "_begin_taps", "params", "_retired", "_on_anomaly", "_plain_begin", "_inner",
         "_epoch", "_heard", "_need", "_early_rules", "_early", "_early_order", "_early_held",
     )  # fmt: skip
 
@@ -241,6 +243,15 @@ class Tracker:
         self._need: dict[Hashable, dict[str, int]] = {}
         """Key → the K its ``begin`` payload gave each count (``count: <begin payload key>``), by key name."""
         self._install_counts()
+        self._phase_rules = tuple(
+            (spec.param(p.timeout.after, {n: r.value for n, r in resolved.items()}), p.timeout.fire)
+            for p in spec.phases.values()
+        )
+        """Per phase, in declaration order: (seconds its deadline is armed for, the event it fires)."""
+        self._phase_deadlines = Deadlines([deque() for _ in self._phase_rules])
+        """Phase deadlines, keyed ``(key, phase index)``: armed and disarmed by taps on the edges that enter and
+        leave each phase, so a transition that stays inside one pays nothing."""
+        self._install_phases()
         self._early_rules: dict[str, tuple[int, float]] = {
             name: (decl.early.keep, spec.param(decl.early.within, {n: r.value for n, r in resolved.items()}))
             for name, decl in spec.event_decls.items()
@@ -769,6 +780,8 @@ class Tracker:
             if self._early_order:
                 self._drop_early(now)
             self._deadlines.sweep()
+            if self._phase_rules:
+                self._phase_deadlines.sweep()
             self._run(lambda: self._fire_due(now, fired), fired)
             return fired
 
@@ -851,6 +864,8 @@ class Tracker:
                 return list(done)
             self._retire(done)
             self._deadlines.sweep(DRAIN_SLACK)
+            if self._phase_rules:
+                self._phase_deadlines.sweep(DRAIN_SLACK)
             return done
 
     def census(self) -> dict[str, int]:
@@ -877,7 +892,8 @@ class Tracker:
     def next_deadline(self) -> float | None:
         """When the earliest armed deadline is due, or None: how long a caller may sleep before ``poll``."""
         with self._guard:
-            return self._deadlines.next_due()
+            due = [d for d in (self._deadlines.next_due(), self._phase_deadlines.next_due()) if d is not None]
+            return min(due, default=None)
 
     @property
     def clock(self) -> Callable[[], float]:
@@ -969,16 +985,24 @@ class Tracker:
     def _fire_due(self, now: float, fired: list[tuple[Hashable, str, str]]) -> None:
         """poll()'s work: fire each due timeout, run what it queued, and record ``(key, event, new state)``."""
         states = self._program.states
+        phases = self._phase_deadlines
+        ends = phases.ends()  # a phase armed by a state's timeout below waits for the next poll
         for key, index in self._deadlines.pop_due(now):
             event = states[index].timeout_event
             assert event is not None, "armed only in states with a timeout"
-            self.counts["timeouts"] += 1
-            end = self._fire_inner(key, event)
-            assert end is not None, "a due key is live"
-            if self._queue:
-                self._drain()
-            state = self._live.get(key)
-            fired.append((key, event, state.name if state is not None else end))
+            self._fire_timeout(key, event, fired)
+        if self._phase_rules:
+            for slot, index in phases.pop_due(now, ends):
+                self._fire_timeout(cast(tuple[Hashable, int], slot)[0], self._phase_rules[index][1], fired)
+
+    def _fire_timeout(self, key: Hashable, event: str, fired: list[tuple[Hashable, str, str]]) -> None:
+        self.counts["timeouts"] += 1
+        end = self._fire_inner(key, event)
+        assert end is not None, "a due key is live"
+        if self._queue:
+            self._drain()
+        state = self._live.get(key)
+        fired.append((key, event, state.name if state is not None else end))
 
     def _fire_inner(self, key: Hashable, event: str, payload: dict[str, Any] | None = None) -> str | None:
         """Fire from inside a running call (poll, close, what actions queued) through ``fire``, so the step is
@@ -1204,6 +1228,35 @@ class Tracker:
         if initial.name in entry:
             self._begin_taps += (partial(self._entered_counting, state=initial),)
 
+    def _install_phases(self) -> None:
+        """Tap the edges that enter or leave a phase (and ``begin``, if the initial state is in one): entering
+        arms the phase's deadline, leaving disarms it, moving inside it or a self-loop touches nothing."""
+        if not self._phase_rules:
+            return
+        index = {name: i for i, name in enumerate(self.spec.phases)}
+        for edge in self._program.edges():
+            entered, left = self.spec.phase_moves(edge.source.name if edge.source else None, edge.target.name)
+            if entered or left:
+                enter, leave = tuple(index[p] for p in entered), tuple(index[p] for p in left)
+                edge.add_tap(partial(self._move_phases, enter=enter, leave=leave))
+        entered, _left = self.spec.phase_moves(None, self._begin_edge.target.name)
+        if entered:
+            self._begin_taps += (partial(self._move_phases, enter=tuple(index[p] for p in entered), leave=()),)
+
+    def _move_phases(self, key: Hashable, enter: tuple[int, ...], leave: tuple[int, ...]) -> None:
+        deadlines = self._phase_deadlines
+        for phase in leave:
+            deadlines.armed.pop((key, phase), None)  # disarm (poll may have already)
+        if enter:
+            now = self._clock()
+            for phase in enter:
+                deadlines.arm((key, phase), phase, now + self._phase_rules[phase][0])
+
+    def _forget_phases(self, key: Hashable) -> None:
+        armed = self._phase_deadlines.armed
+        for phase in range(len(self._phase_rules)):
+            armed.pop((key, phase), None)
+
     def _forget_heard(self, key: Hashable) -> None:
         self._heard.pop(key, None)
 
@@ -1414,6 +1467,8 @@ class Tracker:
                 self._failures.append(Failure(key, ABORT, action, "release", exc, state.name))
         if state.after is not None:
             self._armed.pop(key, None)
+        if self._phase_rules:
+            self._forget_phases(key)
         self._gens.pop(key, None)
         self._heard.pop(key, None)
         self._need.pop(key, None)
