@@ -30,6 +30,8 @@ class _Arrow:
     timeout: bool
     pairs: tuple[tuple[str, str], ...] = ()
     """The (source state, event) edges of the spec this arrow draws."""
+    cluster: str = ""
+    """The phase cluster this arrow leaves from as a whole (its deadline's event), drawn from the cluster's edge."""
 
 
 def _effects(spec: Spec, source: str | None, target: str, many: bool) -> list[str]:
@@ -71,23 +73,56 @@ def _sends(t: Transition) -> list[str]:
 
 
 def _is_timeout(spec: Spec, source: str, event: str) -> bool:
-    st = spec.states.get(source)
-    return st is not None and st.timeout is not None and st.timeout.fire == event
+    return source in spec.states and spec.fires_on_timeout(source, event)
+
+
+def _seconds(after: str | float) -> str:
+    return f"after {after}" if isinstance(after, str) else f"after {after:g} s"
 
 
 def _after(spec: Spec, state: State) -> str:
     assert state.timeout is not None
-    after = state.timeout.after
-    return f"after {after}" if isinstance(after, str) else f"after {after:g} s"
+    return _seconds(state.timeout.after)
+
+
+def _deadline(spec: Spec, source: str, event: str) -> str:
+    """What an edge's deadline is: 'after t' for the state's own, 'phase p: after t' for a phase's."""
+    own = spec.states[source].timeout
+    if own is not None and own.fire == event:
+        return _seconds(own.after)
+    phase = next(p for p in spec.phases_of(source) if spec.phases[p].timeout.fire == event)
+    return f"phase {phase}: {_seconds(spec.phases[phase].timeout.after)}"
+
+
+def _clusters(spec: Spec) -> list[tuple[str, list[str]]]:
+    """Phases drawn as clusters around their states, in declaration order: each phase whose states are not
+    already inside an earlier cluster (Graphviz nests clusters but cannot overlap them)."""
+    drawn: set[str] = set()
+    out = []
+    for name in spec.phases:
+        members = [s for s in spec.states if s in spec.phase_states[name]]
+        if members and drawn.isdisjoint(members):
+            out.append((name, members))
+            drawn.update(members)
+    return out
 
 
 def _layout(spec: Spec) -> tuple[list[tuple[str, list[str]]], list[_Arrow]]:
     """Group nodes (id, member states) and arrows, in declaration order."""
     groups: list[tuple[str, list[str]]] = []
     arrows: list[_Arrow] = []
+    clusters = _clusters(spec)
     for i, t in enumerate(spec.transitions):
         sources = [s for s in spec.expand(t.sources) if s in spec.states]
         if t.target not in spec.states:
+            continue
+        whole = next((c for c, members in clusters if members == sources), None)
+        if whole is not None and spec.phases[whole].timeout.fire == t.event:  # the phase's deadline, from it all
+            same = len({spec.releases(s, t.target) for s in sources}) == 1
+            effects = _effects(spec, sources[0] if same else None, t.target, many=not same)
+            label = [_deadline(spec, sources[0], t.event), _title(spec, t), *effects]
+            pairs = tuple((s, t.event) for s in sources)
+            arrows.append(_Arrow(sources[0], t.target, [*label, *_sends(t)], True, pairs, f"cluster_{whole}"))
             continue
         if len(sources) >= GROUP_AT:
             gid = f"group_{i}"
@@ -99,7 +134,7 @@ def _layout(spec: Spec) -> tuple[list[tuple[str, list[str]]], list[_Arrow]]:
             timed = _is_timeout(spec, s, t.event)
             label = [_title(spec, t), *_effects(spec, s, t.target, many=False), *_sends(t)]
             if timed:
-                label.insert(0, _after(spec, spec.states[s]))
+                label.insert(0, _deadline(spec, s, t.event))
             arrows.append(_Arrow(s, t.target, label, timed, ((s, t.event),)))
     return groups, arrows
 
@@ -146,6 +181,7 @@ def _covered(a: _Arrow, coverage: Coverage) -> tuple[str, str]:
 def to_dot(spec: Spec, *, ignores: bool = False, coverage: Coverage | None = None) -> str:
     """The spec as DOT. With ``coverage``, every edge says how often a test took it; untaken ones are grey and dotted."""
     groups, arrows = _layout(spec)
+    clusters = _clusters(spec)
     ignored = _ignored(spec) if ignores else {}
     title = spec.name + " — " + spec.doc if spec.doc else spec.name
     if coverage is not None:
@@ -154,7 +190,8 @@ def to_dot(spec: Spec, *, ignores: bool = False, coverage: Coverage | None = Non
         title += f"\ntransition coverage: {exercised} of {len(pairs)} edges taken (grey dotted: never; orange: from some sources only)"
     lines = [
         f"digraph {_q(spec.name)} {{",
-        '  graph [rankdir=LR, fontname="Helvetica", fontsize=12, nodesep=0.5, ranksep=0.9, labelloc=t,',
+        '  graph [rankdir=LR, fontname="Helvetica", fontsize=12, nodesep=0.5, ranksep=0.9, labelloc=t,'
+        + (" compound=true," if clusters else ""),
         f"         label={_q(title)}];",
         '  node [shape=box, style="rounded,filled", fontname="Helvetica", fontsize=11, fillcolor="#ffffff"];',
         '  edge [fontname="Helvetica", fontsize=9, color="#495057", fontcolor="#212529"];',
@@ -168,6 +205,9 @@ def to_dot(spec: Spec, *, ignores: bool = False, coverage: Coverage | None = Non
             rows.append('<font point-size="9" color="#6c757d">waits: local</font>')
         if st.timeout is not None:
             rows.append(f'<font point-size="9" color="#6c757d">deadline: {html.escape(_after(spec, st))}</font>')
+        loose = [p for p in spec.phases_of(st.name) if not any(p == c for c, _m in clusters)]
+        if loose:
+            rows.append(f'<font point-size="9" color="#c92a2a">in phase: {html.escape(", ".join(loose))}</font>')
         if st.is_final:
             rows.append(f'<font point-size="9" color="#6c757d">final: {st.final}</font>')
         if st.name in ignored:
@@ -178,6 +218,15 @@ def to_dot(spec: Spec, *, ignores: bool = False, coverage: Coverage | None = Non
         extra = ", peripheries=2" if st.is_final else ""
         extra += ", penwidth=2" if st.initial else ""
         lines.append(f'  {_q(st.name)} [label=<{"<br/>".join(rows)}>, fillcolor="{fill}"{extra}];')
+    for name, members in clusters:
+        timeout = spec.phases[name].timeout
+        label = f"phase {name}: {_seconds(timeout.after)} → {timeout.fire}, from entering it"
+        lines.append(f"  subgraph {_q('cluster_' + name)} {{")
+        lines.append(
+            f'    label={_q(label)}; style="dashed,rounded"; color="#c92a2a"; fontcolor="#c92a2a"; fontsize=9;'
+        )
+        lines.append("    " + " ".join(_q(m) + ";" for m in members))
+        lines.append("  }")
     for gid, members in groups:
         lines.append(
             f'  {gid} [label={_q(_group_label(spec, members))}, shape=box, style="dashed,rounded,filled", fillcolor="{COLOURS["group"]}", fontsize=9, color="#868e96"];'
@@ -195,6 +244,8 @@ def to_dot(spec: Spec, *, ignores: bool = False, coverage: Coverage | None = Non
             parts = [*parts, times]
             style = covered_style if covered_style == UNTAKEN else style + covered_style
         label = "\\n".join(part.replace('"', '\\"') for part in parts)
+        if a.cluster:
+            style += f", ltail={_q(a.cluster)}"
         lines.append(f'  {_q(a.source)} -> {_q(a.target)} [label="{label}"{style}];')
     lines.append("}")
     return "\n".join(lines) + "\n"
@@ -220,6 +271,8 @@ def to_mermaid(spec: Spec, *, ignores: bool = False) -> str:
             notes.append("waits local")
         if st.timeout is not None:
             notes.append("deadline " + _after(spec, st))
+        for p in spec.phases_of(st.name):
+            notes.append(f"phase {p} ({_seconds(spec.phases[p].timeout.after)} → {spec.phases[p].timeout.fire})")
         if st.name in ignored:
             notes.append("ignores " + ", ".join(ignored[st.name]))
         lines.append(f"    {st.name}" + (f" : {_m(st.name)}<br/>{_m('<br/>'.join(notes))}" if notes else ""))
