@@ -92,9 +92,14 @@ def test_seed_004_local_id_holds_the_skipped_ranks_until_expiry() -> None:
     c.step()
     assert c.decode[0].outcomes == {"loaded": 1}
     assert c.held() == [0, 1, 1, 1], "only the rank that was read frees its blocks"
+    for p in c.prefill[1:]:  # the id may yet begin (read is early): kept, not dropped yet
+        assert p.stats()["kept_early"] == 1 and not p.anomalies
+    c.clock.now = 5.0  # early_within: the decode-local id never began on the skipped ranks
+    c.step()
+    assert c.held() == [0, 1, 1, 1]
     for p in c.prefill[1:]:
-        assert p.anomalies == {"unknown:request_id": 1}
-        assert list(p.unknown_ids) == ["d0-p-1"], "the id is decode's key, not a prefill request id"
+        assert p.anomalies == {"early:request_id": 1}
+        assert list(p.anomaly_ids) == ["d0-p-1"], "the id is decode's key, not a prefill request id"
     c.clock.now = 480.0
     c.step()
     assert c.held() == [0, 0, 0, 0]
@@ -133,7 +138,7 @@ def test_prefill_tp_above_decode_tp_without_mla_reads_every_rank_of_the_group() 
     assert c.held() == [0, 0, 0, 0] and c.leaked() == 0
 
 
-def test_notifications_for_unknown_or_malformed_ids_are_counted_and_dropped() -> None:
+def test_notifications_for_ids_never_begun_or_malformed_are_counted_and_dropped() -> None:
     c = Cluster(Topology(prefill_tp=1, decode_tp=1, mla=False, kv_bytes=256))
     c.request("p-1")
     d0 = c.fabric.agents["d0"]
@@ -141,8 +146,10 @@ def test_notifications_for_unknown_or_malformed_ids_are_counted_and_dropped() ->
         d0.send_notif("p0", raw)
     c.prefill[0].step()
     assert c.prefill[0].counts["malformed"] == 2
-    assert c.prefill[0].anomalies["unknown:request_id"] == 1
+    assert c.prefill[0].stats()["kept_early"] == 1, "'nobody' may yet begin: kept for early_within"
+    c.clock.now = 5.0
     c.step()
+    assert c.prefill[0].anomalies["early:request_id"] == 1
     assert c.held() == [0] and c.leaked() == 0
 
 
@@ -215,6 +222,9 @@ def test_kvfsm_test_fails_the_seed_reader_naming_the_id_and_both_spaces_and_pass
     assert report.passed, "\n".join(report.story) or report.error
 
 
+PARAMS = {"abort_timeout": 5.0, "early_within": 1.0}
+
+
 @pytest.mark.parametrize("reader", [BlockReader, LocalIdReader], ids=["correct", "seed"])
 def test_the_seed_readers_journals_fail_replay_limits_and_the_correct_ones_pass(tmp_path, reader) -> None:  # type: ignore[no-untyped-def]
     from kvfsm.cli import main
@@ -225,7 +235,7 @@ def test_the_seed_readers_journals_fail_replay_limits_and_the_correct_ones_pass(
     fabric, clock = Fabric(), Clock()
     journals = [JsonlJournal(tmp_path / f"p{r}.jsonl", machine="nixl_prefill") for r in range(2)]
     prefill = [
-        PrefillRank(r, topology, fabric.agent(f"p{r}"), 16, params={"abort_timeout": 5.0}, clock=clock,
+        PrefillRank(r, topology, fabric.agent(f"p{r}"), 16, params=PARAMS, clock=clock,
                     observer=journals[r], on_anomaly=journals[r].anomaly)
         for r in range(2)
     ]  # fmt: skip
@@ -239,7 +249,7 @@ def test_the_seed_readers_journals_fail_replay_limits_and_the_correct_ones_pass(
         for p, blocks in zip(prefill, remote, strict=True):
             p.request_finished(f"p-{i}", blocks)
         decode.start_load(f"d-{i}", f"p-{i}", "E", decode.blocks.pool.allocate(f"d-{i}", 2), remote[0])
-    for now in (0.0, 6.0):  # the reads complete; the skipped ranks' expiry passes
+    for now in (0.0, 6.0):  # the reads complete; the skipped ranks' early window and expiry pass
         clock.now = now
         decode.step()
         for p in prefill:
@@ -247,15 +257,15 @@ def test_the_seed_readers_journals_fail_replay_limits_and_the_correct_ones_pass(
     assert decode.outcomes == {"loaded": 4}
     for journal in (*journals, djournal):
         journal.close()
-    zero = {"unknown": Limit.parse("0"), "misaddressed": Limit.parse("0")}
-    skipped = check_log(prefill_spec(), tmp_path / "p1.jsonl", limits=zero, params={"abort_timeout": 5.0})
+    zero = {"early": Limit.parse("0"), "misaddressed": Limit.parse("0")}
+    skipped = check_log(prefill_spec(), tmp_path / "p1.jsonl", limits=zero, params=PARAMS)
     sender = check_log(decode_spec(), tmp_path / "d0.jsonl", limits=zero)
     replay = ["replay", prefill_spec().path, str(tmp_path / "p1.jsonl"), "--param", "abort_timeout=5"]
-    assert (main([*replay, "--max", "unknown=0"]) == 0) == (reader is BlockReader)  # kvfsm replay, as a CI runs it
+    assert (main([*replay, "--max", "early=0"]) == 0) == (reader is BlockReader)  # kvfsm replay, as a CI runs it
     if reader is BlockReader:
         assert skipped.conforms and sender.conforms and prefill[1].outcomes == {"read": 4}
-    else:  # the skipped rank never heard its own id: unknown there, misaddressed where it was sent
-        assert not skipped.conforms and skipped.anomalies == {"unknown": 4} and prefill[1].outcomes == {"expired": 4}
+    else:  # the skipped rank never began the id it heard: early there after the window, misaddressed where it was sent
+        assert not skipped.conforms and skipped.anomalies == {"early": 4} and prefill[1].outcomes == {"expired": 4}
         assert not sender.conforms and sender.anomalies == {"misaddressed": 4}
 
 

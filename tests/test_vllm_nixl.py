@@ -45,6 +45,8 @@ CONFIG = EngineConfig(num_gpu_blocks=32, block_size=16)
 TOPOLOGY = {"prefill_tp": 2, "decode_tp": 1, "mla": True, "kv_bytes": 256, "kv_cache": "own"}
 ABORT_TIMEOUT = 50.0
 """In steps: the ranks' clock is the step count."""
+EARLY_WITHIN = 3.0
+"""Steps a notification for a request a prefill rank has not begun waits for its hold."""
 PROMPT = list(range(1, 3 * 16 + 6))  # 4 blocks, the last one partial
 _fabrics = itertools.count()
 
@@ -53,7 +55,7 @@ class Engine:
     """vLLM's Scheduler with kvfsm's NixlConnector, one connector WORKER per TP rank, and a step clock."""
 
     def __init__(self, fabric: str, role: str, engine_id: str, tp: int, **extra: Any) -> None:
-        extra = {"fabric": fabric, **TOPOLOGY, "abort_timeout": ABORT_TIMEOUT, **extra}
+        extra = {"fabric": fabric, **TOPOLOGY, "abort_timeout": ABORT_TIMEOUT, "early_within": EARLY_WITHIN, **extra}
         self.vllm_config = vllm_config(CONFIG, "NixlConnector", extra, role=role, engine_id=engine_id)
         self.vllm_config.cache_config.num_gpu_blocks = CONFIG.num_gpu_blocks
         self.kv_cache_config = kv_cache_config(CONFIG)
@@ -223,6 +225,43 @@ def test_a_request_goes_from_prefill_to_decode_with_every_block_byte_checked(pai
     assert not pair.decode.connector_holders()
 
 
+def notify_before_the_hold(pair: Pair, rid: str, decode_id: str) -> None:
+    """Prefill ``rid``, then let the decode engine READ it and notify before the prefill workers hold it.
+
+    vLLM's prefill worker takes notifications in ``get_finished`` apart from the step whose ``start_load_kv``
+    carries ``request_finished``'s hold (with async scheduling the worker runs a step the hold missed): here each
+    prefill worker's ``get_finished`` runs, as in such a step, once the decode side has read and notified.
+    """
+    params = pair.prefill_one(rid)  # the hold is queued in the prefill scheduler: no worker has it yet
+    pair.decode.add(decode_id, dict(params), max_tokens=1)
+    decode = pair.decode.workers[0].decode
+    assert decode is not None
+    for _ in range(400):
+        pair.decode.step()
+        if decode.outcomes:
+            break
+        time.sleep(0.002)
+    ranks = [w.prefill for w in pair.prefill.workers if w.prefill is not None]
+    deadline = time.monotonic() + 10.0
+    while sum(r.stats()["kept_early"] for r in ranks) < 2 and time.monotonic() < deadline:
+        for w in pair.prefill.workers:
+            assert w.get_finished(set()) == (None, None), "nothing is held yet, nothing can be finished"
+        time.sleep(0.002)
+
+
+def test_a_notification_a_prefill_worker_takes_before_its_hold_frees_the_blocks_at_the_hold(pair: Pair) -> None:
+    notify_before_the_hold(pair, "p-1", "d-1")
+    ranks = [w.prefill for w in pair.prefill.workers if w.prefill is not None]
+    assert [r.stats()["kept_early"] for r in ranks] == [1, 1], "rank 0's READ notification, rank 1's send_notif"
+    assert all(r.held_requests() == 0 and not r.outcomes and not r.anomalies for r in ranks)
+    assert "p-1" in pair.prefill.scheduler.requests
+    pair.step()  # start_load_kv holds, and the kept notifications are applied: get_finished reports it
+    assert [r.outcomes for r in ranks] == [{"read": 1}, {"read": 1}] and not any(r.anomalies for r in ranks)
+    assert "p-1" not in pair.prefill.scheduler.requests, "freed in the step of the hold, not at abort_timeout"
+    pair.until(lambda: not pair.decode.scheduler.requests)
+    assert (pair.prefill.free_blocks(), pair.decode.free_blocks()) == pair.idle and not pair.prefill.connector_holders()
+
+
 def test_an_abort_mid_read_releases_the_handle_reports_the_blocks_and_the_expiry_frees_the_unread_rank() -> None:
     pair = Pair()  # embedded: its peers can be stopped
     params = pair.prefill_one("p-1")
@@ -261,7 +300,9 @@ def test_the_seed_shaped_reader_is_caught_where_it_sends_and_where_the_id_is_dro
             "the spec says it carries remote_request_id, linked to 'p-1'"
         )
         ranks = [w.prefill for w in pair.prefill.workers if w.prefill is not None]
-        assert [r.outcomes for r in ranks] == [{"read": 1}, {}] and ranks[1].anomalies == {"unknown:request_id": 1}
+        assert [r.outcomes for r in ranks] == [{"read": 1}, {}] and ranks[1].stats()["kept_early"] == 1
+        pair.until(lambda: bool(ranks[1].anomalies), steps=int(EARLY_WITHIN) + 2)  # the id never begins there
+        assert ranks[1].anomalies == {"early:request_id": 1} and list(ranks[1].anomaly_ids) == ["d-1"]
         assert "p-1" in pair.prefill.scheduler.requests, "the skipped rank holds the blocks until abort_timeout"
         pair.prefill.now = pair.decode.now = ABORT_TIMEOUT + 10
         pair.step()
@@ -362,8 +403,12 @@ def test_each_connector_call_fires_on_each_rank_what_the_table_in_docs_nixl_says
     pair.step(2)
     pair.prefill.now = pair.decode.now = ABORT_TIMEOUT + 20
     pair.step()
+    embedded_fabric(pair.fabric).resume(p0.agent.name)
+    notify_before_the_hold(pair, "p-3", "d-3")
+    pair.step()
     assert pair.prefill.fired | pair.decode.fired == {
         ("start_load_kv", "nixl_prefill", "begin"),  # the hold request_finished queued
+        ("start_load_kv", "nixl_prefill", "read"),  # notifications that came before the hold, applied at it
         ("get_finished", "nixl_prefill", "read"),  # the step's notifications, by the prefill's own id
         ("get_finished", "nixl_prefill", "expire"),  # the poll
         ("start_load_kv", "nixl_decode", "begin"),

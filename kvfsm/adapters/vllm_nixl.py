@@ -41,6 +41,16 @@ vLLM's tensor-parallel rank): a :class:`~kvfsm.drivers.nixl.PrefillRank`
 rank is the table in docs/nixl.md §3. The transport is real NIXL agents, UCX
 over DRAM (``fabric: "nixl"``, needs ``kvfsm[nixl]``), or the in-process
 embedded fabric (``fabric: "embedded:<name>"``: every engine in one process).
+
+**A notification may come before the hold.** A prefill worker takes the
+decode side's notifications in ``get_finished``, apart from the step whose
+``start_load_kv`` hands it ``request_finished``'s blocks, so a quick decode
+can notify a rank that holds nothing for the request yet. Every notification
+goes to the rank's tracker with its sender; ``nixl_prefill`` declares ``read``
+early, so such a one is kept and applied at the hold, which then frees the
+blocks at once. ``early_within`` in the extra config (seconds; the spec says 5)
+bounds the wait: past it the notification is an ``early`` anomaly and the
+blocks wait for ``abort_timeout``.
 """
 
 from __future__ import annotations
@@ -76,6 +86,11 @@ log = logging.getLogger(__name__)
 
 EMBEDDED = "embedded:"
 REAL = "nixl"
+PREFILL_PARAMS = ("abort_timeout", "early_within")
+"""``nixl_prefill``'s params a prefill rank takes from the extra config: the expiry, and how long a notification
+that came before its request's hold waits for it."""
+DECODE_PARAMS = ("read_timeout",)
+"""``nixl_decode``'s params a decode rank takes from the extra config."""
 REMOTE_KEYS = ("remote_engine_id", "remote_request_id", "remote_block_ids", "remote_host", "remote_port")
 """What a decode request's kv_transfer_params must carry (what the prefill's request_finished returned)."""
 
@@ -119,8 +134,8 @@ class NixlSettings:
     inject: Inject | None = None
 
     KNOWN: ClassVar[frozenset[str]] = frozenset(
-        {"fabric", "prefill_tp", "decode_tp", "mla", "kv_bytes", "tp_rank", "abort_timeout", "read_timeout", "reader",
-         "kv_cache", "side_channel_host", "side_channel_port", "handshake_timeout", "inject"}
+        {"fabric", "prefill_tp", "decode_tp", "mla", "kv_bytes", "tp_rank", "abort_timeout", "early_within",
+         "read_timeout", "reader", "kv_cache", "side_channel_host", "side_channel_port", "handshake_timeout", "inject"}
     )  # fmt: skip
 
     @classmethod
@@ -145,7 +160,7 @@ class NixlSettings:
             mla=bool(extra.get("mla", False)),
             kv_bytes=int(extra.get("kv_bytes", 4096)),
         )
-        params = seconds(extra, ("abort_timeout", "read_timeout"))
+        params = seconds(extra, PREFILL_PARAMS + DECODE_PARAMS)
         rank = int(extra["tp_rank"]) if "tp_rank" in extra else None
         return cls(
             fabric, topology, rank, params, _reader(str(extra.get("reader", ""))), kv_cache,
@@ -268,7 +283,7 @@ class NixlConnector(PDConnector[PrefillRank[BlockMemory], DecodeRank[BlockMemory
         topology = s.topology if memory is None else _topology_of(s.topology, memory.block_bytes)
         if self.kv_role in ("kv_producer", "kv_both"):
             agent = self._agent(f"{self.engine_id}/prefill-{rank}")
-            params = {k: v for k, v in s.params.items() if k == "abort_timeout"}
+            params = {k: v for k, v in s.params.items() if k in PREFILL_PARAMS}
             self.prefill = PrefillRank(
                 rank, topology, agent, self.num_blocks, params=params, clock=self._now, blocks=memory
             )
@@ -277,7 +292,7 @@ class NixlConnector(PDConnector[PrefillRank[BlockMemory], DecodeRank[BlockMemory
             agent = self._agent(f"{self.engine_id}/decode-{rank}")
             if s.inject is not None:
                 agent = FaultyAgent(agent, s.inject.rate, s.inject.seed, s.inject.faults)
-            params = {k: v for k, v in s.params.items() if k == "read_timeout"}
+            params = {k: v for k, v in s.params.items() if k in DECODE_PARAMS}
             self.decode = DecodeRank(
                 rank, topology, agent, self.num_blocks, params=params, clock=self._now, reader=s.reader, blocks=memory
             )
@@ -468,7 +483,7 @@ class NixlConnector(PDConnector[PrefillRank[BlockMemory], DecodeRank[BlockMemory
         if self.prefill is not None:
             p = self.prefill
             out["prefill"] = {
-                "live": p.tracker.live(), "outcomes": dict(p.outcomes), "counts": dict(p.counts),
+                "live": p.tracker.live(), "outcomes": dict(p.outcomes), "counts": dict(p.stats()),
                 "anomalies": dict(p.anomalies), "held_blocks": _held(p.blocks.pool.holdings()),
             }  # fmt: skip
         if self.decode is not None:

@@ -8,9 +8,11 @@ This is the correct :class:`~kvfsm.drivers.nixl.BlockReader` with that one
 message changed, kept to show what kvfsm makes of it: before it runs,
 ``kvfsm test`` fails it with the message it sent, whose id is the key where
 ``nixl_decode``'s ``outgoing: read: carries: remote_request_id``; at run time
-the decode journal has a ``misaddressed`` anomaly, and each skipped rank counts
-an ``unknown`` id in its ``request_id`` space and holds the blocks until
-``abort_timeout``.
+the decode journal has a ``misaddressed`` anomaly, and each skipped rank keeps
+the notification as one that may have come before its request (``read`` is
+early in ``nixl_prefill``), drops it after ``early_within`` as an ``early``
+anomaly in its ``request_id`` space (the id never begins there), and holds the
+blocks until ``abort_timeout``.
 
 The factories :func:`correct_reader` and :func:`seed_reader` make each reader
 on an embedded fabric with two MLA prefill ranks, as ``kvfsm test`` needs it,

@@ -46,9 +46,11 @@ class PeerProcess:
         *,
         engine_id: str = "prefill",
         abort_timeout: float = 480.0,
+        early_within: float | None = None,
         log: Path | None = None,
         start_timeout: float = 60.0,
     ) -> None:
+        """``abort_timeout`` and ``early_within`` are the ranks' ``nixl_prefill`` params (``None``: the spec's)."""
         self.engine_id = engine_id
         args = [
             sys.executable, "-m", "kvfsm.drivers.nixl.peer", "--engine", engine_id,
@@ -56,6 +58,8 @@ class PeerProcess:
             "--kv-bytes", str(topology.kv_bytes), "--blocks", str(num_blocks),
             "--abort-timeout", str(abort_timeout),
         ]  # fmt: skip
+        if early_within is not None:
+            args += ["--early-within", str(early_within)]
         if topology.mla:
             args.append("--mla")
         read_fd, write_fd = os.pipe()
@@ -115,6 +119,16 @@ class PeerProcess:
         blocks: dict[str, list[list[int]]] = self.call("serve", requests=requests)["blocks"]
         return blocks
 
+    def compute(self, requests: dict[str, int]) -> dict[str, list[list[int]]]:
+        """Compute each request's blocks on every rank without holding them yet (the step that hands
+        request_finished's blocks to the worker has not come): the block ids per rank."""
+        blocks: dict[str, list[list[int]]] = self.call("compute", requests=requests)["blocks"]
+        return blocks
+
+    def hold(self, request_ids: list[str]) -> None:
+        """request_finished for requests :meth:`compute` computed: each rank begins holding their blocks."""
+        self.call("hold", request_ids=request_ids)
+
     def stats(self) -> dict[str, Any]:
         """Held requests, leaked holders, outcomes, counts and anomalies, summed over the ranks."""
         return self.call("stats")
@@ -160,6 +174,7 @@ def _serve(argv: list[str]) -> int:
     ap.add_argument("--kv-bytes", type=int, required=True)
     ap.add_argument("--blocks", type=int, required=True)
     ap.add_argument("--abort-timeout", type=float, required=True)
+    ap.add_argument("--early-within", type=float)
     ap.add_argument("--mla", action="store_true")
     ap.add_argument("--reply-fd", type=int, required=True)
     opts = ap.parse_args(argv)
@@ -170,11 +185,15 @@ def _serve(argv: list[str]) -> int:
 
     topology = Topology(opts.prefill_tp, opts.decode_tp, opts.mla, opts.kv_bytes)
     params = {"abort_timeout": opts.abort_timeout}
+    if opts.early_within is not None:
+        params["early_within"] = opts.early_within
     ranks = [
         PrefillRank(r, topology, NixlAgent(f"{opts.engine}-{r}-{os.getpid()}"), opts.blocks, params=params)
         for r in range(opts.prefill_tp)
     ]
     reply = os.fdopen(opts.reply_fd, "wb")
+    computed: dict[str, list[list[int]]] = {}
+    """Requests ``compute`` computed and ``hold`` has not held yet: their blocks per rank."""
 
     def answer(msg: dict[str, Any]) -> None:
         reply.write(json.dumps(msg).encode() + b"\n")
@@ -191,15 +210,23 @@ def _serve(argv: list[str]) -> int:
             for r in ranks:
                 r.agent.add_peer(base64.b64decode(cmd["metadata"]))
             return {}
-        if op == "serve":
+        if op in ("serve", "compute"):
             out: dict[str, list[list[int]]] = {}
             for rid, n in cmd["requests"].items():
                 out[rid] = []
                 for r in ranks:
                     blocks = r.compute(rid, n)
-                    r.request_finished(rid, blocks)
+                    if op == "serve":
+                        r.request_finished(rid, blocks)
                     out[rid].append(blocks)
+            if op == "compute":
+                computed.update(out)
             return {"blocks": out}
+        if op == "hold":
+            for rid in cmd["request_ids"]:
+                for r, blocks in zip(ranks, computed.pop(rid), strict=True):
+                    r.request_finished(rid, blocks)
+            return {}
         if op == "abort":
             for r in ranks:
                 r.abort(cmd["request_id"])

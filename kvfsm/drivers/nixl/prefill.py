@@ -3,10 +3,15 @@
 :class:`BlockHolder` is the driver of ``specs/nixl_prefill.yaml``;
 :class:`PrefillRank` owns a rank's blocks, agent and tracker, and turns the
 notifications it receives into events once per step. A notification is parsed
-with a guard (malformed ones are counted, never raised) and routed by the
-prefill's own request id; an id this rank does not hold is the Tracker's
-``unknown`` anomaly in the ``request_id`` space (seed 004's symptom), a late
-one for a finished request is ignored by the spec.
+with a guard (malformed ones are counted, never raised) and handed to the
+tracker as it is, routed by the prefill's own request id: the driver filters
+no id itself. One for a request this rank has not begun yet (the decode side
+was quicker than the step that hands over request_finished's blocks) is kept
+by the tracker (the spec declares ``read`` early) and applied at
+:meth:`~PrefillRank.hold`, which then frees the blocks at once; one whose id
+never begins within ``early_within`` (seed 004's decode-local id) is dropped as
+an ``early`` anomaly in the ``request_id`` space; a late one for a finished
+request is ignored by the spec.
 """
 
 from __future__ import annotations
@@ -97,8 +102,10 @@ class PrefillRank(Generic[M]):
         self.outcomes: Counter[str] = Counter()
         """Finished requests by final state: ``read``, ``expired``, ``aborted``."""
         self.anomalies: Counter[str] = Counter()
-        """The tracker's dropped events by ``kind:space`` (``unknown:request_id`` for an id this rank never held)."""
-        self.unknown_ids: deque[Hashable] = deque(maxlen=64)
+        """The tracker's dropped events by ``kind:space``: ``early:request_id`` for a notification whose id this
+        rank did not begin within ``early_within`` (seed 004's decode-local id), ``late:request_id`` for one that
+        came after the request ended and was drained."""
+        self.anomaly_ids: deque[Hashable] = deque(maxlen=64)
         """The latest ids the anomalies named, for a message that shows them."""
 
     def compute(self, request_id: str, n_blocks: int) -> list[int]:
@@ -122,7 +129,11 @@ class PrefillRank(Generic[M]):
         self.blocks.pool.release(request_id)
 
     def hold(self, request_id: str, block_ids: Sequence[int]) -> None:
-        """The connector becomes a holder of ``block_ids`` for the decode side's READ (the owner keeps its own hold)."""
+        """The connector becomes a holder of ``block_ids`` for the decode side's READ (the owner keeps its own hold).
+
+        Notifications for ``request_id`` that came before it (kept by the tracker) are applied here: if every
+        reader has said it is done, the blocks are freed before this returns.
+        """
         self.tracker.begin(request_id, block_ids=list(block_ids))
 
     def abort(self, request_id: str) -> None:
@@ -132,9 +143,11 @@ class PrefillRank(Generic[M]):
         """Deliver a step's notifications, ``(sending agent, bytes)``, as ``read`` batches, one per sender and count.
 
         ``deliver_many`` routes them by the space the spec declares for
-        ``read`` (this rank's own request id: one it does not hold is
-        ``unknown``); the spec counts the distinct readers of each request and
-        frees the blocks on the last (``readers``: decode world size /
+        ``read`` (this rank's own request id), each with the agent that sent
+        it: an id not begun yet is kept with its sender and count until
+        :meth:`hold` begins it, or dropped as ``early`` after
+        ``early_within``. The spec counts the distinct readers of each request
+        and frees the blocks on the last (``readers``: decode world size /
         prefill TP, from the notification), and a second notification from one
         reader is a ``duplicate``, never a read.
         """
@@ -150,9 +163,12 @@ class PrefillRank(Generic[M]):
             self.tracker.deliver_many("read", ids, sender=sender, readers=readers)
 
     def stats(self) -> Counter[str]:
-        """:attr:`counts` with the tracker's count of ``read``: ``partial`` arrivals and ``duplicate`` readers."""
+        """:attr:`counts` with the tracker's count of ``read``: ``partial`` arrivals, ``duplicate`` readers, and
+        ``kept_early`` notifications that came before their request was begun (applied at :meth:`hold`, or
+        dropped as ``early`` anomalies)."""
+        counts = self.tracker.counts
         return self.counts + Counter(
-            {"partial": self.tracker.counts["counted"], "duplicate": self.tracker.counts["duplicate"]}
+            {"partial": counts["counted"], "duplicate": counts["duplicate"], "kept_early": counts["kept_early"]}
         )
 
     def step(self, now: float | None = None) -> Finished:
@@ -163,7 +179,7 @@ class PrefillRank(Generic[M]):
             self.outcomes[final] += 1
         for anomaly in self.tracker.anomalies():
             self.anomalies[f"{anomaly.kind}:{anomaly.space}"] += 1
-            self.unknown_ids.append(anomaly.id)
+            self.anomaly_ids.append(anomaly.id)
         return self.driver.report.take()
 
     def held_requests(self) -> int:
@@ -190,5 +206,5 @@ def engine_stats(ranks: Sequence[PrefillRank[Any]]) -> dict[str, Any]:
         "outcomes": dict(outcomes),
         "counts": dict(counts),
         "anomalies": dict(anomalies),
-        "anomaly_ids": [str(i) for r in ranks for i in r.unknown_ids],
+        "anomaly_ids": [str(i) for r in ranks for i in r.anomaly_ids],
     }
