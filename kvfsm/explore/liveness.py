@@ -11,7 +11,15 @@ count. The fairness assumed (and written again in the Promela export):
 - **weak fairness of delivery**: a message that stays deliverable is
   eventually delivered;
 - **the channel misbehaves finitely often**: a fair run loses and duplicates
-  only finitely many messages, so a fair cycle neither loses nor duplicates.
+  only finitely many messages, so a fair cycle neither loses nor duplicates;
+- **time passes**: a phase's deadline is armed on entering the phase and
+  kept while the instance moves inside it, so an instance cannot stay in a
+  phase forever (runs are non-Zeno: infinitely many steps take unbounded
+  time, and the deadline fires by then). A fair run leaves each phase it
+  enters, or stays out of it, infinitely often: a cycle that keeps an instance
+  inside one phase throughout (retrying inside a lease) is no run. A state's
+  own timeout needs no such rule: a self-loop re-arms it, and an instance
+  that does not move at all owes its timeout by the first rule.
 
 A state where nothing is owed (nothing deliverable, no instance with local
 work or a timeout) may last forever: that lasso has an empty cycle.
@@ -60,6 +68,9 @@ class Fairness:
     def __init__(self, local: LocalSystem) -> None:
         self.local = local
         self.nroles = len(local.roles)
+        first = self.nroles + len(local.message_names)
+        self.phases = [(first + j, slot) for j, slot in enumerate(s for s in local.clocks.slots if s.phase)]
+        """(obligation, phase slot): "leave the phase", owed in its states and discharged by no move."""
         self.enabled = [self._enabled(i) for i in range(len(local.states))]
 
     def _enabled(self, i: int) -> frozenset[int]:
@@ -70,9 +81,10 @@ class Fairness:
         owed = {
             r
             for r, role in enumerate(self.local.roles)
-            if not role.final[at[r]] and any(c in ("local", "timeout") for *_x, c in role.spontaneous[at[r]])
+            if not role.final[at[r]] and any(c in ("local", "timeout") for _e, _t, _s, c, _v in role.spontaneous[at[r]])
         }
         owed |= {self.nroles + flight[pos] for pos in self.local.wire.deliverable(flight)}
+        owed |= {k for k, slot in self.phases if slot.param[at[slot.role]] is not None}
         return frozenset(owed)
 
     def takes(self, move: Move | None) -> int:

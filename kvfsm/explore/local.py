@@ -14,9 +14,13 @@ Semantics (the same in the Promela export):
 - every role's instance starts in its initial state, nothing in flight;
 - a live instance may fire any event it has a transition for, unless that event
   is a message it receives (local work, ``abort`` and the ``on_error`` event
-  happen whenever their state allows; a timeout too, unless the system's
-  relations make another armed deadline fall due first); a role that may
-  crash may also ``crash`` from any live state into ``crashed``;
+  happen whenever their state allows; a timeout too, its state's own or a
+  phase's while the instance is in one of the phase's states, unless the
+  system's relations make another armed deadline fall due first); a role that
+  may crash may also ``crash`` from any live state into ``crashed``;
+- a transition into a state that counts to 0 on entry (:mod:`.entry`) goes
+  on with the counted transition in the same move, as the Tracker fires it
+  before the call that entered the state returns (``Move.via``);
 - sends, deliveries, loss and duplicates follow the channel's rules
   (:mod:`kvfsm.spec.system.channel`). The receiver of a delivered message
   fires it, ignores it, counts it (a counted message before its last sender
@@ -37,11 +41,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 from ..errors import KvfsmError
-from ..spec.model import ABORT
+from ..spec.model import ABORT, Edge
 from ..spec.system import LastStep, Snapshot, System, violations
 from ..spec.system.channel import Flight
 from ..spec.system.model import CRASH, CRASHED
 from .clocks import Clocks
+from .entry import entering
+from .limits import ExploreError
 
 LocalState = tuple[tuple[int, ...], tuple[int, ...], int]
 """(state index per role, ids of this request's messages in flight, deadline order bits); ``RETIRED`` once done."""
@@ -85,6 +91,9 @@ class Move:
     """The request's messages in flight after the move."""
     violation: str | None = None
     """The property this move itself breaks (``unexpected_message``, ``late_message``, ``overflow``)."""
+    via: tuple[int, ...] = ()
+    """States entered and left at once on the way to ``target``: each counts to 0 on entry, so its counted
+    transition fires in the same move (empty for a plain transition)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,10 +102,10 @@ class _Role:
     states: tuple[str, ...]
     final: tuple[bool, ...]
     holds: tuple[tuple[str, ...], ...]
-    spontaneous: tuple[tuple[tuple[str, int, tuple[int, ...], str], ...], ...]
-    """per state: (event, target, message ids sent, cause) for every event that needs no message."""
-    on_message: dict[tuple[int, int], tuple[int, tuple[int, ...]] | None]
-    """(state, message id) → (target, sends) for a transition, ``None`` if ignored; absent: rejected."""
+    spontaneous: tuple[tuple[tuple[str, int, tuple[int, ...], str, tuple[int, ...]], ...], ...]
+    """per state: (event, target, message ids sent, cause, via) for every event that needs no message."""
+    on_message: dict[tuple[int, int], tuple[int, tuple[int, ...], tuple[int, ...]] | None]
+    """(state, message id) → (target, sends, via) for a transition, ``None`` if ignored; absent: rejected."""
     crashed: int = -1
     """The index of the ``crashed`` state of a role that may crash; -1 for one that may not."""
     restart: bool = True
@@ -135,7 +144,9 @@ class LocalSystem:
         self.violations: list[tuple[tuple[str, str], ...]] = []
         """per local id: (property, what is wrong) for every property the local state breaks."""
         self.nmsg: list[int] = []
-        start = tuple(role.states.index(system.roles[role.name].spec.initial.name) for role in self.roles)
+        self.passed: set[tuple[str, str]] = set()
+        """(role, state) for each state ``begin`` passes through: an initial state that counts to 0 on entry."""
+        start = tuple(self._begin(role.name, role.states) for role in self.roles)
         self.initial = self._intern(self._normal((start, (), self.clocks.initial(start))))
         self._build()
 
@@ -160,6 +171,18 @@ class LocalSystem:
             for m in messages
         )
 
+    def _begin(self, name: str, states: tuple[str, ...]) -> int:
+        """Where ``begin`` leaves a role's instance: its initial state, or past it if that counts to 0 on entry."""
+        spec = self.system.roles[name].spec
+        chain = entering(spec, spec.initial.name)
+        if any(e.transition.sends for e in chain):
+            raise ExploreError(
+                f"role {name}: its initial state {spec.initial.name!r} counts to 0 on entry, and the transition "
+                "that fires at begin sends a message; the explorer cannot send at begin yet"
+            )
+        self.passed.update((name, e.source) for e in chain)
+        return states.index(chain[-1].target if chain else spec.initial.name)
+
     def _compile(self, name: str, msg_id: dict[str, int]) -> _Role:
         spec = self.system.roles[name].spec
         states = tuple(spec.states)
@@ -168,19 +191,27 @@ class LocalSystem:
         by_event: dict[str, list[int]] = {}
         for msg in inbox.values():
             by_event.setdefault(msg.event, []).append(msg_id[msg.name])
-        spontaneous: list[list[tuple[str, int, tuple[int, ...], str]]] = [[] for _ in states]
-        on_message: dict[tuple[int, int], tuple[int, tuple[int, ...]] | None] = {}
+        spontaneous: list[list[tuple[str, int, tuple[int, ...], str, tuple[int, ...]]]] = [[] for _ in states]
+        on_message: dict[tuple[int, int], tuple[int, tuple[int, ...], tuple[int, ...]] | None] = {}
+
+        def sent(e: Edge) -> tuple[int, ...]:
+            return tuple(msg_id[x] for s in e.transition.sends for x in self.system.outgoing(name, s.message))
+
         for e in spec.edges():
             if e.source not in sid or e.target not in sid:
                 continue
             src, dst = sid[e.source], sid[e.target]
-            sends = tuple(msg_id[x] for s in e.transition.sends for x in self.system.outgoing(name, s.message))
+            sends = sent(e)
+            via: tuple[int, ...] = ()
+            chain = entering(spec, e.target) if e.target != e.source else ()  # a self-loop enters nothing
+            if chain:
+                sends += tuple(m for then in chain for m in sent(then))
+                via, dst = tuple(sid[then.source] for then in chain), sid[chain[-1].target]
             if e.event in by_event:
                 for mid in by_event[e.event]:
-                    on_message.setdefault((src, mid), (dst, sends))
+                    on_message.setdefault((src, mid), (dst, sends, via))
                 continue
-            timeout = spec.states[e.source].timeout
-            if timeout is not None and timeout.fire == e.event:
+            if spec.fires_on_timeout(e.source, e.event):
                 cause = "timeout"
             elif e.event == ABORT:
                 cause = "abort"
@@ -188,7 +219,7 @@ class LocalSystem:
                 cause = "error"
             else:
                 cause = "local"
-            spontaneous[src].append((e.event, dst, sends, cause))
+            spontaneous[src].append((e.event, dst, sends, cause, via))
         for state, event, _rule in spec.ignored():
             if state in sid:
                 for mid in by_event.get(event, ()):
@@ -201,7 +232,7 @@ class LocalSystem:
             crashed = len(states)
             for src in range(crashed):
                 if not final[src]:
-                    spontaneous[src].append((CRASH, crashed, (), "crash"))
+                    spontaneous[src].append((CRASH, crashed, (), "crash", ()))
             on_message.update({(crashed, msg_id[m]): None for m in inbox})  # by name: every copy
             states, final, holds = (*states, CRASHED), [*final, True], [*holds, ()]
             spontaneous.append([])
@@ -282,11 +313,11 @@ class LocalSystem:
             s = at[r]
             if role.final[s]:
                 continue
-            for event, target, sends, cause in role.spontaneous[s]:
-                if cause == "timeout" and clocks and clocks.blocked(bits, at, r):
+            for event, target, sends, cause, via in role.spontaneous[s]:
+                if cause == "timeout" and clocks and clocks.blocked(bits, at, r, event):
                     continue  # a shorter deadline armed no later than this one falls due first
                 for nxt, sent in self._sending(at, r, target, flight, sends):
-                    yield nxt, Move(r, cause, "fire", event, s, target, sent, in_flight=len(nxt[1]))
+                    yield nxt, Move(r, cause, "fire", event, s, target, sent, in_flight=len(nxt[1]), via=via)
         for pos in self.wire.deliverable(flight):
             m = flight[pos]
             r = self.receiver[m]
@@ -304,9 +335,9 @@ class LocalSystem:
                 elif how is not None and not role.final[s] and self._counts_only(bits, m):
                     yield (at, left), Move(r, "message", "count", event, s, s, (), m, keep, len(left))
                 elif how is not None and not role.final[s]:
-                    target, sends = how
+                    target, sends, via = how
                     for nxt, sent in self._sending(at, r, target, left, sends):
-                        yield nxt, Move(r, "message", "fire", event, s, target, sent, m, keep, len(nxt[1]))
+                        yield nxt, Move(r, "message", "fire", event, s, target, sent, m, keep, len(nxt[1]), via=via)
                 else:
                     yield (at, left), Move(r, "message", "reject", event, s, s, (), m, keep, len(left))
 
@@ -318,15 +349,21 @@ class LocalSystem:
         return heard.bit_count() < self.count[m]
 
     def _after(self, bits: int, move: Move, at: tuple[int, ...]) -> int:
-        """The deadline order and counts after ``move``: a fired transition re-arms; one that leaves its state
-        forgets its counts (a self-loop keeps them, as the engine does)."""
+        """The deadline order and counts after ``move``: a fired transition re-arms (each state it passes
+        through, in turn); one that leaves its state forgets its counts (a self-loop keeps them, as the engine does)."""
         if move.action == "count":
             return bits | self.heard_bit[move.message]
         if move.action != "fire":
             return bits
-        if move.source != move.target:
+        if move.source != move.target or move.via:
             bits &= ~self.heard_mask[move.role]
-        return self.clocks.fired(bits, move.role, at) if self.clocks else bits
+        if not self.clocks:
+            return bits
+        r, source = move.role, move.source
+        for state in (*move.via, move.target):
+            bits = self.clocks.fired(bits, r, source, (*at[:r], state, *at[r + 1 :]))
+            source = state
+        return bits
 
     def _build(self) -> None:
         """Every local state one request can reach with at most ``capacity`` messages in flight."""
@@ -389,12 +426,14 @@ class LocalSystem:
         return self.roles[role].holds[state]
 
     def reached(self) -> set[tuple[str, str]]:
-        """(role, state) pairs some request can reach (finished states included, though retired at once)."""
-        out: set[tuple[str, str]] = set()
+        """(role, state) pairs some request can reach (finished states included, though retired at once, and
+        states that count to 0 on entry, though left in the move that enters them)."""
+        out: set[tuple[str, str]] = set(self.passed)
         for i, (at, _flight, _bits) in enumerate(self.states):
             for r, s in enumerate(at):
                 out.add((self.roles[r].name, self.roles[r].states[s]))
             for j, move in self.moves[i]:
                 if j >= 0:
-                    out.add((self.roles[move.role].name, self.roles[move.role].states[move.target]))
+                    role = self.roles[move.role]
+                    out.update((role.name, role.states[s]) for s in (*move.via, move.target))
         return out

@@ -9,6 +9,7 @@ from typing import Any
 
 from ..spec.system import Channel, System, load_system
 from .automaton import Automaton, build
+from .entry import at_once
 from .limits import check_sizes
 from .liveness import Fairness, Lasso, find_lasso
 from .local import LocalLimit, LocalSystem, Move
@@ -300,6 +301,11 @@ def _words(local: LocalSystem, move: Move) -> str:
     taken = [x for x in spec_holds[move.target] if x not in spec_holds[move.source]]
     freed = [x for x in spec_holds[move.source] if x not in spec_holds[move.target]]
     parts = ([f"takes {', '.join(taken)}"] if taken else []) + ([f"frees {', '.join(freed)}"] if freed else [])
+    spec = local.system.roles[role.name].spec
+    for state in move.via:  # states that count to 0 on entry: their counted transition fired in the same move
+        then = at_once(spec, role.states[state])
+        assert then is not None  # Move.via holds only such states
+        parts.append(f"{then.source} waits for 0 senders: {then.event} fires at once, → {then.target}")
     return "; ".join(parts)
 
 

@@ -23,6 +23,7 @@ from ..spec.system import System
 from ..spec.system.channel import Traffic
 from ..spec.system.model import CRASH, CRASHED
 from .clocks import Clocks
+from .entry import entering
 from .limits import check_sizes
 
 FORMAT = "kvfsm-trace/1"
@@ -321,7 +322,7 @@ def check_trace(trace: Trace, system: System) -> None:
 
     Checks roles, requests (begun before they move), states, events (a
     message step names a message its role receives, a timeout step the event
-    its state's deadline fires), sends (declared, from that role, to their
+    a deadline armed in its state fires: the state's own or a phase's), sends (declared, from that role, to their
     receiver), resources, and the channel (:mod:`kvfsm.spec.system.channel`):
     a message is delivered only while it may arrive, lost or duplicated only
     where the channel may do so, and the channel never holds more than its
@@ -396,8 +397,11 @@ class _Timing:
 
     def __init__(self, system: System) -> None:
         self.names = list(system.roles)
+        self.specs = [r.spec for r in system.roles.values()]
         self.order = [[*r.spec.states, *([CRASHED] if r.crash else [])] for r in system.roles.values()]
-        self.start = [list(r.spec.states).index(r.spec.initial.name) for r in system.roles.values()]
+        self.start = [
+            self.order[k].index(self._landing(k, r.spec.initial.name)[-1]) for k, r in enumerate(system.roles.values())
+        ]
         self.clocks = Clocks(system, self.order)
         self.at: dict[str, tuple[list[int], int]] = {}
         """request → (state index per role, deadline order bits)."""
@@ -408,15 +412,33 @@ class _Timing:
             return
         states, bits = self.at.get(step.request, (list(self.start), self.clocks.initial(self.start)))
         r = self.names.index(step.role)
-        if step.cause == "timeout" and self.clocks.blocked(bits, states, r):
+        if step.cause == "timeout" and step.event is not None and self.clocks.blocked(bits, states, r, step.event):
             raise TraceError(
                 f"{at}.cause",
                 f"{step.role}'s timeout cannot fire yet: the relations make a deadline armed no later fall due first",
             )
         if step.action == "fire":
-            states = [*states[:r], self.order[r].index(step.target), *states[r + 1 :]]
-            bits = self.clocks.fired(bits, r, states)
+            source = states[r]
+            for state in self._path(r, step):
+                states = [*states[:r], self.order[r].index(state), *states[r + 1 :]]
+                bits = self.clocks.fired(bits, r, source, states)
+                source = states[r]
         self.at[step.request] = (states, bits)
+
+    def _landing(self, r: int, state: str) -> list[str]:
+        """``state``, then each state a count of 0 on entry moves the instance on to at once (:mod:`.entry`)."""
+        return [state, *(e.target for e in entering(self.specs[r], state))]
+
+    def _path(self, r: int, step: Step) -> list[str]:
+        """The states a fired step enters in turn: its target, or, where the transition's own target counts to 0
+        on entry and goes on at once to the step's target, each state on the way."""
+        spec = self.specs[r]
+        edge = spec.table.get((step.source or "", step.event or ""))
+        if edge is not None and edge.target != edge.source:
+            way = self._landing(r, edge.target)
+            if len(way) > 1 and way[-1] == step.target:
+                return way
+        return [step.target]
 
 
 def carry(traffic: Traffic, step: Step, at: str = "step") -> None:
@@ -462,11 +484,15 @@ def _check_move(system: System, step: Step, at: str, begun: set[tuple[str, str]]
             f"{at}.cause", f"{step.event!r} is a message: it happens only when delivered (cause 'message')"
         )
     if step.cause == "timeout":
-        timeout = spec.states[step.source].timeout if step.source is not None else None
-        if timeout is None or timeout.fire != step.event:
-            fires = f"fires {timeout.fire!r}" if timeout is not None else "has no timeout"
+        armed = spec.timeouts(step.source) if step.source is not None else ()
+        if not any(t.fire == step.event for t in armed):
+            fires = (
+                f"'s deadlines (its own timeout's, its phases') fire {' or '.join(sorted({repr(t.fire) for t in armed}))}"
+                if armed
+                else " has no timeout and is in no phase"
+            )
             raise TraceError(
-                f"{at}.event", f"a timeout step in {step.source!r} fires {step.event!r}, but that state {fires}"
+                f"{at}.event", f"a timeout step in {step.source!r} fires {step.event!r}, but that state{fires}"
             )
     if step.action == "reply":
         reply = system.messages[step.event].reply_if_finished if step.event in system.messages else None

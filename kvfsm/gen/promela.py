@@ -22,12 +22,19 @@ in the header). ``-DREPORT`` replaces the assertions by a line
 every verdict and the state count.
 
 What the system file adds is encoded too: the deadline order of its
-``relations`` (one bit per ordered pair of roles, guarding each timeout), one
-role variable per rank and one message per (sender, receiver) instance, a
-byte per counted message remembering the sender ranks heard, the ``crashed``
-state of a role that may crash, and, under ``-DLIVE``, the fairness
-bookkeeping and one LTL formula per ``eventually`` property (``pan -a -N
-<name>``).
+``relations`` (one bit per ordered pair of deadlines, a state's own or a
+phase's, guarding each timeout; :mod:`kvfsm.explore.clocks`), one role
+variable per rank and one message per (sender, receiver) instance, a byte per
+counted message remembering the sender ranks heard, the ``crashed`` state of
+a role that may crash, and, under ``-DLIVE``, the fairness bookkeeping and
+one LTL formula per ``eventually`` property (``pan -a -N <name>``).
+
+A phase's timeout is a timeout of each of the phase's states: its guard is
+the phase's deadline order, and since its firing leaves the phase (KVF118)
+it fires once per entry; under ``-DLIVE`` each phase is also an obligation
+(a fair run does not stay inside it forever). A transition into a state
+that counts to 0 on entry goes on with the counted transition in the same
+``d_step`` (:mod:`kvfsm.explore.entry`).
 """
 
 from __future__ import annotations
@@ -44,7 +51,9 @@ from itertools import product
 from pathlib import Path
 
 from ..explore.clocks import Clocks
-from ..spec.model import ABORT, Send, Spec
+from ..explore.entry import entering
+from ..explore.limits import ExploreError
+from ..spec.model import ABORT, Edge, Send, Spec
 from ..spec.system import Message, System
 from ..spec.system.model import CRASHED
 
@@ -76,6 +85,16 @@ class _Model:
         }
         """Each role's states in value order: the spec's, then ``crashed`` for a role that may crash."""
         self.clocks = Clocks(system, list(self.order.values()))
+        self.begin: dict[str, str] = {}
+        """Where ``begin`` leaves each role: its initial state, or past it where that counts to 0 on entry."""
+        for name, spec in self.specs.items():
+            chain = entering(spec, spec.initial.name)
+            if any(e.transition.sends for e in chain):
+                raise ExploreError(
+                    f"role {name}: its initial state {spec.initial.name!r} counts to 0 on entry, and the transition "
+                    "that fires at begin sends a message; the export cannot send at begin yet"
+                )
+            self.begin[name] = chain[-1].target if chain else spec.initial.name
         heard: dict[tuple[str, str], int] = {}
         for msg in system.messages.values():
             if msg.count:
@@ -85,25 +104,44 @@ class _Model:
 
     # -- deadline order (the system's relations) -------------------------------------
 
-    def timed(self, role: int, shorter_than: tuple[str, str] | None = None) -> list[str]:
-        """States of ``role`` with a timeout (declared shorter than ``shorter_than``, if given)."""
-        name = self.roles[role]
-        return [
-            s
-            for s, p in zip(self.order[name], self.clocks.param[role], strict=True)
+    def armed(self, slot: int, shorter_than: tuple[str, str] | None = None) -> str:
+        """Deadline ``slot`` (a state's own or a phase's) is armed (and declared shorter than ``shorter_than``, if
+        given): its role is in one of the states where it is."""
+        s = self.clocks.slots[slot]
+        name = self.roles[s.role]
+        states = [
+            state
+            for state, p in zip(self.order[name], s.param, strict=True)
             if p is not None and (shorter_than is None or self.system.timing.outlasts(shorter_than, p))
         ]
+        return self.is_state(name, states)
 
-    def blocked(self, role: str, state: str) -> list[str]:
-        """Guards that keep ``role``'s timeout in ``state`` from firing: a shorter deadline armed no earlier."""
+    def deadline(self, slot: int, noun: str = " deadline") -> str:
+        """Deadline ``slot`` in words: ``decode's deadline``, ``prefill's lease deadline`` (a phase's)."""
+        s = self.clocks.slots[slot]
+        return f"{self.roles[s.role]}'s{' ' + s.phase + ' deadline' if s.phase else noun}"
+
+    def blocked(self, role: str, state: str, event: str) -> list[str]:
+        """Guards that keep ``role``'s timeout ``event`` in ``state`` from firing: for each of its deadlines that
+        fires ``event`` there, a shorter deadline armed no later; the event fires if one of them is not held back."""
         r = self.roles.index(role)
-        mine = self.clocks.param[r][self.order[role].index(state)]
-        out = []
-        for e, bit in self.clocks.shorter[r]:
-            shorter = self.timed(e, mine) if mine is not None else []
-            if shorter:
-                out.append(f"!(o_{bit.bit_length() - 1}[_pid] && {self.is_state(self.roles[e], shorter)})")
-        return out
+        i = self.order[role].index(state)
+        options = []
+        for b in self.clocks.of_role[r]:
+            slot = self.clocks.slots[b]
+            if slot.fire[i] != event:
+                continue
+            guards = []
+            for a, bit in self.clocks.shorter[b]:
+                shorter = self.armed(a, slot.param[i])
+                if shorter != "false":
+                    guards.append(f"!(o_{bit.bit_length() - 1}[_pid] && {shorter})")
+            if not guards:
+                return []  # this deadline is never held back
+            options.append(guards)
+        if len(options) <= 1:
+            return options[0] if options else []
+        return ["(" + " || ".join("(" + " && ".join(g) + ")" for g in options) + ")"]
 
     def counted(self, msg: Message) -> tuple[str, str]:
         """For a counted message: (the ranks heard once it arrives, the guard that this copy is the last one owed)."""
@@ -120,12 +158,15 @@ class _Model:
         lines = [
             f"h_{k}[_pid] = 0" for (receiver, _e), k in self.heard.items() if receiver == role and source != target
         ]
-        lines += [f"o_{k}[_pid] = 0" for k, (e, x) in enumerate(self.clocks.pairs) if r in (e, x)]
-        if target not in self.specs[role].states or self.specs[role].states[target].timeout is None:
-            return lines
-        for e, bit in self.clocks.shorter[r]:
-            k = bit.bit_length() - 1
-            lines.append(f"if :: {self.is_state(self.roles[e], self.timed(e))} -> o_{k}[_pid] = 1 :: else -> skip fi")
+        order = self.order[role]
+        fresh, gone = self.clocks.moved(r, order.index(source) if source in order else None, order.index(target))
+        touched = 0
+        for k in (*fresh, *gone):
+            touched |= self.clocks.touching[k]
+        lines += [f"o_{k}[_pid] = 0" for k in range(len(self.clocks.pairs)) if touched >> k & 1]
+        for b in fresh:
+            for a, bit in self.clocks.shorter[b]:
+                lines.append(f"if :: {self.armed(a)} -> o_{bit.bit_length() - 1}[_pid] = 1 :: else -> skip fi")
         return lines
 
     def var(self, role: str, who: str = "_pid") -> str:
@@ -235,16 +276,26 @@ class _Model:
         return [s for s in self.progress(role) if not self.specs[role].states[s].is_final]
 
     def enabled(self, obligation: int, who: str) -> str:
-        """Obligation ``obligation`` of request ``who`` is enabled: a role's own work, or a message's delivery."""
+        """Obligation ``obligation`` of request ``who`` is enabled: a role's own work, a message's delivery, or
+        leaving a phase the role is in (time passes: its deadline ends the stay)."""
         if obligation < len(self.roles):
             role = self.roles[obligation]
             return self.is_state(role, self.owed(role), who)
-        return f"({self.has(self.messages[obligation - len(self.roles)], who)})"
+        if obligation < len(self.roles) + len(self.messages):
+            return f"({self.has(self.messages[obligation - len(self.roles)], who)})"
+        slot = self.clocks.slots[self.phase_slots[obligation - len(self.roles) - len(self.messages)]]
+        role = self.roles[slot.role]
+        return self.is_state(role, [s for s, p in zip(self.order[role], slot.param, strict=True) if p is not None], who)
+
+    @property
+    def phase_slots(self) -> list[int]:
+        """The deadline slots of phases (:class:`~kvfsm.explore.clocks.Slot`), each a fairness obligation."""
+        return [k for k, slot in enumerate(self.clocks.slots) if slot.phase]
 
     @property
     def obligations(self) -> int:
-        """Fairness obligations per request: one per role, one per message."""
-        return len(self.roles) + len(self.messages)
+        """Fairness obligations per request: one per role, one per message, one per phase of a role."""
+        return len(self.roles) + len(self.messages) + len(self.phase_slots)
 
 
 def _fates(m: _Model, sends: tuple[str, ...]) -> Iterator[tuple[str, ...]]:
@@ -291,20 +342,20 @@ def _spontaneous(m: _Model, role: str) -> Iterator[str]:
             continue
         if spec.states[e.source].is_final:
             continue
-        sends = _sends(m, role, e.transition.sends)
-        timeout = spec.states[e.source].timeout
-        owed = (timeout is not None and timeout.fire == e.event) or e.event not in m.system.environment(role)
+        target, sends, body = _enter(m, role, e)
+        timeout = spec.fires_on_timeout(e.source, e.event)
+        owed = timeout or e.event not in m.system.environment(role)
         for kept in _fates(m, sends):
             yield from _option(
                 m,
-                f"{role}: {e.event} in {e.source} -> {e.target}",
+                f"{role}: {e.event} in {e.source} -> {target}",
                 [
                     f"{m.var(role)} == {m.const(role, e.source)}",
-                    *(m.blocked(role, e.source) if timeout and timeout.fire == e.event else []),
+                    *(m.blocked(role, e.source, e.event) if timeout else []),
                 ],
                 0,
                 kept,
-                [f"{m.var(role)} = {m.const(role, e.target)}", *m.rearm(role, e.source, e.target)],
+                body,
                 (m.roles.index(role) if owed else NOBODY, len(kept) < len(sends)),
             )
     if m.system.roles[role].crash:
@@ -319,6 +370,19 @@ def _spontaneous(m: _Model, role: str) -> Iterator[str]:
                     [f"{m.var(role)} = {m.const(role, CRASHED)}", *m.rearm(role, "", CRASHED)],
                     (NOBODY, False),
                 )
+
+
+def _enter(m: _Model, role: str, e: Edge) -> tuple[str, tuple[str, ...], list[str]]:
+    """Firing ``e``: (where the instance ends, the messages sent, the statements). A target that counts to 0 on
+    entry goes on at once with its counted transition, in the same step (:mod:`kvfsm.explore.entry`)."""
+    sends = _sends(m, role, e.transition.sends)
+    target = e.target
+    body = [f"{m.var(role)} = {m.const(role, target)}", *m.rearm(role, e.source, target)]
+    for then in entering(m.specs[role], e.target) if e.target != e.source else ():
+        sends += _sends(m, role, then.transition.sends)
+        target = then.target
+        body += [f"{m.var(role)} = {m.const(role, target)}", *m.rearm(role, then.source, target)]
+    return target, sends, body
 
 
 def _sends(m: _Model, role: str, sends: tuple[Send, ...]) -> tuple[str, ...]:
@@ -339,6 +403,7 @@ def _deliveries(m: _Model, name: str) -> Iterator[str]:
         what: str
         sends: tuple[str, ...]
         target: str | None = None
+        moves: list[str] = []
         final = m.system.finished(role, state)
         if state == CRASHED and not (crash.restart and msg.reply_if_finished is not None):
             what, sends = "the instance was lost in a crash: dropped", ()
@@ -347,10 +412,8 @@ def _deliveries(m: _Model, name: str) -> Iterator[str]:
         elif state in ignored and state not in targets:
             what, sends = "ignored", ()
         elif state in targets and not final:
-            e = targets[state]
-            what = f"-> {e.target}"
-            sends = _sends(m, role, e.transition.sends)
-            target = e.target
+            target, sends, moves = _enter(m, role, targets[state])
+            what = f"-> {target}"
         else:
             what, sends = f"rejected ({'late_message' if final else 'unexpected_message'})", ()
         if target is not None and msg.count:
@@ -360,9 +423,7 @@ def _deliveries(m: _Model, name: str) -> Iterator[str]:
         for keep in keeps:
             consume = [] if keep else m.consume(name)
             body = list(consume)
-            if target is not None:
-                body.append(f"{m.var(role)} = {m.const(role, target)}")
-                body += m.rearm(role, state, target)
+            body += moves
             if what.startswith("rejected"):
                 kind = "late_message" if final else "unexpected_message"
                 if kind in m.props:
@@ -428,12 +489,13 @@ def _liveness(m: _Model) -> list[str]:
     """With ``-DLIVE``: the fairness bookkeeping, and one LTL formula per ``eventually`` property.
 
     Fairness (as the explorer assumes it, :mod:`kvfsm.explore.liveness`):
-    obligation k of request q (role k's local work and timeouts, or the
-    delivery of message k - roles) is weakly fair, checked round-robin by
-    ``wf``: it advances past k when k is not enabled or was just discharged,
-    and ``wf == K`` infinitely often means every obligation was honoured. A
-    fair run also misbehaves finitely often (``<>[] !chaos``: eventually no
-    message is lost or duplicated).
+    obligation k of request q (role k's local work and timeouts, the
+    delivery of message k - roles, or, after those, leaving a phase) is
+    weakly fair, checked round-robin by ``wf``: it advances past k when k is
+    not enabled or was just discharged (no step discharges a phase's: only
+    being outside it does), and ``wf == K`` infinitely often means every
+    obligation was honoured. A fair run also misbehaves finitely often
+    (``<>[] !chaos``: eventually no message is lost or duplicated).
     """
     total = m.n * m.obligations
     rounds = [  # in order, so that one step may see several honoured
@@ -503,7 +565,7 @@ def _stutter(m: _Model) -> list[str]:
 def _initial_violations(m: _Model) -> list[str]:
     """Properties the initial state itself breaks (checked before the loop; rare enough to cost one extra state)."""
     out = []
-    init = {r: m.specs[r].initial.name for r in m.roles}
+    init = dict(m.begin)
     first = {c.role: m.system.instances_of(c.role)[0] for p in m.system.never for c in p.when}
     for prop in m.system.never:
         if all(
@@ -556,7 +618,7 @@ def to_promela(system: System, *, requests: int | None = None) -> str:
         lines.append(f"/* role {role}: machine {spec.name} ({m.system.roles[role].path}) */")
         for i, state in enumerate(m.order[role]):
             lines.append(f"#define {m.const(role, state)} {i}")
-        lines.append(f"byte {m.var(role, '').removesuffix('[]')}[N] = {m.const(role, spec.initial.name)};")
+        lines.append(f"byte {m.var(role, '').removesuffix('[]')}[N] = {m.const(role, m.begin[role])};")
         lines.append("")
     lines.append("/* messages in flight, per request */")
     if c.reorder:
@@ -571,11 +633,11 @@ def to_promela(system: System, *, requests: int | None = None) -> str:
     lines.append("byte inflight;  /* all requests together: what CAP bounds */")
     for (receiver, event), k in m.heard.items():
         lines.append(f"byte h_{k}[N];  /* the sender ranks {receiver} has heard {event} from */")
-    start = [list(m.specs[r].states).index(m.specs[r].initial.name) for r in m.roles]
+    start = [m.order[r].index(m.begin[r]) for r in m.roles]
     begun = m.clocks.initial(start)
     for k, (e, r) in enumerate(m.clocks.pairs):
         lines.append(
-            f"bit o_{k}[N] = {(begun >> k) & 1};  /* {m.roles[e]}'s deadline armed no later than {m.roles[r]}'s */"
+            f"bit o_{k}[N] = {(begun >> k) & 1};  /* {m.deadline(e)} armed no later than {m.deadline(r, '')} */"
         )
     lines.append("")
     lines.append("/* always false; hidden (not part of a state), they only name the property in SPIN's report */")
