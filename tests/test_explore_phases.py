@@ -7,9 +7,9 @@ it orders a state's timeout, and (liveness) knows an instance cannot stay in
 a phase forever. A counted transition whose K is 0 on entry fires in the move
 that enters its state. SPIN must agree on all of it.
 
-Relations that name a phase's ``after`` are added to the loaded system here
-(:func:`related`): the composition check KVF213 reads only the states' own
-timeouts so far.
+Relations are added to the loaded system here (:func:`related`), so that one
+composition serves every ordering; a system file may name a phase's
+``after`` in its ``relations:`` too (KVF213 reads phases).
 """
 
 from __future__ import annotations
@@ -127,8 +127,7 @@ def write(
 
 
 def related(system: System, *relations: str) -> System:
-    """``system`` with relations ``role.param > role.param`` added to its model (KVF213 would refuse one that names
-    a phase's param in the file, since it reads only the states' own timeouts)."""
+    """``system`` with relations ``role.param > role.param`` added to its model, as a ``relations:`` line would."""
     out = []
     for text in relations:
         longer, shorter = (side.strip().split(".") for side in text.split(">"))
@@ -507,3 +506,17 @@ def test_spin_agrees_that_a_lease_ends_retrying_inside_it(tmp_path: Path) -> Non
     assert agree_on_liveness(lease, tmp_path / "spin-lease") == {"final": "holds", "released": "holds"}
     paused = load_system(write(tmp_path / "paused", system=LIVE))
     assert agree_on_liveness(paused, tmp_path / "spin-paused") == {"final": "violated", "released": "violated"}
+
+
+def test_a_relation_may_name_a_phases_deadline_in_the_system_file(tmp_path: Path) -> None:
+    from kvfsm.spec.system import check_system
+
+    path = write(
+        tmp_path, system={"properties:\n": "relations:\n  - prefill.lease_ttl > decode.read_timeout\nproperties:\n"}
+    )
+    assert [f.code for f in check_system(path) if f.severity == "error"] == []
+    assert explore(load_system(path)).verdict == "verified"
+    bad = write(
+        tmp_path / "bad", system={"properties:\n": "relations:\n  - prefill.lease > decode.read_timeout\nproperties:\n"}
+    )
+    assert "KVF213" in [f.code for f in check_system(bad)]

@@ -153,6 +153,15 @@ def _check_waits(system: System) -> Iterator[Finding]:
         inbox = system.inbox(role.name)
         handled = _handled(spec)
         env = system.environment(role.name)
+        for phase in spec.phases.values():
+            if phase.timeout.fire in inbox:
+                yield _finding(
+                    "KVF208",
+                    phase.timeout.loc,
+                    f"{role.name}: phase {phase.name!r} times out by firing {phase.timeout.fire!r}, which is a message "
+                    f"from {inbox[phase.timeout.fire].sender!r}",
+                    "A message event happens only when the message arrives; fire a local event such as 'expire'.",
+                )
         for st in spec.states.values():
             if st.timeout is not None and st.timeout.fire in inbox:
                 yield _finding(
@@ -274,12 +283,12 @@ def _check_relations(system: System, missing: Collection[str]) -> Iterator[Findi
                         f"Use one of: {', '.join(system.roles)}.",
                     )
                 continue
-            timed = {st.timeout.after for st in role.spec.states.values() if st.timeout is not None}
+            timed = {t.after for st in role.spec.states for t in role.spec.timeouts(st)}
             if param not in timed:
                 yield _finding(
                     "KVF213",
                     rel.loc,
-                    f"relation {rel.text!r}: no state of {role_name} has a timeout after {param!r}",
+                    f"relation {rel.text!r}: no state or phase of {role_name} has a timeout after {param!r}",
                     f"Name a param one of its timeouts uses: {', '.join(sorted(map(str, timed))) or '(it has none)'}.",
                 )
     for role_name, param in system.timing.cycles():
