@@ -525,6 +525,7 @@ _VLLM_CONNECTORS = {
     "MooncakeStoreConnector": "vllm_mooncake",
     "NixlConnector": "vllm_nixl",
     "MoRIIOConnector": "vllm_moriio",
+    "WatchConnector": "vllm_watch",
 }
 """Connector classes vLLM may name; they import vLLM, so they load on first use."""
 
