@@ -22,6 +22,7 @@ import json
 import os
 import random
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -74,12 +75,37 @@ def make_llm(model: str | Path, kv_transfer_config: dict[str, Any] | None) -> An
 
 
 def connector_config(name: str, **extra: Any) -> dict[str, Any] | None:
-    """The ``kv_transfer_config`` of kvfsm's connector ``name`` (``none``, ``cpu_offload``, ``mooncake_store``)."""
+    """The ``kv_transfer_config`` of connector ``name``: ``none``, kvfsm's ``cpu_offload`` or ``mooncake_store``,
+    vLLM's ``example`` (``ExampleConnector``, on disk), or ``watch_<one of these>`` (kvfsm watch around it)."""
     if name == "none":
         return None
+    if name.startswith("watch_"):  # kvfsm watch around another connector of this list (docs/watch.md)
+        watch = extra.pop("watch", {})
+        inner = connector_config(name.removeprefix("watch_"), **extra)
+        if inner is None:
+            raise ValueError("watch_none: the watch needs a connector to wrap")
+        return {
+            **inner,
+            "kv_connector": "WatchConnector",
+            "kv_connector_module_path": "kvfsm.adapters.vllm",
+            "kv_connector_extra_config": {
+                **inner["kv_connector_extra_config"],
+                "inner": inner["kv_connector"],
+                "inner_module_path": inner["kv_connector_module_path"],
+                "watch": watch,
+            },
+        }
+    if name == "example":  # vLLM's own disk-backed ExampleConnector
+        path = extra.get("shared_storage_path") or tempfile.mkdtemp(prefix="kvfsm-example-")
+        return {
+            "kv_connector": "ExampleConnector",
+            "kv_connector_module_path": None,
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {**extra, "shared_storage_path": path},
+        }
     classes = {"cpu_offload": "CpuOffloadConnector", "mooncake_store": "MooncakeStoreConnector"}
     if name not in classes:
-        raise ValueError(f"unknown connector {name!r}; one of none, {', '.join(classes)}")
+        raise ValueError(f"unknown connector {name!r}; one of none, example, {', '.join(classes)} (watch_ before one)")
     defaults: dict[str, Any] = {"cpu_offload": {"num_cpu_blocks": 256}, "mooncake_store": {}}[name]
     return {
         "kv_connector": classes[name],
@@ -151,6 +177,9 @@ def run(
     result.gpu_blocks_free_after = pool.get_num_free_blocks()
     if scheduler.connector is not None:
         result.stats = connector_stats(scheduler.connector)
+        watch = getattr(scheduler.connector, "watch", None)
+        if watch is not None:  # kvfsm watch: outcomes, what is still held, stuck findings
+            result.stats["watch"] = watch.summary()
     result.seconds = time.monotonic() - t0
     return result
 
@@ -179,7 +208,9 @@ def connector_stats(connector: Any) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model", help="a model folder (kvfsm.showcase.engine.tiny_model makes one)")
-    parser.add_argument("--connector", default="none", help="none, cpu_offload or mooncake_store")
+    parser.add_argument(
+        "--connector", default="none", help="none, cpu_offload, mooncake_store or example; watch_ before one wraps it"
+    )
     parser.add_argument("--extra", default="{}", help="kv_connector_extra_config entries, as JSON")
     parser.add_argument("--prefixes", type=int, default=4)
     parser.add_argument("--per-prefix", type=int, default=6)
