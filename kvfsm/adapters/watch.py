@@ -146,7 +146,8 @@ class _Holds:
         self.held.pop(key, None)
 
 
-def _hashed(request_id: str) -> str:
+def hash_id(request_id: str) -> str:
+    """What the watch logs and journals for ``request_id`` under ``hash_ids``: 16 hex digits of its BLAKE2b."""
     return hashlib.blake2b(request_id.encode(), digest_size=8).hexdigest()
 
 
@@ -259,13 +260,13 @@ class Watch:
     def _key_function(settings: WatchSettings) -> Callable[[str], Hashable | None]:
         hash_ids, sample = settings.hash_ids, settings.sample
         if sample >= 1.0:
-            return _hashed if hash_ids else _same
+            return hash_id if hash_ids else _same
         cut = int(sample * 2**32)
 
         def sampled(request_id: str) -> Hashable | None:
             if zlib.crc32(request_id.encode()) >= cut:
                 return None
-            return _hashed(request_id) if hash_ids else request_id
+            return hash_id(request_id) if hash_ids else request_id
 
         return sampled
 
