@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -135,3 +137,14 @@ def test_the_journal_replays_clean(tmp_path: Path) -> None:
         report = check_log(model, logs[machine], params={k: v for k, v in params.items() if k in model.params})
         assert not report.findings, [str(f) for f in report.findings]
         assert report.instances == {"vllm_send": 2, "vllm_load": 1}[machine] and report.live == 0
+
+
+def test_the_watch_imports_without_vllm_and_the_connector_says_how_to_get_it() -> None:
+    script = (
+        "import sys; sys.modules['vllm'] = None\n"
+        "import kvfsm.adapters.watch\n"
+        "import kvfsm.adapters.vllm as m\n"
+        "try:\n    m.WatchConnector\nexcept ImportError as e:\n    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert "WatchConnector is a vLLM connector" in out
