@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import subprocess
 import sys
@@ -148,3 +149,22 @@ def test_the_watch_imports_without_vllm_and_the_connector_says_how_to_get_it() -
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
     assert "WatchConnector is a vLLM connector" in out
+
+
+def test_the_debug_endpoint_serves_both_trackers_and_closes_with_the_watch() -> None:
+    import urllib.request
+
+    clock = Clock()
+    w = watch(clock, debug_port=0)
+    try:
+        w.finished("r1", ([1, 2],), delay_free=True)
+        clock.now = 6.0
+        w.step()
+        with urllib.request.urlopen(w.server.url + "/state?limit=5", timeout=10) as answer:
+            state = json.loads(answer.read())
+        overdue = state["trackers"]["vllm_send"]["states"]["overdue"]
+        assert overdue["count"] == 1 and overdue["oldest"][0]["key"] == "r1"
+        assert "vllm_load" in state["trackers"]
+    finally:
+        w.close()
+    assert w.server.counts is not None
