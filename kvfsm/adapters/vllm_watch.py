@@ -89,6 +89,9 @@ class WatchConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         config = inner_vllm_config(vllm_config)
         self._inner = KVConnectorFactory.create_connector(config, role, kv_cache_config)
         type(self)._inner_class = type(self._inner)
+        self._inner_hma = isinstance(self._inner, SupportsHMA)
+        for name in _DELEGATED:  # the inner connector's own bound methods: a delegated call costs no extra frame
+            self.__dict__[name] = getattr(self._inner, name)
         self.watch: Watch | None = None
         self._tail_delay: set[str] = set()
         """Requests whose partial tail the inner connector keeps (``register_finished_partial_tail`` returned True)."""
@@ -110,12 +113,16 @@ class WatchConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         try:
             call(*args)
         except Exception:
-            self.watch_errors += 1
-            if self.watch_errors == 1:
-                LOGGER.exception(
-                    "kvfsm watch [%s]: the watch failed; the connector is unaffected (later failures only counted)",
-                    type(self._inner).__name__,
-                )
+            self._failed()
+
+    def _failed(self) -> None:
+        """Count a failure of the watch (called from an ``except``); the first is logged with its traceback."""
+        self.watch_errors += 1
+        if self.watch_errors == 1:
+            LOGGER.exception(
+                "kvfsm watch [%s]: the watch failed; the connector is unaffected (later failures only counted)",
+                type(self._inner).__name__,
+            )
 
     def __getattr__(self, name: str) -> Any:
         """What the inner connector has beyond the base class (its stats, its halves) is read through."""
@@ -123,28 +130,28 @@ class WatchConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             raise AttributeError(name)
         return getattr(self._inner, name)
 
-    # -- the scheduler's calls that the watch reads --------------------------------------------------
+    # -- the scheduler's calls that the watch reads (inline guards: these run per request) -------------
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
         result = self._inner.get_num_new_matched_tokens(request, num_computed_tokens)
-        if self.watch is not None:
-            self._guarded(self._matched, request.request_id, result)
+        watch = self.watch
+        if watch is not None:
+            try:
+                watch.matched(request.request_id, result[0], bool(result[1]))
+            except Exception:
+                self._failed()
         return result
-
-    def _matched(self, request_id: str, result: Any) -> None:
-        tokens, load_async = result
-        assert self.watch is not None
-        self.watch.matched(request_id, tokens, bool(load_async))
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> Any:
         result = self._inner.update_state_after_alloc(request, blocks, num_external_tokens)
-        if self.watch is not None:
-            self._guarded(self._allocated, request.request_id, blocks, num_external_tokens)
+        watch = self.watch
+        if watch is not None:
+            try:
+                ids = blocks.get_block_ids() if num_external_tokens > 0 else ()
+                watch.allocated(request.request_id, ids, num_external_tokens)
+            except Exception:
+                self._failed()
         return result
-
-    def _allocated(self, request_id: str, blocks: Any, num_external_tokens: int) -> None:
-        assert self.watch is not None
-        self.watch.allocated(request_id, blocks.get_block_ids() if num_external_tokens > 0 else (), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         result = self._inner.build_connector_meta(scheduler_output)
@@ -166,18 +173,18 @@ class WatchConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def request_finished(self, request: Any, block_ids: list[int]) -> Any:
         result = self._inner.request_finished(request, block_ids)
         if self.watch is not None:
-            self._guarded(self._finished, request.request_id, (block_ids,), result)
+            self._finished(request.request_id, (block_ids,), result)
         return result
 
     def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]) -> Any:
         # vLLM calls this one because the wrapper declares SupportsHMA; an inner connector without it gets the
         # call vLLM would have made on it (one group: the factory refused it with the hybrid manager on).
-        if isinstance(self._inner, SupportsHMA):
+        if self._inner_hma:
             result = self._inner.request_finished_all_groups(request, block_ids)
         else:
             result = self._inner.request_finished(request, block_ids[0])
         if self.watch is not None:
-            self._guarded(self._finished, request.request_id, block_ids, result)
+            self._finished(request.request_id, block_ids, result)
         return result
 
     def register_finished_partial_tail(self, request: Any, *args: Any, **kwargs: Any) -> Any:
@@ -187,11 +194,15 @@ class WatchConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         return delay
 
     def _finished(self, request_id: str, block_ids: Any, result: Any) -> None:
-        assert self.watch is not None
-        tail = request_id in self._tail_delay
-        if tail:
-            self._tail_delay.discard(request_id)
-        self.watch.finished(request_id, block_ids, bool(result[0]) or tail)
+        try:
+            tail = self._tail_delay
+            kept = request_id in tail
+            if kept:
+                tail.discard(request_id)
+            assert self.watch is not None
+            self.watch.finished(request_id, block_ids, bool(result[0]) or kept)
+        except Exception:
+            self._failed()
 
     def shutdown(self) -> Any:
         try:
@@ -274,6 +285,10 @@ def _delegate_property(name: str) -> property:
     return property(lambda self: getattr(self._inner, name), doc=f"The inner connector's ``{name}``.")
 
 
+_DELEGATED: list[str] = ["start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save"]
+"""Methods bound to the inner connector's on each instance (the worker's per-layer calls among them)."""
+
+
 def _wire_delegation() -> None:
     """Every other method and property of vLLM's base classes, delegated: a method vLLM adds is delegated too."""
     own = set(vars(WatchConnector))
@@ -285,6 +300,7 @@ def _wire_delegation() -> None:
                 setattr(WatchConnector, name, _delegate_property(name))
             elif callable(value) and not isinstance(value, classmethod | staticmethod | type):
                 setattr(WatchConnector, name, _delegate(name))
+                _DELEGATED.append(name)
             own.add(name)
 
 
