@@ -15,6 +15,7 @@ second of the watch's clock.
   ``delay_free=True``; the worker reports ``finished_sending`` once the job's
   counter is back to 0): ``batch_is_exist`` raises and the pre-fix job skips
   the decrement.
+- The consumer side around ``NixlConnector``: a load whose ``finished_recving`` never comes.
 """
 
 from __future__ import annotations
@@ -314,3 +315,53 @@ def test_a_watch_that_raises_never_changes_what_the_engine_does(caplog: pytest.L
     assert not scheduler.requests  # every request served and freed as without the watch
     assert scheduler.connector.watch_errors == 3
     assert caplog.text.count("the watch failed") == 1
+
+
+# -- the consumer side: an async load whose finished_recving never comes -------------------------------------
+
+
+class NixlDecodeWorker:
+    """The decode worker's READs as the scheduler sees them: each load the metadata names is reported in
+    ``finished_recving`` a step later, or never (a READ whose completion is lost, seed 001's shape)."""
+
+    def __init__(self, *, lost: bool) -> None:
+        self.lost = lost
+        self.pending: set[str] = set()
+
+    def step(self, meta: Any, _finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        done, self.pending = self.pending, set(getattr(meta, "reqs_to_recv", {}) or {})
+        return set(), set() if self.lost else done
+
+
+@pytest.mark.parametrize("lost", [True, False], ids=["lost", "reported"])
+def test_a_load_never_reported_in_finished_recving_is_flagged_dead_and_vllm_still_waits(lost: bool) -> None:
+    scheduler, clock = build("NixlConnector", "kv_consumer")
+    remote = {
+        "do_remote_prefill": True,
+        "remote_engine_id": "prefill-0",
+        "remote_block_ids": [1, 2, 3, 4],
+        "remote_host": "127.0.0.1",
+        "remote_port": 5600,
+        "tp_size": 1,
+    }
+    ids = add(scheduler, 2, **remote)
+    for rid in ids:
+        scheduler.requests[rid].kv_transfer_params["remote_request_id"] = f"p-{rid}"
+    worker = NixlDecodeWorker(lost=lost)
+    for _ in range(int(SEND_TIMEOUT) + 4):
+        step(scheduler, clock, worker)
+    watch = scheduler.connector.watch
+    if not lost:
+        assert not watch.reports and not scheduler.requests
+        assert watch.summary()["outcomes"] == {"vllm_load:loaded": 2}
+        return
+    dead = {r.request: r for r in watch.reports if r.verdict == "dead"}
+    assert set(dead) == set(ids)
+    for rid, report in dead.items():
+        assert (report.machine, report.state, report.age, report.holds) == (
+            "vllm_load",
+            "overdue",
+            SEND_TIMEOUT,
+            ("gpu_blocks",),
+        )
+        assert report.blocks > 0 and scheduler.requests[rid].status == RequestStatus.WAITING_FOR_REMOTE_KVS
