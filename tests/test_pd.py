@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import ast
+import inspect
+import queue
+from pathlib import Path
+from typing import Any
+
 import pytest
 
 from kvfsm.drivers.pd import JobConfig, run_job
@@ -65,3 +71,70 @@ def test_the_deadline_bounds_a_stall_not_the_jobs_length() -> None:
     ledger = run_job(JobConfig(requests=400, concurrency=8, fault_rate=0.0, seed=9, deadline=1.0), kill_prefill=False)
     assert ledger.seconds > 1.0, "the job must outlast its deadline for this test to mean anything"
     assert ledger.finished == 400 and ledger.hung == 0 and ledger.clean, ledger.as_dict()
+
+
+def _decode(protocol: str) -> Any:
+    """A decode role in this process, with no prefill: messages are handed to it by the test."""
+    from kvfsm.drivers.pd.decode import Decode
+    from kvfsm.drivers.pd.job import free_port
+
+    config = JobConfig(
+        requests=1, concurrency=1, fault_rate=0.0, protocol=protocol, decode_port=free_port(), prefill_port=free_port()
+    )
+    return Decode(config, queue.Queue())  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("protocol", ["corrected", "merged_fix"])
+def test_the_decode_request_takes_the_pages_from_the_room_the_tracker_ends_in_success(protocol: str) -> None:
+    decode = _decode(protocol)
+    try:
+        decode.tracker.begin(0)
+        decode.fire(0, "bootstrapped")
+        pages = decode.driver.pages(0)
+        decode.pages.fill(0, pages)  # prefill's writes have landed
+        decode._deliver(0, "success", now=0.0)
+        assert decode.pool.holdings() == {("decoding", 0): tuple(sorted(pages))}  # the room let go, decoding holds
+        decode._finish(now=0.0)
+        assert decode.report.empty()  # a room that succeeded is reported when its decode request ends
+        decode._end_decoding(now=1e9)
+        _, room, outcome, _, bad = decode.report.get_nowait()
+        assert (room, outcome, bad) == (0, "received", 0) and decode.pool.holdings() == {}
+    finally:
+        decode.close()
+
+
+def test_a_status_that_ends_an_aborting_room_starts_no_decode_request() -> None:
+    decode = _decode("corrected")
+    try:
+        decode.tracker.begin(0)
+        decode.fire(0, "bootstrapped")
+        decode.fire(0, "abort")
+        decode._deliver(0, "success", now=0.0)  # prefill finished its writes before the ABORT: the room ends aborted
+        assert decode.decoding == [] and decode.pool.holdings() == {}
+        decode._finish(now=0.0)
+        assert decode.report.get_nowait()[1:3] == (0, "aborted")
+    finally:
+        decode.close()
+
+
+def test_the_decode_process_names_no_state_of_its_specs_and_reads_no_transition_table() -> None:
+    """It asks the Tracker (accepts, state) and each state's declared outcome; a copy of the spec's names or its
+    table would be a second lifecycle written by hand."""
+    import kvfsm.drivers.pd.decode
+
+    states = {s for protocol in ("corrected", "merged_fix") for s in system(protocol).roles["decode"].spec.states}
+    source = ast.parse(Path(inspect.getfile(kvfsm.drivers.pd.decode)).read_text())
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(source)
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef)
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+    }
+    named = {
+        n.value
+        for n in ast.walk(source)
+        if isinstance(n, ast.Constant) and n.value in states and id(n) not in docstrings
+    }
+    tables = [n.lineno for n in ast.walk(source) if isinstance(n, ast.Attribute) and n.attr == "table"]
+    assert named == set() and tables == []

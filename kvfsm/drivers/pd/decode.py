@@ -6,6 +6,14 @@ some at random points. Its pool has exactly the pages ``concurrency`` rooms
 hold, so a freed page is taken by the next room at once, as in a busy
 server: a write that lands after the free corrupts that room, and the byte
 check when decoding starts and ends sees it.
+
+The room's lifecycle is the verified role spec's and ends where it says: in a
+success final state (``received``) "the pages pass to the running decode
+request". That request is the serving engine's (SGLang's scheduler), not the
+connector's, so it is not in the spec; this process plays it. Which message
+hands the pages over is not named here: whatever event the tracker takes to
+a success final state does (:meth:`Decode._deliver`), and the decode request
+pins the pages before the room's release lets them go.
 """
 
 from __future__ import annotations
@@ -83,7 +91,8 @@ class Decode(Role):
         self.begun: dict[int, float] = {}
         self.waiting_pages: list[int] = []
         self.aborts: list[tuple[float, int]] = []
-        self.decoding: list[tuple[float, int, list[int]]] = []
+        self.decoding: list[tuple[float, int, list[int], str]] = []
+        """Running decode requests: when each ends, its room, the pages it holds, the room's success final state."""
         self.corrupted: set[tuple[int, int]] = set()
         self.outcomes: list[tuple[int, str, float, int]] = []
 
@@ -129,7 +138,7 @@ class Decode(Role):
         self.tracker.close()
         self._finish(time.monotonic())
         self.flush(time.monotonic())
-        for _, room, _pages in self.decoding:
+        for _, room, _pages, _final in self.decoding:
             self.pool.release(("decoding", room))
         leaked = sum(len(b) for b in self.pool.holdings().values())
         return {
@@ -167,18 +176,31 @@ class Decode(Role):
         room = getattr(message, "room", None)
         if room is None:
             return  # hello / heartbeat from prefill: liveness only
-        if event == "success" and self._decodes_on(room):
-            pages = self.driver.pages(room)
-            self.pool.pin(("decoding", room), pages)
-            self._check(room, pages)
-            heapq.heappush(self.decoding, (now + self.faults.uniform(self.config.decode_time), room, pages))
-        self.deliver(room, event)
+        self._deliver(room, event, now)
 
-    def _decodes_on(self, room: int) -> bool:
-        """Whether ``success`` takes the room to a success final state now: its pages then go to the decode request."""
-        state = self.tracker.state(room)
-        edge = self.spec.table.get((state or "", "success"))
-        return edge is not None and self.spec.states[edge.target].final == "success"
+    def _deliver(self, room: int, event: str, now: float) -> None:
+        """Deliver ``event``; if the tracker takes the room to a success final state, its decode request starts.
+
+        The decode request pins the room's pages before the transition
+        releases ``kv_pages`` (a freed page is the next room's at once); if
+        the room ends any other way, it lets them go again.
+        """
+        pages = self.driver.pages(room) if self.tracker.accepts(room, event) else []
+        if pages:
+            self.pool.pin(("decoding", room), pages)
+        self.deliver(room, event)
+        if not pages:
+            return
+        final = self.tracker.state(room)
+        if final is not None and self._succeeded(final):
+            self._check(room, pages)
+            heapq.heappush(self.decoding, (now + self.faults.uniform(self.config.decode_time), room, pages, final))
+        else:
+            self.pool.release(("decoding", room))
+
+    def _succeeded(self, state: str) -> bool:
+        """Whether ``state`` is one of the spec's success final states: the room's pages went to its decode request."""
+        return self.spec.states[state].final == "success"
 
     def _check(self, room: int, pages: list[int]) -> None:
         for page in self.pages.wrong(room, pages):
@@ -192,15 +214,16 @@ class Decode(Role):
 
     def _end_decoding(self, now: float) -> None:
         while self.decoding and self.decoding[0][0] <= now:
-            _, room, pages = heapq.heappop(self.decoding)
+            _, room, pages, final = heapq.heappop(self.decoding)
             self._check(room, pages)
             self.pool.release(("decoding", room))
-            self._done(room, "received", now)
+            self._done(room, final, now)
 
     def _finish(self, now: float) -> None:
+        """Report the rooms that ended; one that succeeded is reported when its decode request ends."""
         for room, final in self.tracker.finished():
             assert isinstance(room, int)
-            if final != "received":
+            if not self._succeeded(final):
                 self._done(room, final, now)
 
     def _done(self, room: int, outcome: str, now: float) -> None:
