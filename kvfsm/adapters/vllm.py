@@ -57,6 +57,7 @@ from ..drivers.cpu_offload import LOAD_SPEC, STORE_SPEC, CpuOffload
 from ..drivers.kv_cache import BlockCopier, Copier, Copy, KVCache
 from ..engine import Tracker
 from ..errors import ActionError, AnomalyKind
+from ..observe import drain_outcomes
 from .vllm_api import (
     KVCacheBlocks,
     KVConnectorMetadata,
@@ -410,11 +411,8 @@ class CpuOffloadScheduler:
 
     def _retire(self) -> None:
         """Drain finished instances (their job ids stop naming them) and count outcomes."""
-        out = self.stats.outcomes
-        for machine, tracker in (("load", self.loads), ("store", self.stores)):
-            for _rid, final in tracker.finished():
-                name = f"{machine}.{final}"
-                out[name] = out.get(name, 0) + 1
+        drain_outcomes(self.loads, self.stats.outcomes, prefix="load.")
+        drain_outcomes(self.stores, self.stats.outcomes, prefix="store.")
 
     def live(self) -> int:
         """Load and store instances not yet in a final state, and reports not yet handed to vLLM."""

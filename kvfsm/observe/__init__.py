@@ -7,6 +7,7 @@ nothing is written per connector. Metrics need the ``kvfsm[metrics]`` extra
 
 from .dump import state_dump
 from .endpoint import DebugServer, serve
+from .outcomes import drain_outcomes
 from .stuck import StuckWatch
 
-__all__ = ["DebugServer", "StuckWatch", "serve", "state_dump"]
+__all__ = ["DebugServer", "StuckWatch", "drain_outcomes", "serve", "state_dump"]

@@ -31,6 +31,7 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 
 from ...engine import Tracker
 from ...errors import ActionError, Failure, IllegalTransition
+from ...observe import drain_outcomes
 from ...spec import Spec, load
 from ...spec.bundled import SPECS
 from ..report import Finished, Report
@@ -207,10 +208,8 @@ class MooncakeStoreWorker:
                 tracker.poll()
             except ActionError as exc:
                 self._failed(exc)
-        for _job, state in self.send.finished():
-            self.outcomes[f"send:{state}"] += 1
-        for _load, state in self.load.finished():
-            self.outcomes[f"load:{state}"] += 1
+        drain_outcomes(self.send, self.outcomes, prefix="send:")
+        drain_outcomes(self.load, self.outcomes, prefix="load:")
         return self.report.take()
 
     # -- shutdown ------------------------------------------------------------------

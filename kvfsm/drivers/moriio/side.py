@@ -22,6 +22,7 @@ from typing import Any
 
 from ...engine import Tracker
 from ...errors import ActionError
+from ...observe import drain_outcomes
 from ...spec import Spec
 from ..nixl.blocks import own_blocks
 from ..nixl.memory import BlockMemory
@@ -128,10 +129,7 @@ class Side:
         """Fire due deadlines, then count what finished and what was dropped."""
         t = time.perf_counter()
         self.tracker.poll(now)
-        for _, final in self.tracker.finished():
-            self.outcomes[final] += 1
-        for anomaly in self.tracker.anomalies():
-            self.anomalies[f"{anomaly.kind}:{anomaly.space}"] += 1
+        drain_outcomes(self.tracker, self.outcomes, self.anomalies)
         self.seconds += time.perf_counter() - t
 
     def held_blocks(self) -> int:

@@ -27,6 +27,7 @@ from ...engine import Tracker
 from ...engine.outbox import Outbox
 from ...engine.tracker import Observer
 from ...errors import ActionError, Anomaly
+from ...observe import drain_outcomes
 from ...spec import Spec, load
 from ...spec.bundled import SPECS
 from ..report import Finished, Report
@@ -367,8 +368,7 @@ class DecodeRank(Generic[M]):
                 except ActionError as exc:  # each key is already in a defined state (failed); keep the story
                     self.errors.append(exc)
         self.tracker.poll(now)
-        for _, final in self.tracker.finished():
-            self.outcomes[final] += 1
+        drain_outcomes(self.tracker, self.outcomes)
         return self.driver.report.take()
 
     def leaked(self) -> dict[Hashable, tuple[int, ...]]:

@@ -25,6 +25,7 @@ from typing import Any, Generic
 from ...engine import Tracker
 from ...engine.tracker import Observer
 from ...errors import Anomaly
+from ...observe import drain_outcomes
 from ...spec import Spec, load
 from ...spec.bundled import SPECS
 from ..report import Finished, Report
@@ -175,11 +176,7 @@ class PrefillRank(Generic[M]):
         """Once per scheduler step: take the notifications, fire due expiries, drain finished_sending."""
         self.on_notifs(self.agent.notifs())
         self.tracker.poll(now)
-        for _, final in self.tracker.finished():
-            self.outcomes[final] += 1
-        for anomaly in self.tracker.anomalies():
-            self.anomalies[f"{anomaly.kind}:{anomaly.space}"] += 1
-            self.anomaly_ids.append(anomaly.id)
+        self.anomaly_ids.extend(a.id for a in drain_outcomes(self.tracker, self.outcomes, self.anomalies))
         return self.driver.report.take()
 
     def held_requests(self) -> int:
