@@ -417,3 +417,16 @@ def test_each_connector_call_fires_on_each_rank_what_the_table_in_docs_nixl_says
         ("get_finished", "nixl_decode", "complete"),  # the READs that ended, one batch
     }
     pair.close()
+
+
+def test_the_connector_asks_the_decode_tracker_whether_a_finished_request_still_loads() -> None:
+    """vLLM's finish aborts a load the tracker still accepts ``abort`` for; the driver's table of transfer handles is
+    the driver's business, not a second record of which loads are live."""
+    import ast
+    import inspect
+
+    import kvfsm.adapters.vllm_nixl
+
+    source = ast.parse(inspect.getsource(kvfsm.adapters.vllm_nixl))
+    handle_tables = [n.lineno for n in ast.walk(source) if isinstance(n, ast.Attribute) and n.attr == "reading"]
+    assert handle_tables == []

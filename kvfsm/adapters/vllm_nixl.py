@@ -402,8 +402,8 @@ class NixlConnector(PDConnector[PrefillRank[BlockMemory], DecodeRank[BlockMemory
         self._require_ranks()
         if self.decode is not None:
             for rid in sorted(meta.finished):
-                if self.decode.tracker.state(rid) is not None and rid in self.decode.driver.reading():
-                    self.decode.abort(rid)  # vLLM aborted it mid-read: the load reports its blocks invalid
+                if self.decode.tracker.accepts(rid, "abort"):  # vLLM finished it while its load is live:
+                    self.decode.abort(rid)  # the load reports its blocks invalid
         if self.prefill is not None:
             for hold in meta.holds:
                 self.prefill.hold(hold.request_id, hold.block_ids)
