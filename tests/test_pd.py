@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_driver_binding import constants_outside_docstrings
 
 from kvfsm.drivers.pd import JobConfig, run_job
 from kvfsm.drivers.pd.faults import KINDS
@@ -120,21 +121,9 @@ def test_a_status_that_ends_an_aborting_room_starts_no_decode_request() -> None:
 def test_the_decode_process_names_no_state_of_its_specs_and_reads_no_transition_table() -> None:
     """It asks the Tracker (accepts, state) and each state's declared outcome; a copy of the spec's names or its
     table would be a second lifecycle written by hand."""
-    import kvfsm.drivers.pd.decode
+    import kvfsm.drivers.pd.decode as decode
 
     states = {s for protocol in ("corrected", "merged_fix") for s in system(protocol).roles["decode"].spec.states}
-    source = ast.parse(Path(inspect.getfile(kvfsm.drivers.pd.decode)).read_text())
-    docstrings = {
-        id(node.body[0].value)
-        for node in ast.walk(source)
-        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef)
-        and node.body
-        and isinstance(node.body[0], ast.Expr)
-    }
-    named = {
-        n.value
-        for n in ast.walk(source)
-        if isinstance(n, ast.Constant) and n.value in states and id(n) not in docstrings
-    }
-    tables = [n.lineno for n in ast.walk(source) if isinstance(n, ast.Attribute) and n.attr == "table"]
-    assert named == set() and tables == []
+    assert constants_outside_docstrings(decode) & states == set()
+    source = ast.parse(Path(inspect.getfile(decode)).read_text())
+    assert [n.lineno for n in ast.walk(source) if isinstance(n, ast.Attribute) and n.attr == "table"] == []
