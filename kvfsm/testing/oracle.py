@@ -5,7 +5,8 @@ tables for speed; this module reads the spec model directly, asking it only
 its own questions (:meth:`~kvfsm.spec.Spec.edges`, :meth:`~kvfsm.spec.Spec.ignored`,
 :meth:`~kvfsm.spec.Spec.holds`, :meth:`~kvfsm.spec.Spec.acquires`,
 :meth:`~kvfsm.spec.Spec.releases`, :meth:`~kvfsm.spec.Spec.raising_actions`,
-the states' timeouts), and interprets them one instance at a time, slowly
+the states' timeouts, :meth:`~kvfsm.spec.Spec.phase_moves` and the phases'
+timeouts), and interprets them one instance at a time, slowly
 and visibly. Each call returns an :class:`Outcome`: the transitions taken,
 the exact driver calls the engine must make, in order, the failures an
 ``ActionError`` must carry, and the value the Tracker must return. The
@@ -24,8 +25,16 @@ The rules, as DESIGN.md states them and as they are applied below:
   bare: no ``do``, no acquires, its releases only;
 - a failed ``begin`` undoes its acquires and releases what the initial state
   holds without an acquire action (the caller took that before ``begin``);
+- a state's deadline is armed on entering it (a self-loop re-arms it); a
+  phase's deadline (``phases:``) is armed on entering any of its states from
+  outside the phase (or at ``begin``), kept while the instance moves among
+  its states or takes a self-loop, disarmed on leaving it, and fires at most
+  once per entry; either is ``now + after`` at the moment of entry;
 - due timeouts fire state by state in declaration order, in arming order
-  within a state; deadlines armed during a poll wait for the next one;
+  within a state, then phase by phase in declaration order, in arming order
+  within a phase; deadlines armed during a poll (a state's or a phase's)
+  wait for the next one, and a state's deadline and a phase's are
+  independent;
 - ``close()`` aborts every live instance and releases by force what abort
   cannot finish (a ``forced`` anomaly);
 - an id a payload carries under a declared space's name is linked to the
@@ -41,12 +50,14 @@ The rules, as DESIGN.md states them and as they are applied below:
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Collection, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ..spec import well_formed
+from ..errors import SpecError
+from ..spec import run_checks, well_formed
 from ..spec.model import ABORT, BEGIN, Spec
 
 How = Literal["begin", "fire", "timeout", "on_error", "close"]
@@ -67,6 +78,8 @@ class Move:
     source: str
     target: str
     how: How
+    phase: str = ""
+    """For a timeout: the phase whose deadline fired it ("" for the state's own deadline)."""
 
 
 @dataclass(frozen=True)
@@ -127,6 +140,19 @@ class Outcome:
     ``unknown``), ``duplicate`` (refused as ``counted``)."""
     key: Hashable | None = None
     """deliver(): the instance the id named (None: it named none)."""
+    expired: list[Expiry] = field(default_factory=list)
+    """poll(): each phase deadline fired, in order."""
+
+
+@dataclass(frozen=True)
+class Expiry:
+    """A phase's deadline that fired: when the instance entered the phase, and how many moves it made inside it
+    since (transitions among the phase's states and self-loops, none of which touch the deadline)."""
+
+    key: Hashable
+    phase: str
+    entered: float
+    moves: int
 
 
 @dataclass(frozen=True)
@@ -162,9 +188,9 @@ class Edge:
 
 
 class Instance:
-    """One begun instance: its state and its armed deadline, if any."""
+    """One begun instance: its state and its armed deadlines, if any."""
 
-    __slots__ = ("by_close", "due", "gen", "heard", "key", "need", "seq", "state")
+    __slots__ = ("by_close", "due", "gen", "heard", "inside", "key", "need", "phases", "seq", "state")
 
     def __init__(self, key: Hashable, state: str, gen: int = 0) -> None:
         self.key = key
@@ -179,6 +205,10 @@ class Instance:
         """Senders of a counted event heard during this stay in the state."""
         self.need: dict[str, int] = {}
         """The K its ``begin`` payload gave each count, by payload key."""
+        self.phases: dict[str, tuple[float, int]] = {}
+        """Phase → (due, arming number) of its armed deadline: set on entering the phase, kept inside it."""
+        self.inside: dict[str, int] = {}
+        """Phase → transitions taken among its states (self-loops included) since the instance entered it."""
 
 
 class SpecModel:
@@ -207,6 +237,17 @@ class SpecModel:
             if s.timeout is not None
         }
         self.order = {name: i for i, name in enumerate(spec.states)}
+        self.phase_after = {
+            name: (spec.param(p.timeout.after, params), p.timeout.fire) for name, p in spec.phases.items()
+        }
+        """Phase → (seconds its deadline is armed for, the event it fires), in declaration order."""
+        if any(
+            (s, p.timeout.fire) not in spec.table
+            for p in spec.phases.values()
+            for s in spec.phase_states[p.name]
+            if s in spec.states and not spec.states[s].is_final
+        ):  # a deadline the state cannot take (the engine's poll would raise IllegalTransition): KVF118
+            raise SpecError([f for f in run_checks(spec) if f.code == "KVF118"])
         initial = spec.initial.name
         self.begin_acquires = self._acquires(None, initial)
         self.begin_given = tuple(
@@ -251,8 +292,10 @@ class SpecModel:
             n: (d.early.keep, spec.param(d.early.within, params)) for n, d in spec.event_decls.items() if d.early
         }
         """Event → (how many may wait, for how long), for events declared ``early:``."""
-        self.kept: dict[tuple[str, Hashable], list[tuple[str, dict[str, Any], float]]] = {}
-        """(space, id) → (event, payload, due) per message kept for an id not yet known, in arrival order."""
+        self.kept: dict[tuple[str, Hashable], list[tuple[str, dict[str, Any], float, int]]] = {}
+        """(space, id) → (event, payload, due, arrival number) per message kept for an id not yet known, in arrival
+        order."""
+        self._arrivals = 0
 
     def _acquires(self, source: str | None, target: str) -> tuple[tuple[str, str], ...]:
         out = []
@@ -294,8 +337,18 @@ class SpecModel:
         return sum(not self.spec.states[i.state].is_final for i in self.live.values())
 
     def next_deadline(self) -> float | None:
-        dues = [i.due for i in self.live.values() if i.due is not None]
+        dues = [due for _key, due, _phase, _event in self.deadlines()]
         return min(dues) if dues else None
+
+    def deadlines(self) -> list[tuple[Hashable, float, str, str]]:
+        """``(key, due, phase, event)`` for every armed deadline of a live instance: its state's own (``phase``
+        ""), then its phases' (in the order they were armed)."""
+        out: list[tuple[Hashable, float, str, str]] = []
+        for key, inst in self.live.items():
+            if inst.due is not None:
+                out.append((key, inst.due, "", self.after[inst.state][1]))
+            out += [(key, due, p, self.phase_after[p][1]) for p, (due, _seq) in inst.phases.items()]
+        return out
 
     def ids(self, key: Hashable) -> dict[str, Hashable]:
         """The ids linked to ``key``'s current instance, by space (what ``Tracker.ids`` must say)."""
@@ -364,12 +417,20 @@ class SpecModel:
         return edge.prepare_actions if edge is not None else ()
 
     def poll_actions(self) -> tuple[str, ...]:
-        """Actions the timeouts due now will run before their states change, in firing order."""
-        out: list[str] = []
-        for _seq, inst in self._due(self.now):
-            _after, event = self.after[inst.state]
-            out += self.edges[inst.state, event].prepare_actions
-        return tuple(out)
+        """Actions ``poll()`` will run now before states change, in order (a phase's deadline that a state's
+        timeout before it takes out of the phase runs none): read from a poll of a copy, with no faults."""
+        trial = self.clone()
+        trial.faults = []
+        return tuple(c.action for c in trial.poll().calls)
+
+    def clone(self) -> SpecModel:
+        """An independent copy of this model's state (the spec and what it derives are shared): to ask what a
+        call would do without doing it."""
+        shared = (
+            self.spec, self.edges, self.ignored, self.counted, self.params, self.after, self.order,
+            self.phase_after, self.begin_acquires, self.begin_given, self.early,
+        )  # fmt: skip
+        return copy.deepcopy(self, {id(x): x for x in shared})
 
     def movable(self, running: Collection[str] | None = None) -> list[tuple[Hashable, list[str]]]:
         """``(key, events its state handles)`` for every live instance not yet final.
@@ -416,6 +477,7 @@ class SpecModel:
             str(what): int((payload or {})[str(what)]) for kind, what in self.count_sources() if kind == "begin"
         }
         self._arm(inst)
+        self._move_phases(inst, None)
         self._link(out, inst, BEGIN, "begin", payload)
         out.moves.append(Move(key, "begin", "", initial, "begin"))
         self._at_once(inst, out)
@@ -424,7 +486,13 @@ class SpecModel:
 
     def count_payload(self, state: str | None, event: str, sender: Hashable, need: int) -> dict[str, Any]:
         """What an arrival of ``event`` in ``state`` carries for its count: ``sender``, and K (``need``) where the
-        arrival gives it; nothing where ``event`` counts nothing there. Every caller that delivers one uses this."""
+        arrival gives it; nothing where ``event`` counts nothing there. Every caller that delivers one uses this.
+
+        ``state`` None (no instance yet): for an ``early:`` event, what it carries where it will be applied (the
+        initial state, else the first state that counts it), since it is kept with its sender and payload."""
+        if state is None and event in self.early:
+            where = [s for (s, e) in self.counted if e == event]
+            state = self.spec.initial.name if self.spec.initial.name in where else next(iter(where), None)
         source = self.counted.get((state, event)) if state is not None else None
         if source is None:
             return {}
@@ -530,15 +598,27 @@ class SpecModel:
         return out
 
     def poll(self, now: float | None = None) -> Outcome:
-        """Fire the timeouts due at ``now`` (default: the clock); ones armed meanwhile wait for the next poll."""
+        """Fire the deadlines due at ``now`` (default: the clock): the states' own first, state by state in
+        declaration order, then the phases', phase by phase; any armed during this poll waits for the next."""
         out = Outcome()
-        self._drop_kept(self.now if now is None else now)
-        for seq, inst in self._due(self.now if now is None else now):
+        now = self.now if now is None else now
+        self._drop_kept(now)
+        before = self._seq  # deadlines armed from here on are this poll's own
+        for seq, inst in self._due(now):
             if inst.seq != seq or inst.due is None:
                 continue
             _after, event = self.after[inst.state]
             self.counts["timeouts"] += 1
             self._take(inst, self.edges[inst.state, event], "timeout", out)
+            out.fired.append((inst.key, event, inst.state))
+        for phase, seq, inst in self._phases_due(now, before):
+            if inst.phases.get(phase, (0.0, -1))[1] != seq or self.live.get(inst.key) is not inst:
+                continue  # left the phase since (or forced out): disarmed
+            due, _seq = inst.phases.pop(phase)  # fires once per entry
+            after, event = self.phase_after[phase]
+            out.expired.append(Expiry(inst.key, phase, due - after, inst.inside.pop(phase, 0)))
+            self.counts["timeouts"] += 1
+            self._take(inst, self.edges[inst.state, event], "timeout", out, deadline=phase)
             out.fired.append((inst.key, event, inst.state))
         return out
 
@@ -546,6 +626,18 @@ class SpecModel:
         """``(arming number, instance)`` for each deadline due at ``now``: by state declaration, then arming."""
         due = [i for i in self.live.values() if i.due is not None and i.due <= now]
         return [(i.seq, i) for i in sorted(due, key=lambda i: (self.order[i.state], i.seq))]
+
+    def _phases_due(self, now: float, before: int) -> list[tuple[str, int, Instance]]:
+        """``(phase, arming number, instance)`` for each phase deadline armed before arming number ``before``
+        and due at ``now``: by phase declaration, then arming."""
+        rank = {name: i for i, name in enumerate(self.phase_after)}
+        due = [
+            (rank[p], seq, p, inst)
+            for inst in self.live.values()
+            for p, (when, seq) in inst.phases.items()
+            if when <= now and seq <= before
+        ]
+        return [(p, seq, inst) for _r, seq, p, inst in sorted(due, key=lambda d: (d[0], d[1]))]
 
     def drain(self) -> Outcome:
         out = Outcome()
@@ -583,6 +675,7 @@ class SpecModel:
                 del self.live[key]
                 self._unlink(key, None)
                 inst.due = None
+                inst.phases.clear()
                 out.forced.append(key)
                 releases = tuple(self.spec.resources[r].release for r in self.spec.holds(inst.state))
                 self._release(out, key, ABORT, releases, inst.state)
@@ -592,9 +685,16 @@ class SpecModel:
     # -- the transition ----------------------------------------------------------
 
     def _take(
-        self, inst: Instance, edge: Edge, how: How, out: Outcome, payload: Mapping[str, Any] | None = None
+        self,
+        inst: Instance,
+        edge: Edge,
+        how: How,
+        out: Outcome,
+        payload: Mapping[str, Any] | None = None,
+        deadline: str = "",
     ) -> None:
-        """do → acquires → state change → links → releases; a raise before the change fires on_error instead."""
+        """do → acquires → state change (deadlines) → links → releases; a raise before the change fires on_error
+        instead. ``deadline``: the phase whose deadline fired this transition ("" for none, or the state's own)."""
         key = inst.key
         mine = len(out.failures)
         if not edge.bare:
@@ -614,11 +714,12 @@ class SpecModel:
         if edge.target != source:
             inst.heard = set()  # a count lives for one stay in its state
         self._arm(inst)
+        self._move_phases(inst, source)
         if self.spec.states[edge.target].is_final:
             self.finished.append(inst)
         if not edge.bare:
             self._link(out, inst, edge.event, edge.event, payload)
-        out.moves.append(Move(key, edge.event, source, edge.target, how))
+        out.moves.append(Move(key, edge.event, source, edge.target, how, deadline))
         self._release(out, key, edge.event, edge.releases, edge.target)
         if edge.target != source:
             self._at_once(inst, out)
@@ -652,6 +753,23 @@ class SpecModel:
             self._seq += 1
             inst.due, inst.seq = self.now + timed[0], self._seq
 
+    def _move_phases(self, inst: Instance, source: str | None) -> None:
+        """``inst`` has just moved from ``source`` (None: begun) to its state: leaving a phase disarms its deadline,
+        entering one arms it at ``now + after``, a move inside one (or a self-loop) leaves it as it is."""
+        if not self.phase_after:
+            return
+        entered, left = self.spec.phase_moves(source, inst.state)
+        for phase in left:
+            inst.phases.pop(phase, None)
+            inst.inside.pop(phase, None)
+        for phase in inst.phases:
+            if phase not in entered and source is not None:
+                inst.inside[phase] = inst.inside.get(phase, 0) + 1
+        for phase in entered:
+            self._seq += 1
+            inst.phases[phase] = (self.now + self.phase_after[phase][0], self._seq)
+            inst.inside[phase] = 0
+
     def _keep(self, out: Outcome, space: str, ident: Hashable, event: str, payload: Mapping[str, Any] | None) -> bool:
         """Keep a message of an ``early:`` event for an id not yet known (see ``Tracker``); False: not early here."""
         rule = self.early.get(event)
@@ -661,14 +779,15 @@ class SpecModel:
         if sum(1 for kept in self.kept.values() for e in kept if e[0] == event) >= keep:
             self._anomaly(out, "early", space, ident, event)
             return True
-        self.kept.setdefault((space, ident), []).append((event, dict(payload or {}), self.now + within))
+        self._arrivals += 1
+        self.kept.setdefault((space, ident), []).append((event, dict(payload or {}), self.now + within, self._arrivals))
         self.counts["kept_early"] += 1
         out.refused = "kept"
         return True
 
     def _apply_kept(self, out: Outcome, space: str, ident: Hashable, key: Hashable) -> None:
         """The id appeared: apply what was kept for it, oldest first, as the Tracker's queue does."""
-        for event, payload, _due in self.kept.pop((space, ident), []):
+        for event, payload, _due, _n in self.kept.pop((space, ident), []):
             inst = self.live.get(key)
             if inst is None:
                 continue
@@ -681,7 +800,9 @@ class SpecModel:
 
     def _drop_kept(self, now: float) -> None:
         """Drop, as ``early`` anomalies in arrival order, the kept messages whose window has passed."""
-        due = sorted(((e[2], where, e) for where, kept in self.kept.items() for e in kept), key=lambda x: x[0])
+        due = sorted(
+            ((e[2], where, e) for where, kept in self.kept.items() for e in kept), key=lambda x: (x[0], x[2][3])
+        )
         for d, where, entry in due:
             if d > now:
                 break
@@ -727,6 +848,7 @@ __all__ = [
     "Call",
     "Edge",
     "ExpectedFailure",
+    "Expiry",
     "Fault",
     "How",
     "Instance",
