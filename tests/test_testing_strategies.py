@@ -1,4 +1,5 @@
-"""kvfsm.testing.strategies.specs: random specs that pass the checks, reach every feature, and read back from YAML."""
+"""kvfsm.testing.strategies.specs: random specs that pass the checks, reach every feature (phases included), and read
+back from YAML."""
 
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ def _shape(spec: Spec) -> tuple[object, ...]:
         {n: (r.acquire, r.release) for n, r in spec.resources.items()},
         dict(spec.params),
         spec.on_error,
+        {n: (p.states, p.timeout.after, p.timeout.fire) for n, p in spec.phases.items()},
     )
 
 
@@ -85,6 +87,16 @@ FEATURES: dict[str, Callable[[Spec], bool]] = {
     ),
     "two timed states": lambda s: sum(st.timeout is not None for st in s.states.values()) >= 2,
     "a live state declared before the initial one": lambda s: next(iter(s.states)) != s.initial.name,
+    "a phase": lambda s: bool(s.phases),
+    "a phase over every live state ('*')": lambda s: any(p.states == (WILDCARD,) for p in s.phases.values()),
+    "two phases over one state": lambda s: any(len(s.phases_of(st)) >= 2 for st in s.live),
+    "a phase begun in": lambda s: bool(s.phases_of(s.initial.name)),
+    "a state's own timeout inside a phase": lambda s: any(s.states[st].timeout and s.phases_of(st) for st in s.live),
+    "a move between two states of a phase": lambda s: any(
+        e.source != e.target and set(s.phases_of(e.source)) & set(s.phases_of(e.target)) for e in s.edges()
+    ),
+    "a self-loop inside a phase": lambda s: any(e.source == e.target and s.phases_of(e.source) for e in s.edges()),
+    "a phase after a param": lambda s: any(isinstance(p.timeout.after, str) for p in s.phases.values()),
 }
 
 

@@ -16,8 +16,11 @@ included) firing any event their state handles; ``waits: local`` states;
 ``close()`` must then release by force); an ``on_error`` event into a final
 or a live state; ignore rules in live and final states, ``"*"`` included;
 id spaces linked at ``begin`` and at an event, and events routed by them
-(so the model-based tests deliver messages naming ids of every space).
-Shrinking goes towards one live state, no resources, no id spaces and few
+(so the model-based tests deliver messages naming ids of every space);
+phases (a deadline over a set of live states, ``"*"`` included, possibly
+overlapping, whose event takes every state of the phase out of it, to a
+final or a live state, while other moves stay inside it or loop). Shrinking
+goes towards one live state, no resources, no id spaces, no phases and few
 transitions.
 """
 
@@ -35,6 +38,7 @@ from ..spec.model import (
     EventDecl,
     FinalKind,
     IgnoreRule,
+    Phase,
     Resource,
     Space,
     Spec,
@@ -128,20 +132,23 @@ def _specs(
         edges[source, ABORT] = (target, draw(st.none() | st.just("do_cancel")))
 
     spec_resources = {r.name: r for r in resources.values()}
+    phases = _phases(draw, live, events, edges)
     on_error = _error_paths(draw, live, holds, edges, spec_resources, error_actions)
 
     _taken_only_at_begin(holds, edges, spec_resources)
 
     states_in_order = draw(st.permutations(live), label="declaration order")
     timed = {s: _timeout(draw, s, edges) for s in live}
+    drawn = {p: draw(st.sampled_from(values)) for p, values in PARAMS.items()}
+    _phases_can_fire(phases, timed, drawn)
     targets = {target for target, _do in edges.values()}
     states = {
         s: State(s, initial=s == "s0", holds=holds[s], waits_local=timed[s] is None, timeout=timed[s])
         for s in states_in_order
     }
     states.update({f: State(f, final=kind) for f, kind in FINALS.items() if f in targets})
-    used_params = {t.after for t in timed.values() if t is not None and isinstance(t.after, str)}
-    params = {p: draw(st.sampled_from(PARAMS[p])) for p in sorted(used_params)}
+    afters = [*(t.after for t in timed.values() if t is not None), *(p.timeout.after for p in phases.values())]
+    params = {p: drawn[p] for p in sorted({a for a in afters if isinstance(a, str)})}
     transitions = _transitions(draw, edges, live)
     spaces, decls, transitions = _id_spaces(draw, transitions, on_error)
     return Spec(
@@ -157,7 +164,64 @@ def _specs(
         begin_payload=(PEER_ID,) if PEER_ID in spaces else (),
         spaces=spaces,
         event_decls=decls,
+        phases=phases,
     )
+
+
+def _phases_can_fire(phases: dict[str, Phase], timed: dict[str, Timeout | None], params: dict[str, float]) -> None:
+    """Make sure, in place, that each phase has a state where its deadline is the first due: the state's own
+    deadline later (or none), and every other phase spanning it later too (at the same time, declared after).
+    Where only its own timeout stands in the way, the first state of the phase loses it; else the phase goes
+    (its event stays, fired by hand). Otherwise no run could ever exercise the phase's deadline."""
+
+    def seconds(after: str | float) -> float:
+        return params[after] if isinstance(after, str) else after
+
+    def span(phase: Phase) -> list[str]:
+        return [s for s in timed if phase.states == (WILDCARD,) or s in phase.states]
+
+    order = list(phases)
+    for name in order:
+        due = (seconds(phases[name].timeout.after), order.index(name))
+        rivals = [
+            span(other)
+            for o, other in phases.items()
+            if o != name and (seconds(other.timeout.after), order.index(o)) < due
+        ]
+        inside = [s for s in span(phases[name]) if not any(s in rival for rival in rivals)]
+        if any((own := timed[s]) is None or seconds(own.after) > due[0] for s in inside):
+            continue
+        if inside:
+            timed[inside[0]] = None
+        else:
+            del phases[name]
+
+
+def _phases(draw: st.DrawFn, live: Sequence[str], events: list[str], edges: Edges) -> dict[str, Phase]:
+    """Now and then a phase or two: some live states (all of them, sometimes written ``"*"``), a deadline after a
+    param or a literal, firing an event that takes each of its states out of it (KVF118): an existing one where it
+    already does, or one added from every state of the phase, into ``failed``, ``done`` or a live state outside."""
+    out: dict[str, Phase] = {}
+    for i in range(draw(st.sampled_from([0, 0, 0, 1, 1, 2]), label="phases")):
+        name = f"p{i}"
+        inside = draw(st.lists(st.sampled_from(live), unique=True, min_size=1), label="phase states")
+        outside = [s for s in live if s not in inside]
+        fits = [e for e in events if all((s, e) not in edges or edges[s, e][0] not in inside for s in inside)]
+        event = draw(st.sampled_from([f"lapse{i}", *fits]), label="phase event")
+        if event not in events:
+            events.append(event)
+        for source in inside:
+            if (source, event) not in edges:
+                edges[source, event] = (
+                    draw(st.sampled_from(["failed", "done", *outside])),
+                    draw(st.none() | st.just("do_copy")),
+                )
+        after = draw(st.one_of(st.sampled_from(sorted(PARAMS)), st.sampled_from(LITERAL_AFTERS)))
+        states = (
+            (WILDCARD,) if len(inside) == len(live) and draw(st.booleans()) else tuple(s for s in live if s in inside)
+        )
+        out[name] = Phase(name, states, Timeout(after, event))
+    return out
 
 
 def _id_spaces(
@@ -337,6 +401,12 @@ def as_yaml(spec: Spec) -> str:
             lines.append(f"  - {{event: [{', '.join(rule.events)}], in: [{states}]}}")
     if spec.on_error is not None:
         lines.append(f"on_error: {spec.on_error}")
+    if spec.phases:
+        lines.append("phases:")
+        for phase in spec.phases.values():
+            states = ", ".join(f'"{s}"' if s == WILDCARD else s for s in phase.states)
+            timeout = f"{{after: {phase.timeout.after}, fire: {phase.timeout.fire}}}"
+            lines.append(f"  {phase.name}: {{states: [{states}], timeout: {timeout}}}")
     return "\n".join(lines) + "\n"
 
 
