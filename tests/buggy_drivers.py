@@ -645,3 +645,109 @@ class NotifiesWithTheFirstId(Notifier):
         if first is not None:
             self.remote[key] = first  # the bug: the new instance's id is forgotten
         return payload
+
+
+# -- counted and early messages: a NIXL-shaped prefill that holds blocks for K readers -----------------------------
+
+READS_SPEC = """\
+# One request's KV blocks on a prefill rank, held until each of its decode readers has said it has read them
+# (the shape of kvfsm/specs/nixl_prefill.yaml): `read` is counted by the distinct readers that sent it, and a
+# notification that comes before the request is begun is kept, then applied at begin.
+kvfsm: 1
+machine: read_hold
+key: request_id
+params:
+  abort_timeout: 30.0
+  early_within: 5.0
+resources:
+  kv_blocks: {acquire: hold_blocks, release: free_blocks, doc: the connector's hold on the request's blocks}
+states:
+  held:    {initial: true, holds: [kv_blocks], timeout: {after: abort_timeout, fire: expire}}
+  read:    {final: success}
+  expired: {final: failure}
+  aborted: {final: failure}
+transitions:
+  - {event: read,   from: held, to: read, payload: [readers], count: readers}
+  - {event: expire, from: held, to: expired}
+  - {event: abort,  from: "*",  to: aborted}
+events:
+  read: {by: request_id, remote: true, early: {keep: 64, within: early_within}}
+ignore:
+  - {event: [read, expire, abort], in: [read, expired, aborted]}
+"""
+
+
+class ReadHolder(Faults):
+    """The correct prefill driver of :data:`READS_SPEC`: a pool hold per request, freed by the spec's release.
+
+    ``receive`` is its notification path (:class:`kvfsm.testing.ReceivesMessages`): it hands every notification
+    to the Tracker, which counts the distinct readers and keeps one that comes before the request.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = BlockPool(16)
+        self.blocks: dict[Hashable, list[int]] = {}
+
+    def hold_blocks(self, key: Hashable) -> None:
+        self.maybe_raise("hold_blocks", key)
+        self.blocks[key] = self.pool.allocate(key, 2)
+
+    def free_blocks(self, key: Hashable) -> None:
+        self.pool.free(key, self.blocks.pop(key))
+
+    def receive(self, event: str, ident: Hashable, payload: dict[str, Any]) -> bool:
+        return True
+
+    def observe(self, key: Hashable) -> set[str]:
+        return {"kv_blocks"} if self.pool.held_by(key) else set()
+
+
+class CountsRawReads(ReadHolder):
+    """Counts every notification of a request in a table of its own and frees the blocks on the ``readers``-th:
+    a reader that notifies twice completes the count while another reader's READ is still in flight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: Counter[Hashable] = Counter()
+
+    def receive(self, event: str, ident: Hashable, payload: dict[str, Any]) -> bool:
+        if event == "read" and ident in self.blocks:
+            self.reads[ident] += 1  # the bug: not who sent it, just how many came
+            if self.reads[ident] >= payload.get("readers", 1):
+                super().free_blocks(ident)
+        return True
+
+    def free_blocks(self, key: Hashable) -> None:
+        self.reads.pop(key, None)
+        if key in self.blocks:  # freed already when the table's count completed
+            super().free_blocks(key)
+
+
+class FreesOnFirstRead(ReadHolder):
+    """Frees the blocks on a request's first notification, as if every request had one reader."""
+
+    def receive(self, event: str, ident: Hashable, payload: dict[str, Any]) -> bool:
+        if event == "read" and ident in self.blocks:
+            super().free_blocks(ident)  # the bug: the other readers may still be reading
+        return True
+
+    def free_blocks(self, key: Hashable) -> None:
+        if key in self.blocks:
+            super().free_blocks(key)
+
+
+class DropsEarlyReads(ReadHolder):
+    """Drops a notification for a request it holds no blocks for (yet), instead of handing it on: one that comes
+    before the request is begun is lost, and the blocks wait for the expiry (what vLLM's table of requests to
+    process fixed)."""
+
+    def receive(self, event: str, ident: Hashable, payload: dict[str, Any]) -> bool:
+        return ident in self.blocks  # the bug: an id not begun yet is dropped, not kept
+
+
+def write_reads_spec(folder: Path) -> Path:
+    """:data:`READS_SPEC` as a file (``kvfsm test`` takes a path)."""
+    path = folder / "read_hold.yaml"
+    path.write_text(READS_SPEC)
+    return path

@@ -281,9 +281,15 @@ def _coverage(report: Report) -> None:
     for state, event, fired in cov.timeouts():
         mark = f"fired {fired}×" if fired else "[red]never fired[/]"
         out.print(f"deadline of {escape(state)} ({escape(event)}): {mark}")
+    for phase, event, fired, moved in cov.phase_timeouts():
+        mark = f"fired {fired}×, {moved} after moves inside it" if fired else "[red]never fired[/]"
+        out.print(f"deadline of phase {escape(phase)} ({escape(event)}): {mark}")
     summary = cov.summary()
     names = {"edges": "edges", "timeouts": "deadlines", "ignored": "ignored pairs"}
     parts = [f"{names[k]} {done}/{total}" for k, (done, total) in summary.items() if total]
+    if cov.expiries:
+        moved = sum(cov.expiries_after_moves.values())
+        parts.append(f"phase expiries {sum(cov.expiries.values())} ({moved} after moves inside)")
     parts += [f"{kind} {n}" for kind, n in sorted(cov.arrivals.items())]
     faults = ", ".join(f"{a} {n}" for a, n in sorted(cov.faults.items())) or "none"
     out.print(f"exercised: {' · '.join(parts)} · injected faults: {escape(faults)}")

@@ -14,13 +14,17 @@ capabilities that kvfsm.testing uses when a driver has them, found by
 - :class:`ReportsSends`: an ``outbox`` (:class:`~kvfsm.engine.outbox.Outbox`)
   the driver reports each message it sends to; the test binds it to its
   tracker and fails a message whose id is from another space than the
-  spec's ``outgoing:`` says it carries.
+  spec's ``outgoing:`` says it carries;
+- :class:`ReceivesMessages`: ``receive(event, ident, payload)``, what the
+  driver's code does with a peer's message before the Tracker gets it; the
+  test calls it with every message, and fails a driver that drops one the
+  spec applies, counts or keeps.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Hashable, Iterable
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping
+from typing import Any, Protocol, runtime_checkable
 
 from ..engine.outbox import Outbox
 
@@ -79,6 +83,24 @@ class ReportsSends(Protocol):
     """Called once per message sent (``outbox.sent(key, message, id_on_the_wire)``), with the id as it goes out."""
 
 
+@runtime_checkable
+class ReceivesMessages(Protocol):
+    """Optional: the driver's receive path, for specs whose events are a peer's messages (``events:``, counted)."""
+
+    def receive(self, event: str, ident: Hashable, payload: Mapping[str, Any], /) -> bool | None:
+        """Do what your code does with a message of ``event`` naming ``ident`` before it hands it to the Tracker
+        (``fire``/``deliver``): parse it, look the request up, keep a table. ``payload`` is what it carries, its
+        ``sender`` included where the spec counts it. Return False where your code does not hand it on.
+
+        What it does shows in ``observe``: a driver that frees on a message the
+        spec only counts is caught there. A dropped message must be one the spec
+        refuses anyway (an unknown, late or stale id of an event not declared
+        early, an ignored event, a repeat from a sender already heard); one the
+        spec applies, counts or keeps for an id not yet known is a divergence.
+        """
+        ...
+
+
 DriverFactory = Callable[[], ObservableDriver]
 """Called with no arguments; must return a fresh driver each time (one per example)."""
 
@@ -92,6 +114,7 @@ __all__ = [
     "DriverFactory",
     "FaultInjecting",
     "ObservableDriver",
+    "ReceivesMessages",
     "ReportsSends",
     "TakesBeforeBegin",
     "TakesBeforeFire",

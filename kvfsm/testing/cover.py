@@ -2,12 +2,17 @@
 
 A random walk reaches a spec's deep edges only sometimes; a plan reaches each
 by construction. :func:`path_cover` reads the spec model (its edges, ignore
-rules and timeouts, through the oracle's :class:`~kvfsm.testing.oracle.SpecModel`)
-and returns, for each thing to exercise, the shortest way there from
-``begin``: fire the events along a shortest path to the source state, then
-take the edge (by hand, by letting its deadline fire, or with one of its
-actions made to raise), or fire each ignored event there. Plans for one key
-come first, then the same routes for several keys interleaved step by step.
+rules, timeouts, phases, counts and early events, through the oracle's
+:class:`~kvfsm.testing.oracle.SpecModel`) and returns, for each thing to
+exercise, the shortest way there from ``begin``: fire the events along a
+shortest path to the source state, then take the edge (by hand, by letting
+its deadline fire, or with one of its actions made to raise), or fire each
+ignored event there. A phase's deadline is let fire at its entry plus its
+``after``, after time passed in the phase and moves inside it (the rest of
+the route, a self-loop); a counted edge hears a repeated sender before its K
+distinct ones; an early event's message names an id before the begin or
+event that links it. Plans for one key come first, then the same routes for
+several keys interleaved step by step.
 Each plan is a list of steps of :class:`~kvfsm.testing.machine.SpecMachine`
 (the format of its ``trace``), so it runs, checks and shrinks like any
 example.
@@ -20,11 +25,13 @@ them.
 from __future__ import annotations
 
 import inspect
+import math
 from collections import deque
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 from ..spec import Spec
+from ..spec.model import BEGIN
 from .oracle import SpecModel
 
 TraceStep = tuple[str, tuple[object, ...]]
@@ -132,8 +139,12 @@ def path_cover(
     # Deepest first: the route to a deep edge takes the shallow ones on its way.
     for e in sorted(edges, key=lambda e: -len(route[e.source])):
         timed = model.after.get(e.source)
+        phase = phase_firing(model, e.source, e.event)
         if timed is not None and timed[1] == e.event:
             plans.append(Plan(f"deadline of {e.source} ({e.event})", (*walk(e.source), ("advance", (timed[0], None)))))
+        elif phase:
+            steps = phase_steps(model, route, blocked, key, e.source, phase, None)
+            plans.append(Plan(f"deadline of phase {phase} in {e.source} ({e.event})", steps))
         elif (e.source, e.event) not in done:
             plans.append(
                 Plan(f"edge {e.source} --{e.event}--> {e.target}", (*walk(e.source), ("fire", (key, e.event, None))))
@@ -143,10 +154,164 @@ def path_cover(
         done.update((*route[e.source], (e.source, e.event)))
     singles = [
         *plans,
+        *_count_plans(model, route, blocked, key),
+        *_early_plans(model, route, blocked, key),
         *_fault_plans(model, route, walk, blocked, faults, key),
         *_ignored_plans(model, route, walk, key),
     ]
     return [*singles, *_interleaved(plans, names, key)]
+
+
+def phase_firing(model: SpecModel, state: str, event: str) -> str:
+    """The first phase (in declaration order) ``state`` is in whose deadline fires ``event`` ("" if none)."""
+    return next((p for p in model.spec.phases_of(state) if model.phase_after[p][1] == event), "")
+
+
+def phase_steps(
+    model: SpecModel,
+    route: Mapping[str, tuple[Pair, ...]],
+    blocked: Collection[Pair],
+    key: str,
+    state: str,
+    phase: str,
+    fault: int | None,
+) -> tuple[TraceStep, ...]:
+    """Let ``phase``'s deadline fire in ``state``, measured from the entry: walk into the phase (at t=0, so its
+    deadline falls due at its ``after``), let time pass in the phase state reached, go on to ``state`` by moves
+    inside the phase and take a self-loop there if it has one, then move the clock to the deadline
+    (``fault``: the fault-th action then raises).
+
+    Of the phase states to wait in, one from which ``state`` is reached inside the phase is preferred, so
+    the expiry comes after moves inside it; the wait is chosen so that neither that state's own deadline nor
+    ``state``'s (re-armed on the way) falls due before the phase's, where the spec allows that at all.
+    """
+    spec = model.spec
+    inside = spec.phase_states[phase]
+    ttl = model.phase_after[phase][0]
+    loop = next(
+        (e.event for e in model.edges.values() if e.source == e.target == state and (state, e.event) not in blocked),
+        None,
+    )
+
+    def own(s: str) -> float:
+        return model.after[s][0] if s in model.after else math.inf
+
+    def window(wait_in: str, moves: tuple[Pair, ...]) -> float | None:
+        """How long to wait in ``wait_in`` before ``moves`` lead to ``state``; None if no wait lets the phase fire
+        there first."""
+        rearmed = bool(moves) or loop is not None
+        lo = max(0.0, ttl - own(state)) if rearmed else (0.0 if own(state) > ttl else math.inf)
+        hi = min(ttl, own(wait_in))
+        if lo < hi:
+            return (lo + hi) / 2
+        return 0.0 if own(state) > ttl else None  # no time to let pass first: go straight on
+
+    options = []
+    for entry in spec.states:
+        moves = _inside(model, blocked, inside, entry, state) if entry in inside and entry in route else None
+        if moves is not None:
+            wait = window(entry, moves)
+            rank = (wait is None, not moves and loop is None, len(route[entry]) + len(moves))
+            options.append((rank, entry, moves, wait or 0.0))
+    _rank, entry, moves, wait = min(options, key=lambda o: o[0])
+    rest = ttl - wait
+    while wait + rest < ttl:  # the clock adds: land on the deadline, not an ulp before it
+        rest = math.nextafter(rest, math.inf)
+    steps: list[TraceStep] = [("begin", (key, None)), *(("fire", (key, ev, None)) for _s, ev in route[entry])]
+    if wait > 0:
+        steps.append(("advance", (wait, None)))
+    steps += [("fire", (key, ev, None)) for _s, ev in moves]
+    if loop is not None:
+        steps.append(("fire", (key, loop, None)))
+    steps.append(("advance", (rest, fault)))
+    return tuple(steps)
+
+
+def _inside(
+    model: SpecModel, blocked: Collection[Pair], inside: Collection[str], start: str, goal: str
+) -> tuple[Pair, ...] | None:
+    """A shortest path from ``start`` to ``goal`` that never leaves the states ``inside`` (no self-loops)."""
+    paths: dict[str, tuple[Pair, ...]] = {start: ()}
+    todo = deque([start])
+    while todo:
+        here = todo.popleft()
+        if here == goal:
+            return paths[here]
+        for e in model.edges.values():
+            if e.source == here and e.target in inside and e.target not in paths and (here, e.event) not in blocked:
+                paths[e.target] = (*paths[here], (here, e.event))
+                todo.append(e.target)
+    return None
+
+
+MOST_SENDERS = 16
+"""Most distinct senders a count plan sends (a K from a param may be large)."""
+
+
+def _count_plans(
+    model: SpecModel, route: Mapping[str, tuple[Pair, ...]], blocked: Collection[Pair], key: str
+) -> list[Plan]:
+    """One plan per counted edge: get to its source, then hear one sender twice (a repeat, never counted), then
+    the other senders one by one until K distinct ones were heard (K drawn as 2 where begin or the arrival
+    gives it)."""
+    plans = []
+    for (state, event), source in model.counted.items():
+        if source is None or state not in route or (state, event) in blocked:
+            continue
+        kind, what = source
+        if kind == "number":
+            k = int(what)
+        elif kind == "param":
+            k = int(model.spec.param(str(what), model.params))
+        else:
+            k = 2
+        k = min(k, MOST_SENDERS)
+        senders = ["s0"] if k <= 1 else ["s0", "s0", *(f"s{i}" for i in range(1, k))]
+        steps: list[TraceStep] = [("begin", (key, None, k)), *(("fire", (key, ev, None)) for _s, ev in route[state])]
+        steps += [("hear", (key, event, None, sender, k)) for sender in senders]
+        repeat = ", a repeated sender" if k > 1 else ""
+        plans.append(Plan(f"count of {event} in {state} ({k} distinct senders{repeat})", tuple(steps)))
+    return plans
+
+
+def _early_plans(
+    model: SpecModel, route: Mapping[str, tuple[Pair, ...]], blocked: Collection[Pair], key: str
+) -> list[Plan]:
+    """One plan per event declared ``early:``: a message naming an id before the begin (or the event) that links
+    it, then that begin (or the way to that event, and the event): the message is kept, then applied."""
+    spec = model.spec
+    plans = []
+    for event, decl in spec.event_decls.items():
+        if decl.early is None:
+            continue
+        space = spec.routed_by(event)
+        ident = key if space == spec.key else f"{space}-1"  # the machine's first fresh id of the space
+        hello: TraceStep = ("deliver", (event, ident, "s0", 1))
+        at = spec.spaces[space].linked_at if space in spec.spaces else BEGIN
+        if at == BEGIN:
+            steps: tuple[TraceStep, ...] = (hello, ("begin", (key, None, 1)))
+        else:
+            links = [
+                e for e in model.edges.values() if e.event == at and e.source in route and (e.source, at) not in blocked
+            ]
+            if not links:
+                continue
+            way = route[links[0].source]
+            steps = (
+                hello,
+                ("begin", (key, None, 1)),
+                *(("fire", (key, ev, None)) for _s, ev in way),
+                ("fire", (key, at, None)),
+            )
+        before = (
+            "its begin"
+            if at == BEGIN and space == spec.key
+            else "the begin that links it"
+            if at == BEGIN
+            else (f"the {at} that links it")
+        )
+        plans.append(Plan(f"early {event} naming {ident} before {before}", steps))
+    return plans
 
 
 def _ignored_plans(
@@ -181,9 +346,14 @@ def _fault_plans(
             continue
         timed = model.after.get(e.source)
         by_deadline = timed is not None and timed[1] == e.event
+        phase = "" if by_deadline else phase_firing(model, e.source, e.event)
         for nth, action in enumerate(a for a in e.prepare_actions if a in faults):
+            goal = f"fault in {action} on {e.source} --{e.event}-->"
+            if phase:
+                plans.append(Plan(goal, phase_steps(model, route, blocked, key, e.source, phase, nth)))
+                continue
             step: TraceStep = ("advance", (timed[0], nth)) if by_deadline and timed else ("fire", (key, e.event, nth))
-            plans.append(Plan(f"fault in {action} on {e.source} --{e.event}-->", (*walk(e.source), step)))
+            plans.append(Plan(goal, (*walk(e.source), step)))
     return plans
 
 
@@ -209,4 +379,14 @@ def _rekey(step: TraceStep, old: str, new: str) -> TraceStep:
     return name, tuple(new if a == old else a for a in args)
 
 
-__all__ = ["Pair", "Plan", "TraceStep", "blocked_edges", "caller_taken", "path_cover", "routes"]
+__all__ = [
+    "Pair",
+    "Plan",
+    "TraceStep",
+    "blocked_edges",
+    "caller_taken",
+    "path_cover",
+    "phase_firing",
+    "phase_steps",
+    "routes",
+]

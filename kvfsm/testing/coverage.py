@@ -30,7 +30,7 @@ class EdgeCount:
     event: str
     target: str
     timeout: bool
-    """Whether the source's deadline fires this event."""
+    """Whether a deadline armed in the source (its own, or a phase's it is in) fires this event."""
     by: dict[How, int]
 
     @property
@@ -45,7 +45,7 @@ class Gap:
     kind: Literal["edge", "deadline", "ignored"]
     name: str
     """How an exemption names it: ``queued --start--> transferring``, ``deadline of transferring``,
-    ``ignored abort in done``."""
+    ``deadline of phase lease``, ``ignored abort in done``."""
     why: str
 
     def as_dict(self) -> dict[str, str]:
@@ -84,6 +84,11 @@ class Coverage:
         self.arrivals: Counter[str] = Counter()
         """Counted and early messages by what became of them: ``counted`` (the count not complete), ``duplicate``
         (a sender heard before), ``kept`` (an id not yet known), ``early`` (dropped unapplied)."""
+        self.expiries: Counter[str] = Counter()
+        """Phase deadlines that fired, per phase."""
+        self.expiries_after_moves: Counter[str] = Counter()
+        """Of those, the ones that fired after the instance moved inside the phase or took a self-loop since
+        entering it: the deadline still ran from the entry."""
 
     def record(self, outcome: Outcome) -> None:
         for move in outcome.moves:
@@ -92,6 +97,9 @@ class Coverage:
             else:
                 self.edges[move.source, move.event, move.how] += 1
         self.forced += len(outcome.forced)
+        for expiry in outcome.expired:
+            self.expiries[expiry.phase] += 1
+            self.expiries_after_moves[expiry.phase] += expiry.moves > 0
         for failure in outcome.failures:
             self.faults[failure.action] += 1
         if outcome.refused in ("counted", "kept"):
@@ -112,8 +120,7 @@ class Coverage:
         """Every spec edge in declaration order, with its counts (zero when never taken)."""
         rows = []
         for e in self.spec.edges():
-            st = self.spec.states[e.source]
-            timed = st.timeout is not None and st.timeout.fire == e.event
+            timed = self.spec.fires_on_timeout(e.source, e.event)
             by: dict[How, int] = {how: self.edges[e.source, e.event, how] for how in HOWS}
             rows.append(EdgeCount(e.source, e.event, e.target, timed, by))
         return rows
@@ -130,18 +137,26 @@ class Coverage:
             if st.timeout is not None
         ]
 
+    def phase_timeouts(self) -> list[tuple[str, str, int, int]]:
+        """``(phase, event, times its deadline fired, of those after moves inside it)`` for every phase."""
+        return [
+            (name, phase.timeout.fire, self.expiries[name], self.expiries_after_moves[name])
+            for name, phase in self.spec.phases.items()
+        ]
+
     def ignored_pairs(self) -> list[tuple[str, str, int]]:
         pairs = sorted({(s, e) for s, e, _r in self.spec.ignored()}, key=self._order)
         return [(s, e, self.ignored[s, e]) for s, e in pairs]
 
     def summary(self) -> dict[str, tuple[int, int]]:
-        """``name → (exercised, total)`` for edges, timeouts and ignored pairs."""
+        """``name → (exercised, total)`` for edges, timeouts (the states' and the phases' deadlines) and ignored
+        pairs."""
         edges = self.edge_counts()
-        timeouts = self.timeouts()
+        fired = [n for _s, _e, n in self.timeouts()] + [n for _p, _e, n, _m in self.phase_timeouts()]
         ignored = self.ignored_pairs()
         return {
             "edges": (sum(r.taken > 0 for r in edges), len(edges)),
-            "timeouts": (sum(n > 0 for _s, _e, n in timeouts), len(timeouts)),
+            "timeouts": (sum(n > 0 for n in fired), len(fired)),
             "ignored": (sum(n > 0 for _s, _e, n in ignored), len(ignored)),
         }
 
@@ -164,6 +179,11 @@ class Coverage:
             if not r.taken
         ]
         out += [Gap("deadline", f"deadline of {s}", why(s, (s, e))) for s, e, n in self.timeouts() if not n]
+        out += [
+            Gap("deadline", f"deadline of phase {p}", self._phase_why(p, e, why))
+            for p, e, n, _m in self.phase_timeouts()
+            if not n
+        ]
         out += [Gap("ignored", f"ignored {e} in {s}", why(s, ("", ""))) for s, e, n in self.ignored_pairs() if not n]
         return out
 
@@ -172,6 +192,7 @@ class Coverage:
         return [
             *(edge_name(r.source, r.event, r.target) for r in self.edge_counts()),
             *(f"deadline of {s}" for s, _e, _n in self.timeouts()),
+            *(f"deadline of phase {p}" for p, _e, _n, _m in self.phase_timeouts()),
             *(f"ignored {e} in {s}" for s, e, _n in self.ignored_pairs()),
         ]
 
@@ -205,6 +226,9 @@ class Coverage:
                 for r in self.edge_counts()
             ],
             "timeouts": [{"state": s, "event": e, "fired": n} for s, e, n in self.timeouts()],
+            "phases": [
+                {"phase": p, "event": e, "fired": n, "after_moves_inside": m} for p, e, n, m in self.phase_timeouts()
+            ],
             "ignored": [{"state": s, "event": e, "hit": n} for s, e, n in self.ignored_pairs()],
             "illegal": [
                 {"state": s, "event": e, "tried": n} for (s, e), n in sorted(self.illegal.items(), key=self._by_key)
@@ -212,6 +236,11 @@ class Coverage:
             "unknown_key_events": self.unknown,
             "faults": dict(sorted(self.faults.items())),
         }
+
+    def _phase_why(self, phase: str, event: str, why: Any) -> str:
+        """Why a phase's deadline never fired: as for its states' edges, or NOT_TAKEN if one could be reached."""
+        reasons = [why(s, (s, event)) for s in self.spec.states if s in self.spec.phase_states[phase]]
+        return next((r for r in reasons if r == NOT_TAKEN), reasons[0] if reasons else NOT_TAKEN)
 
     def _order(self, pair: tuple[str, str]) -> tuple[int, str]:
         return (list(self.spec.states).index(pair[0]), pair[1])

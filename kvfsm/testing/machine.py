@@ -31,6 +31,7 @@ drivers without it are tested without faults).
 
 from __future__ import annotations
 
+import math
 import re
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
@@ -165,18 +166,26 @@ class SpecMachine(RuleBasedStateMachine):
         """The driver's record of what it sends (:class:`~kvfsm.testing.contract.ReportsSends`), checked each step."""
         if self.outbox is not None:
             self.outbox.bind(self.tracker)
-        self._ids = 0
+        self._ids: Counter[str] = Counter()
+        """Fresh ids made so far, per space: the next one of space S is ``f"{S}-{n + 1}"``, so a message can name
+        an id before the begin or event that links it (early)."""
         self._sender = "s0"
         """Who sends the next counted event (the ``hear`` rule draws it; other steps repeat the last)."""
         self._need = 1
         """The K a count gets where its payload gives it and the driver did not (drawn by the ``hear`` rule)."""
+        self.messages = frozenset(cls.spec.event_decls) | {event for _state, event in cls.spec.counted()}
+        """Events that are a peer's messages (declared under ``events:``, or counted): each arrival goes through
+        the driver's ``receive``, if it has one."""
         cls.coverage.examples += 1
 
     # -- the steps -------------------------------------------------------------------
 
-    def begin(self, key: str, fault: int | None = None) -> None:
-        """``begin(key)``; ``fault``: make the fault-th action begin runs raise (see :meth:`arm`)."""
-        with self._step("begin", key, fault):
+    def begin(self, key: str, fault: int | None = None, need: int | None = None) -> None:
+        """``begin(key)``; ``fault``: make the fault-th action begin runs raise (see :meth:`arm`); ``need``: the K
+        a count its payload gives gets, where the driver gives none (None: the last one drawn)."""
+        if need is not None:
+            self._need = need
+        with self._step("begin", key, fault, self._need):
             # A caller takes what the initial state holds only for a begin that can succeed.
             live = self.model.state(key) is not None and not self.model.is_final(key)
             payload: Mapping[str, Any] = {}
@@ -206,40 +215,103 @@ class SpecMachine(RuleBasedStateMachine):
             return
         state = inst.state if inst is not None else None
         for i in range(max(need, 1)):
-            self._sender = f"q{i}"
-            self.hear(key, event, fault)
+            self.hear(key, event, fault, f"q{i}")
             if self.model.state(key) != state:
                 return
 
-    def hear(self, key: str, event: str, fault: int | None = None) -> None:
-        """One ``fire(key, event)`` step (one arrival, where the event is counted)."""
+    def hear(
+        self, key: str, event: str, fault: int | None = None, sender: str | None = None, need: int | None = None
+    ) -> None:
+        """One ``fire(key, event)`` step (one arrival, where the event is counted): from ``sender``, with K
+        ``need`` where the arrival gives K (None: the last ones drawn). The trace records both, so a replay
+        sends exactly what this step sent."""
+        if sender is not None:
+            self._sender = sender
+        if need is not None:
+            self._need = need
         state = None if self.model.closed else self.model.state(key)
         if state is not None and (state, event) in (self.blocked or {}):
             return
-        with self._step("fire", key, event, fault):
+        with self._step("hear", key, event, fault, self._sender, self._need):
             payload, fault = self._fire_payload(key, state, event, fault)
+            sender = self._from(state, event, payload)
+            head = f"{event} {key}" + (f" from {sender}" if sender else "")
+            if not self._receive(head, event, key, payload, lambda model: model.fire(key, event, payload)):
+                return
             self.arm(self.model.fire_actions(key, event), fault)
             outcome = self.model.fire(key, event, payload)
-            self._tell(fire_line(key, event, outcome), outcome)
+            self._tell(fire_line(key, event, outcome, sender), outcome)
             self._apply("fire", outcome, lambda: self.tracker.fire(key, event, **payload))
 
-    def deliver(self, event: str, ident: Hashable) -> None:
+    def deliver(self, event: str, ident: Hashable, sender: str | None = None, need: int | None = None) -> None:
         """A peer's message: ``deliver(event, ident)``, routed by the space the spec declares for ``event``.
 
         ``ident`` may be from that space or another, live, of an earlier
         generation, retired or never seen: the Tracker must apply it to the
-        instance it names, or count it exactly as the model says.
+        instance it names, or count it exactly as the model says. ``sender``
+        and ``need`` are as for :meth:`hear`.
         """
+        if sender is not None:
+            self._sender = sender
+        if need is not None:
+            self._need = need
         space = self.spec.routed_by(event)
         key, _kind = self.model.resolve(space, ident)
         state = None if self.model.closed or key is None else self.model.state(key)
         if state is not None and (state, event) in (self.blocked or {}):
             return
-        with self._step("deliver", event, ident):
-            payload, _ = self._fire_payload(str(key), state, event, None)
+        with self._step("deliver", event, ident, self._sender, self._need):
+            named = str(key) if key is not None else str(ident)  # an id not yet known: the key it will be, if any
+            payload, _ = self._fire_payload(named, state, event, None)
+            sender = self._from(state, event, payload)
+            head = f"deliver {event} {ident!r} ({space})" + (f" from {sender}" if sender else "")
+            if not self._receive(head, event, ident, payload, lambda model: model.deliver(event, ident, payload)):
+                return
             outcome = self.model.deliver(event, ident, payload)
-            self._tell(deliver_line(event, ident, space, outcome), outcome)
+            self._tell(deliver_line(event, ident, space, outcome, sender), outcome)
             self._apply("deliver", outcome, lambda: self.tracker.deliver(event, ident, **payload))
+
+    def _from(self, state: str | None, event: str, payload: Mapping[str, Any]) -> str:
+        """Who sent an arrival of ``event``, where the spec counts it (``state`` None: a message kept for later)."""
+        if "sender" not in payload:
+            return ""
+        counted = state is None or (state, event) in self.model.counted
+        return str(payload["sender"]) if counted else ""
+
+    def _receive(
+        self,
+        head: str,
+        event: str,
+        ident: Hashable,
+        payload: Mapping[str, Any],
+        spec: Callable[[SpecModel], Outcome],
+    ) -> bool:
+        """Hand a peer's message to the driver's ``receive`` (:class:`~kvfsm.testing.contract.ReceivesMessages`),
+        if it has one and the event is a message; whether the message then goes on to the Tracker.
+
+        A driver may keep from the Tracker only what the spec refuses anyway
+        (an unknown, late or stale id, an ignored or illegal event, a repeat
+        from a sender already heard); ``spec`` says, on a copy of the model,
+        what the message would do. Dropping one the spec applies, counts or
+        keeps for an id not yet known is a divergence.
+        """
+        hook = getattr(self.driver, "receive", None)
+        if not callable(hook) or event not in self.messages:
+            return True
+        what = f"{type(self.driver).__name__}.receive({event!r}, {ident!r}, {dict(payload)!r})"
+        try:
+            handed = self._guarded(what, lambda: hook(event, ident, dict(payload)))
+        except Exception as exc:
+            self._tell(f"{head}: receive() raised", Outcome())
+            self._diverge([f"receive({event!r}, {ident!r}, …) raised {type(exc).__name__}: {exc}"])
+        if handed is not False:
+            return True
+        would = spec(self.model.clone())
+        fate = _fate(would)
+        self._tell(f"{head}: the driver's receive() dropped it", Outcome())
+        if would.moves or (would.refused in ("counted", "kept") and would.anomaly != "duplicate"):
+            self._diverge([f"the spec {fate}: a message must reach the Tracker"])
+        return False
 
     def _fire_payload(
         self, key: str, state: str | None, event: str, fault: int | None
@@ -272,9 +344,13 @@ class SpecMachine(RuleBasedStateMachine):
             return payload
         out = dict(payload)
         for space in missing:
-            self._ids += 1
-            out[space] = f"{space}-{self._ids}"
+            out[space] = self.next_id(space)
+            self._ids[space] += 1
         return out
+
+    def next_id(self, space: str) -> str:
+        """The id the machine will give the next instance it links in ``space`` (when the driver gives none)."""
+        return f"{space}-{self._ids[space] + 1}"
 
     def _apply(self, name: str, outcome: Outcome, call: Callable[[], str | None]) -> None:
         """Run an event's Tracker call: it returns the state the spec says, and a refused one changes nothing real."""
@@ -537,9 +613,34 @@ def _events(spec: Spec) -> tuple[str, ...]:
     return tuple(dict.fromkeys([*spec.events, *(e for rule in spec.ignore for e in rule.events)]))
 
 
+def _fate(would: Outcome) -> str:
+    """What the spec does with a message, in words: ``applies it (read req-1: held → read)``, ``keeps it …``."""
+    if would.moves:
+        m = would.moves[0]
+        return f"applies it ({m.event} {m.key}: {m.source} → {m.target})"
+    if would.refused == "kept":
+        return "keeps it until its id appears (early)"
+    if would.refused == "counted":
+        if would.anomaly == "duplicate":
+            return "counts it as a repeat from a sender already heard"
+        return "counts it towards the transition's K senders"
+    if would.refused == "unknown":
+        return f"counts it as {would.anomaly or 'unknown'} and applies nothing"
+    return f"refuses it ({would.refused or 'nothing to do'})"
+
+
+def _to(now: float, due: float) -> float:
+    """The clock step from ``now`` that lands on ``due`` (or just past it: never an ulp short of it)."""
+    step = max(due - now, 0.0)
+    while now + step < due:
+        step = math.nextafter(step, math.inf)
+    return step
+
+
 def _ticks(spec: Spec, params: Mapping[str, float] | None) -> tuple[float, ...]:
-    """Clock steps that land on deadlines, halfway to them and past them."""
+    """Clock steps that land on deadlines (a state's or a phase's), halfway to them and past them."""
     afters = {spec.param(s.timeout.after, params) for s in spec.states.values() if s.timeout is not None}
+    afters |= {spec.param(p.timeout.after, params) for p in spec.phases.values()}
     if not afters:
         return (1.0,)
     return tuple(sorted(afters | {a / 2 for a in afters}))
@@ -582,15 +683,18 @@ def spec_machine(
     names = tuple(f"req-{i}" for i in range(1, keys + 1))
     key = st.sampled_from(names)
 
-    begin_faults = bool(SpecModel(spec, params).begin_acquires) and bool(faults)
+    model = SpecModel(spec, params)
+    begin_faults = bool(model.begin_acquires) and bool(faults)
     timeout_faults = any(
         a in faults
-        for st_ in spec.states.values()
-        if st_.timeout is not None
-        for a in SpecModel(spec, params).edges[st_.name, st_.timeout.fire].prepare_actions
+        for state in spec.live
+        for t in spec.timeouts(state)
+        if (state, t.fire) in model.edges
+        for a in model.edges[state, t.fire].prepare_actions
     )
 
     declared = tuple(spec.event_decls)
+    timed = any(spec.timeouts(state) for state in spec.live)
     counting = bool(spec.counted())
     deep = tuple(s for s in spec.live if s != spec.initial.name) if steer else ()
     """Live states a planned prefix may walk a key to."""
@@ -629,8 +733,15 @@ def spec_machine(
 
             @rule(event=st.sampled_from(declared), pick=st.integers(0, 255))
             def deliver_a_message_naming_any_id(self, event: str, pick: int) -> None:
-                """A peer's message naming an id of its space or another, live, stale, retired or never seen."""
-                ids = self.model.known_ids(self.spec.routed_by(event))
+                """A peer's message naming an id of its space or another, live, stale, retired, never seen, or the
+                next one the machine will link (a key not begun yet, for the key's space): early, if declared so."""
+                space = self.spec.routed_by(event)
+                ahead = (
+                    [k for k in self.keys if self.model.state(k) is None]
+                    if space == self.spec.key
+                    else [self.next_id(space)]
+                )
+                ids = [*self.model.known_ids(space), *ahead]
                 self.deliver(event, ids[pick % len(ids)])
 
             @precondition(lambda self: bool(self.model.deliverable()))
@@ -649,12 +760,21 @@ def spec_machine(
                 with a drawn K where its payload gives K."""
                 options = self.model.countable()
                 key, event = options[which % len(options)]
-                self._sender, self._need = f"s{sender}", need
-                self.hear(str(key), event)
+                self.hear(str(key), event, None, f"s{sender}", need)
 
         @rule(dt=st.sampled_from(ticks))
         def advance_clock_and_poll(self, dt: float) -> None:
             self.advance(dt)
+
+        if timed:
+
+            @precondition(lambda self: bool(self.model.deadlines()))
+            @rule(which=st.integers(0, 15), fault=st.none() | st.integers(0, 3) if timeout_faults else st.none())
+            def advance_clock_to_a_deadline(self, which: int, fault: int | None) -> None:
+                """Move the clock exactly to one armed deadline, a state's or a phase's, and poll: a phase's
+                falls due at its entry plus its after, whatever moves inside it and self-loops came since."""
+                dues = sorted({due for _key, due, _phase, _event in self.model.deadlines()})
+                self.advance(_to(self.clock.now, dues[which % len(dues)]), fault)
 
         if timeout_faults:
 

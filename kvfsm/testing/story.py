@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .oracle import ExpectedFailure, Move, Outcome
+from .oracle import ExpectedFailure, Expiry, Move, Outcome
 
 
 def clock(now: float) -> str:
@@ -19,8 +19,20 @@ def clock(now: float) -> str:
     return f"t={now:.1f}" if round(now, 1) == now else f"t={now:g}"
 
 
-def _move(move: Move) -> str:
-    return f"{move.event} {move.key}: {move.source} → {move.target}"
+def _move(move: Move, expired: Sequence[Expiry] = ()) -> str:
+    """``expire req-1: retrying → expired``; a phase's deadline adds which phase, when it was entered and the
+    moves made inside it since (``expired``: the poll's :attr:`~kvfsm.testing.oracle.Outcome.expired`)."""
+    line = f"{move.event} {move.key}: {move.source} → {move.target}"
+    if move.phase:
+        seen = next((x for x in expired if x.key == move.key and x.phase == move.phase), None)
+        if seen is not None:
+            return f"{line} (deadline of phase {move.phase}, entered at {clock(seen.entered)}, {seen.moves} move(s) inside since)"
+        return f"{line} (deadline of phase {move.phase})"
+    return line
+
+
+def _sent(sender: str) -> str:
+    return f" from {sender}" if sender else ""
 
 
 def _raised(failures: Sequence[ExpectedFailure]) -> str:
@@ -59,7 +71,14 @@ def begin_line(key: str, outcome: Outcome) -> str:
     return f"begin {key} → {outcome.moves[0].target}"
 
 
-def fire_line(key: str, event: str, outcome: Outcome) -> str:
+def fire_line(key: str, event: str, outcome: Outcome, sender: str = "") -> str:
+    """One fire step; ``sender``: who sent an arrival the spec counts (told with the arrival)."""
+    if sender:
+        line = fire_line(f"{key}{_sent(sender)}", event, outcome)
+        if outcome.moves and not outcome.refused and not outcome.failures:
+            m = outcome.moves[0]
+            line = f"{m.event} {key}{_sent(sender)}: {m.source} → {m.target}"
+        return line
     if outcome.refused == "closed":
         return f"{event} {key}: {CLOSED}"
     if outcome.refused == "kept":
@@ -73,17 +92,19 @@ def fire_line(key: str, event: str, outcome: Outcome) -> str:
     if outcome.refused == "illegal":
         return f"{event} {key}: illegal in {outcome.state} (IllegalTransition, nothing may change)"
     if outcome.refused == "counted" and outcome.anomaly == "duplicate":
-        return f"{event} {key}: from a sender already heard in {outcome.state} (a duplicate anomaly, not counted)"
+        return (
+            f"{event} {key}: a repeat from a sender already heard in {outcome.state} (a duplicate anomaly, not counted)"
+        )
     if outcome.refused == "counted":
-        return f"{event} {key}: counted in {outcome.state}, fewer senders than the count waits for"
+        return f"{event} {key}: counted in {outcome.state}, fewer distinct senders than the count waits for"
     if outcome.failures:
         return f"{event} {key}: {_after_faults(outcome)}"
     return _move(outcome.moves[0])
 
 
-def deliver_line(event: str, ident: object, space: str, outcome: Outcome) -> str:
+def deliver_line(event: str, ident: object, space: str, outcome: Outcome, sender: str = "") -> str:
     """``deliver read_done 'r-3' (remote_request_id) → read_done req-1: held → done``, or what the id named."""
-    head = f"deliver {event} {ident!r} ({space})"
+    head = f"deliver {event} {ident!r} ({space}){_sent(sender)}"
     if outcome.refused == "kept":
         return f"{head}: names no instance yet; kept for when it appears (early)"
     if outcome.refused == "unknown" and outcome.key is None:
@@ -119,9 +140,9 @@ def _moves_and_faults(outcome: Outcome) -> list[str]:
         if caused:
             pending = [f for f in pending if f not in caused]
             raised = _raised(caused)
-            parts.append(f"{caused[0].event} {move.key}: {raised}, so {_move(move)}")
+            parts.append(f"{caused[0].event} {move.key}: {raised}, so {_move(move, outcome.expired)}")
         else:
-            parts.append(_move(move))
+            parts.append(_move(move, outcome.expired))
     parts += [f"{f.event} {f.key}: {_raised([f])}; state unchanged" for f in pending]
     return parts
 
