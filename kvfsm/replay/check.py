@@ -4,8 +4,9 @@ The checker replays the log line by line and keeps, for every instance, the
 state its last line put it in. What the machine allows it asks the spec model
 once, at the start, and nowhere else: the transition ``table`` (wildcards
 expanded), the legal no-ops (``ignores``), what each state holds
-(``holds()``), the initial and final states, and each state's timeout with its
-param resolved (``param()``). Every result is a :class:`~kvfsm.spec.Finding`
+(``holds()``), the initial and final states, each state's timeout and each
+phase's with its param resolved (``param()``), and which phases a move enters
+and leaves (``phase_moves()``). Every result is a :class:`~kvfsm.spec.Finding`
 with a KVF3xx code (:mod:`kvfsm.replay.codes`), in the order a line is judged:
 
 - a log that cannot be read past some line (KVF300), a line that is not a
@@ -20,7 +21,8 @@ with a KVF3xx code (:mod:`kvfsm.replay.codes`), in the order a line is judged:
   (KVF309);
 - a state with a timeout held longer than its ``after`` plus a tolerance
   (KVF310), whether the instance left it late or never left it before the log
-  ends;
+  ends; likewise a phase (``phases:``), timed from the line that entered it:
+  moves among its states and self-loops do not restart it;
 - time that runs backwards (KVF311: a tracker's clock is monotonic);
 - instances that end the log (or a session, when the log restarts) in a state
   that holds resources (KVF312).
@@ -132,7 +134,7 @@ class LogReport:
 class _Instance:
     """What the log has said about one instance so far."""
 
-    __slots__ = ("begun", "due", "generation", "key", "line", "since", "state")
+    __slots__ = ("begun", "due", "generation", "key", "line", "phases", "since", "state")
 
     def __init__(self, key: Any, generation: int, state: str, line: int) -> None:
         self.key = key
@@ -145,6 +147,9 @@ class _Instance:
         """When it entered ``state``."""
         self.due: float | None = None
         """When ``state``'s timeout was due (entry time + after), or None."""
+        self.phases: dict[str, tuple[float, float, int]] = {}
+        """Phase → (due, when the instance entered it, the line that entered it), while it is in the phase and
+        its deadline has not fired."""
 
 
 class _KeyTooDeep(Exception):
@@ -242,6 +247,16 @@ class LogChecker:
                 after = state.timeout.after
                 param = after if isinstance(after, str) else None
                 self._timeouts[name] = (spec.param(after, params), state.timeout.fire, param)
+        self._phases: dict[str, tuple[float, str, str | None]] = {}
+        """phase -> (seconds, the event it fires, the param that sets it or None), in declaration order."""
+        for name, phase in spec.phases.items():
+            after = phase.timeout.after
+            self._phases[name] = (
+                spec.param(after, params),
+                phase.timeout.fire,
+                after if isinstance(after, str) else None,
+            )
+        self._on_error = spec.on_error
         self._finals = frozenset(spec.finals)
         self._initial = spec.initial.name
         # What the log has said so far.
@@ -469,7 +484,7 @@ class LogChecker:
                 "Check the log against the spec its tracker ran.",
             )
         self._ninstances += 1
-        self._enter(key, _Instance(rec.key, rec.generation, rec.to, n), rec.time)
+        self._enter(key, _Instance(rec.key, rec.generation, rec.to, n), rec.time, None)
 
     def _step(self, rec: Record, key: Hashable) -> None:
         n, src, event = self._line, rec.from_, rec.event
@@ -502,6 +517,7 @@ class LogChecker:
                 "A transition line is missing or out of order before this one.",
             )
             inst.due = None  # when it entered src is unknown: no deadline to judge
+            inst.phases.clear()  # nor when it entered the phases src is in
         edge = self._edges.get((src, event))
         if edge is None:
             self._report(
@@ -521,14 +537,39 @@ class LogChecker:
             )
         if inst.due is not None and rec.time > inst.due + self.tolerance:
             self._overrun(inst, rec.time, n, f"to t={_t(rec.time)}", once=True)
+        else:
+            late = self._late_phase(inst, rec.time)
+            if late is not None:
+                self._phase_overrun(inst, late, rec.time, n, f"to t={_t(rec.time)}", once=True)
+        if event == self._on_error and inst.phases:
+            self._spent(inst, rec)
         inst.state, inst.line = rec.to, n
-        self._enter(key, inst, rec.time)
+        self._enter(key, inst, rec.time, src)
 
-    def _enter(self, key: Hashable, inst: _Instance, now: float) -> None:
-        """``inst`` has just entered ``inst.state`` at ``now``: arm its deadline, retire it if final."""
+    def _late_phase(self, inst: _Instance, now: float) -> str | None:
+        """The first phase (in declaration order) whose deadline ``inst`` is past at ``now``, beyond the tolerance."""
+        return next((p for p, (due, _since, _line) in inst.phases.items() if now > due + self.tolerance), None)
+
+    def _spent(self, inst: _Instance, rec: Record) -> None:
+        """An ``on_error`` line at or after a phase's deadline that keeps the instance in the phase: the deadline
+        fired and its transition's action raised (the Tracker then took on_error), so it fired once and is gone."""
+        kept = set(self.spec.phases_of(rec.from_)) & set(self.spec.phases_of(rec.to))
+        for phase, (due, _since, _line) in list(inst.phases.items()):
+            if rec.time >= due and phase in kept:
+                del inst.phases[phase]
+
+    def _enter(self, key: Hashable, inst: _Instance, now: float, source: str | None) -> None:
+        """``inst`` has just moved from ``source`` (None: begun) to ``inst.state`` at ``now``: arm its deadline and
+        those of the phases it entered, disarm those of the phases it left, retire it if final."""
         inst.since = now
         timeout = self._timeouts.get(inst.state)
         inst.due = now + timeout[0] if timeout is not None else None
+        if self._phases:
+            entered, left = self.spec.phase_moves(source, inst.state)
+            for phase in left:
+                inst.phases.pop(phase, None)
+            for phase in entered:
+                inst.phases[phase] = (now + self._phases[phase][0], now, self._line)
         self._live[key] = inst
         if inst.state in self._finals:
             self._outcomes[inst.state] += 1
@@ -564,6 +605,13 @@ class LogChecker:
                     inst, self._time, inst.line, f"and is still there at {end} (t={_t(self._time)})", once=False
                 )
                 continue
+            late = self._late_phase(inst, self._time) if self._time is not None else None
+            if late is not None and self._time is not None:
+                line = inst.phases[late][2]
+                self._phase_overrun(
+                    inst, late, self._time, line, f"and is still in it at {end} (t={_t(self._time)})", once=False
+                )
+                continue
             holds = self.spec.holds(inst.state)
             if holds and not self.allow_live:
                 self._report(
@@ -591,6 +639,25 @@ class LogChecker:
             f"{_show(inst.key)} stayed in {inst.state!r} from t={_t(inst.since)} (line {inst.line}) {until}, "
             f"{_t(now - inst.due)}s past its deadline ({after}): {fire!r} was due at t={_t(inst.due)}, and what "
             f"{inst.state!r} holds stayed pinned that long",
+            f"{fix} --tolerance (now {self.tolerance:g}s) widens the slack.",
+            once=once,
+        )
+
+    def _phase_overrun(self, inst: _Instance, phase: str, now: float, line: int, until: str, *, once: bool) -> None:
+        seconds, fire, param = self._phases[phase]
+        due, since, entered = inst.phases[phase]
+        after = f"{param}={seconds:g}s" if param is not None else f"{seconds:g}s"
+        fix = "Is the poll loop stalled or slow?"
+        if param is not None:
+            fix += f" A deployment that overrides {param} is checked with --param {param}=SECONDS."
+        states = ", ".join(s for s in self.spec.states if s in self.spec.phase_states[phase])
+        self._report(
+            codes.OVERRUN,
+            line,
+            f"{_show(inst.key)} stayed in phase {phase!r} ({states}) from t={_t(since)} (line {entered}) {until}, "
+            f"{_t(now - due)}s past its deadline ({after}): {fire!r} was due at t={_t(due)}, measured from "
+            f"entering the phase (moves inside it and self-loops do not restart it), and what it holds stayed "
+            "pinned that long",
             f"{fix} --tolerance (now {self.tolerance:g}s) widens the slack.",
             once=once,
         )
