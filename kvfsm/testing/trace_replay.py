@@ -8,10 +8,13 @@ the trace is performed the way a deployment would make it happen:
 - ``begin`` → ``tracker.begin(request)``;
 - ``fire`` or ``ignore`` → ``tracker.fire(request, event)``; a delivered
   message is fired on the receiving role's tracker. A ``timeout`` step moves
-  that role's clock to the instance's deadline and calls ``poll()``, which
-  must fire exactly that timeout; when another instance's deadline would fall
-  due first (the explorer is untimed, a clock is not), the timeout's event is
-  fired directly instead, and the step says so;
+  that role's clock to the instance's deadline that fires the step's event
+  (its state's own, or a phase's it is in: due at the phase's entry plus its
+  ``after``, whatever moves inside the phase came since) and calls
+  ``poll()``, which must fire exactly that timeout; when another deadline
+  would fall due at the same time or first (another instance's, or another
+  of this instance's: the explorer is untimed, a clock is not), the
+  timeout's event is fired directly instead, and the step says so;
 - ``reject`` → ``fire`` must raise :class:`~kvfsm.errors.IllegalTransition`;
 - ``reply`` → the finished instance's server answers; no tracker is called.
 
@@ -338,16 +341,25 @@ class TraceRun:
         return call
 
     def _timeout(self, step: Step, event: str) -> tuple[str, str]:
-        """Let the instance's deadline pass and ``poll()``: (what was called, "") or ("", why the event is fired instead)."""
+        """Let the instance's deadline that fires ``event`` pass (its state's own, else a phase's it is in) and
+        ``poll()``: (what was called, "") or ("", why the event is fired instead)."""
         role, req = step.role, step.request
         model, clock, tracker = self._models[role], self.clocks[role], self.trackers[role]
-        mine = model.live.get(req)
-        if mine is None or mine.due is None:
-            return "", f"no deadline armed for {req} in {model.state(req)}"
-        earlier = sorted(str(k) for k, i in model.live.items() if k != req and i.due is not None and i.due <= mine.due)
+        armed = model.deadlines()
+        mine = next((d for d in armed if d[0] == req and d[3] == event), None)
+        if mine is None:
+            return "", f"no deadline that fires {event} armed for {req} in {model.state(req)}"
+        due = mine[1]
+
+        def named(key: object, phase: str) -> str:
+            if phase:
+                return f"{key}'s deadline of phase {phase}"
+            return f"{key}'s own deadline" if key == req else str(key)
+
+        earlier = sorted(named(k, p) for k, when, p, _e in armed if (k, when, p, _e) != mine and when <= due)
         if earlier:
             return "", f"{', '.join(earlier)} would fall due first"
-        clock.now = model.now = max(clock.now, mine.due)
+        clock.now = model.now = max(clock.now, due)
         fired = self._call(tracker.poll, step)
         model.poll()
         if fired != [(req, event, step.target)]:

@@ -167,7 +167,7 @@ class _Walk:
             for (source, event), edge in spec.table.items():
                 if source != state.name or event in inbox or edge.target not in spec.states:
                     continue
-                if state.timeout is not None and state.timeout.fire == event:
+                if spec.fires_on_timeout(state.name, event):  # its own deadline's event, or a phase's it is in
                     cause = "timeout"
                 elif event == ABORT:
                     cause = "abort"
