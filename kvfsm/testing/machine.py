@@ -375,6 +375,15 @@ class SpecMachine(RuleBasedStateMachine):
             if not outcome.failures and got != outcome.fired:
                 self._diverge([f"poll() fired {got}, the spec says {outcome.fired}"])
 
+    def step_to(self, dt: float | None, which: int) -> float:
+        """``dt``, or (None) the clock step to the ``which``-th armed deadline (the first tick if none is armed)."""
+        if dt is not None:
+            return dt
+        dues = sorted({due for _key, due, _phase, _event in self.model.deadlines()})
+        if not dues:
+            return _ticks(self.spec, type(self).params)[0]
+        return _to(self.clock.now, dues[which % len(dues)])
+
     def arm(self, actions: Sequence[str], fault: int | None) -> None:
         """Tell the driver to make ``actions[fault]`` raise (the step about to run calls it).
 
@@ -694,7 +703,6 @@ def spec_machine(
     )
 
     declared = tuple(spec.event_decls)
-    timed = any(spec.timeouts(state) for state in spec.live)
     counting = bool(spec.counted())
     deep = tuple(s for s in spec.live if s != spec.initial.name) if steer else ()
     """Live states a planned prefix may walk a key to."""
@@ -762,26 +770,19 @@ def spec_machine(
                 key, event = options[which % len(options)]
                 self.hear(str(key), event, None, f"s{sender}", need)
 
-        @rule(dt=st.sampled_from(ticks))
-        def advance_clock_and_poll(self, dt: float) -> None:
-            self.advance(dt)
-
-        if timed:
-
-            @precondition(lambda self: bool(self.model.deadlines()))
-            @rule(which=st.integers(0, 15), fault=st.none() | st.integers(0, 3) if timeout_faults else st.none())
-            def advance_clock_to_a_deadline(self, which: int, fault: int | None) -> None:
-                """Move the clock exactly to one armed deadline, a state's or a phase's, and poll: a phase's
-                falls due at its entry plus its after, whatever moves inside it and self-loops came since."""
-                dues = sorted({due for _key, due, _phase, _event in self.model.deadlines()})
-                self.advance(_to(self.clock.now, dues[which % len(dues)]), fault)
+        @rule(dt=st.sampled_from((*ticks, None)), which=st.integers(0, 15))
+        def advance_clock_and_poll(self, dt: float | None, which: int) -> None:
+            """Move the clock by a deadline's after (or half of one), or (``dt`` None) exactly to one armed
+            deadline, a state's or a phase's: a phase's falls due at its entry plus its after, whatever moves
+            inside it and self-loops came since."""
+            self.advance(self.step_to(dt, which))
 
         if timeout_faults:
 
             @precondition(lambda self: self.can_fault)
-            @rule(dt=st.sampled_from(ticks), nth=st.integers(0, 3))
-            def advance_clock_and_poll_with_a_raising_action(self, dt: float, nth: int) -> None:
-                self.advance(dt, fault=nth)
+            @rule(dt=st.sampled_from((*ticks, None)), which=st.integers(0, 15), nth=st.integers(0, 3))
+            def advance_clock_and_poll_with_a_raising_action(self, dt: float | None, which: int, nth: int) -> None:
+                self.advance(self.step_to(dt, which), fault=nth)
 
         @rule()
         def drain_finished(self) -> None:
