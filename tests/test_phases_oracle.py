@@ -157,7 +157,7 @@ def test_kvfsm_test_plans_an_expiry_after_time_in_the_phase_and_moves_inside_it(
 
 
 def test_kvfsm_test_exercises_phase_expiries_and_counts_them() -> None:
-    report = run(FANIN, Blocks, seed=0)
+    report = run(FANIN, Blocks, seed=0, examples=40)
     assert report.passed, "\n".join(report.story) or report.error
     [(phase, event, fired, moved)] = report.coverage.phase_timeouts()
     assert (phase, event) == ("lease", "expire") and fired > 0 and moved > 0
