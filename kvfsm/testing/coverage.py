@@ -84,6 +84,8 @@ class Coverage:
         self.arrivals: Counter[str] = Counter()
         """Counted and early messages by what became of them: ``counted`` (the count not complete), ``duplicate``
         (a sender heard before), ``kept`` (an id not yet known), ``early`` (dropped unapplied)."""
+        self.fired: Counter[str] = Counter()
+        """States' own deadlines that fired, per state (a phase's firing in the state is an expiry, below)."""
         self.expiries: Counter[str] = Counter()
         """Phase deadlines that fired, per phase."""
         self.expiries_after_moves: Counter[str] = Counter()
@@ -96,6 +98,8 @@ class Coverage:
                 self.begins += 1
             else:
                 self.edges[move.source, move.event, move.how] += 1
+                if move.how == "timeout" and not move.phase:
+                    self.fired[move.source] += 1
         self.forced += len(outcome.forced)
         for expiry in outcome.expired:
             self.expiries[expiry.phase] += 1
@@ -132,7 +136,7 @@ class Coverage:
     def timeouts(self) -> list[tuple[str, str, int]]:
         """``(state, event, times its deadline fired)`` for every state with a timeout."""
         return [
-            (name, st.timeout.fire, self.edges[name, st.timeout.fire, "timeout"])
+            (name, st.timeout.fire, self.fired[name])
             for name, st in self.spec.states.items()
             if st.timeout is not None
         ]
