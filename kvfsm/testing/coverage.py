@@ -136,9 +136,7 @@ class Coverage:
     def timeouts(self) -> list[tuple[str, str, int]]:
         """``(state, event, times its deadline fired)`` for every state with a timeout."""
         return [
-            (name, st.timeout.fire, self.fired[name])
-            for name, st in self.spec.states.items()
-            if st.timeout is not None
+            (name, st.timeout.fire, self.fired[name]) for name, st in self.spec.states.items() if st.timeout is not None
         ]
 
     def phase_timeouts(self) -> list[tuple[str, str, int, int]]:

@@ -261,7 +261,7 @@ class SpecMachine(RuleBasedStateMachine):
         if state is not None and (state, event) in (self.blocked or {}):
             return
         with self._step("deliver", event, ident, self._sender, self._need):
-            named = str(key) if key is not None else str(ident)  # an id not yet known: the key it will be, if any
+            named = str(ident) if key is None and space == self.spec.key else str(key)  # a key not begun yet: itself
             payload, _ = self._fire_payload(named, state, event, None)
             sender = self._from(state, event, payload)
             head = f"deliver {event} {ident!r} ({space})" + (f" from {sender}" if sender else "")
