@@ -247,3 +247,44 @@ def test_an_ack_counting_state_with_a_self_loop_expires_at_the_phase_deadline_fr
     clock.now = 10.0
     assert t.poll() == [("r", "expire", "expired")]
     assert (t.counts["counted"], t.counts["duplicate"], pins.held) == (2, 1, set())
+
+
+ASKS = """
+kvfsm: 1
+machine: asks
+key: request_id
+params: {cool: 1.0, grace: 0.0}
+states:
+  cooling: {initial: true, timeout: {after: cool, fire: warm}}
+  serving: {timeout: {after: grace, fire: end}}
+  parked:  {waits: local}
+  ended:   {final: success}
+  aborted: {final: failure}
+transitions:
+  - {event: warm,  from: cooling, to: serving, do: look_ahead}
+  - {event: park,  from: serving, to: parked}
+  - {event: end,   from: [serving, parked], to: ended}
+  - {event: abort, from: "*", to: aborted}
+"""
+
+
+class LooksAhead:
+    """Asks the tracker when it must next poll from inside a timeout's action, as a scheduler loop might."""
+
+    tracker: Tracker
+
+    def look_ahead(self, key: object) -> None:
+        self.tracker.next_deadline()
+
+
+def test_asking_for_the_next_deadline_mid_poll_does_not_let_a_deadline_armed_in_that_poll_fire_in_it() -> None:
+    clock, driver = VirtualClock(), LooksAhead()
+    t = driver.tracker = Tracker(read_text(ASKS), driver, clock=clock)  # no on_error: the action never raises
+    t.begin("gone")
+    clock.now = 1.0
+    t.poll()
+    t.fire("gone", "park")  # leaves a dead entry at the front of serving's deadlines
+    t.begin("r")
+    clock.now = 2.0
+    assert t.poll() == [("r", "warm", "serving")], "the 0 s grace armed by this poll waits for the next one"
+    assert t.poll() == [("r", "end", "ended")]

@@ -79,13 +79,19 @@ class Deadlines:
                     del armed[key]
                     yield key, index
 
-    def next_due(self) -> float | None:
-        """The earliest live deadline, or None."""
+    def next_due(self, prune: bool = True) -> float | None:
+        """The earliest live deadline, or None; ``prune`` drops the dead entries it passes (never during a
+        ``pop_due`` pass: its ``ends`` count the entries there were, so a pruned queue would let it run on
+        into deadlines armed during the pass)."""
         armed = self.armed
         best: float | None = None
         for queue in self.queues:
-            while queue and armed.get(queue[0][1]) is not queue[0]:
-                queue.popleft()
-            if queue and (best is None or queue[0][0] < best):
-                best = queue[0][0]
+            if prune:
+                while queue and armed.get(queue[0][1]) is not queue[0]:
+                    queue.popleft()
+                first = queue[0] if queue else None
+            else:
+                first = next((e for e in queue if armed.get(e[1]) is e), None)
+            if first is not None and (best is None or first[0] < best):
+                best = first[0]
         return best

@@ -892,7 +892,9 @@ class Tracker:
     def next_deadline(self) -> float | None:
         """When the earliest armed deadline is due, or None: how long a caller may sleep before ``poll``."""
         with self._guard:
-            due = [d for d in (self._deadlines.next_due(), self._phase_deadlines.next_due()) if d is not None]
+            prune = not self._busy  # inside a call (an action asking mid-poll) the queues are poll's to walk
+            deadlines = (self._deadlines, self._phase_deadlines)
+            due = [d for d in (q.next_due(prune) for q in deadlines) if d is not None]
             return min(due, default=None)
 
     @property

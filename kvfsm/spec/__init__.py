@@ -63,9 +63,10 @@ def parse(text: str, path: str = "<string>") -> Spec:
     return verify(read_text(text, path))
 
 
-STRUCTURAL = frozenset({"KVF001", "KVF101", "KVF105", "KVF106", "KVF110", "KVF111"})
+STRUCTURAL = frozenset({"KVF001", "KVF101", "KVF105", "KVF106", "KVF110", "KVF111", "KVF118"})
 """Findings that make a spec unreadable as a machine (no single initial state, dangling names, a pair
-with two targets or both handled and ignored, a final state that moves on): no engine may run it."""
+with two targets or both handled and ignored, a final state that moves on, a phase whose deadline would
+fire an event its state refuses or leave the instance in the phase with none): no engine may run it."""
 
 
 def verify(spec: Spec) -> Spec:
