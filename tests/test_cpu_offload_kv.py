@@ -141,7 +141,9 @@ class Place:
     offset: int = 0
 
 
-def vllm_allocation(kind: str, seed: int) -> tuple[dict[str, torch.Tensor], list[Place], Callable[..., list[torch.Tensor]]]:
+def vllm_allocation(
+    kind: str, seed: int
+) -> tuple[dict[str, torch.Tensor], list[Place], Callable[..., list[torch.Tensor]]]:
     """vLLM's per-layer tensors as its backends lay them out in one allocation, the placement vLLM describes
     them with, and how the layout itself reads block ``b`` of every layer (to check kvfsm against)."""
     names = [f"layer.{i}" for i in range(LAYERS)]
@@ -211,5 +213,9 @@ def test_of_layers_refuses_what_it_cannot_read_as_blocks() -> None:
         KVCache.of_layers({"other": tensors["layer.0"]}, N, PER_LAYER, placements)
     with pytest.raises(ValueError, match="cannot copy between KV layouts"):
         flash, flash_places, _ = vllm_allocation("flash", 0)
-        copy_blocks(KVCache.of_layers(tensors, N, PER_LAYER, placements), [0],
-                    KVCache.like(KVCache.of_layers(flash, N, PER_LAYER, flash_places), 2), [0])
+        copy_blocks(
+            KVCache.of_layers(tensors, N, PER_LAYER, placements),
+            [0],
+            KVCache.like(KVCache.of_layers(flash, N, PER_LAYER, flash_places), 2),
+            [0],
+        )

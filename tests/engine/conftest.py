@@ -68,8 +68,18 @@ def run_offline(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> C
         key = (connector, json.dumps(extra or {}, sort_keys=True))
         if key not in cache:
             out = tmp_path_factory.mktemp("offline") / "run.json"
-            cmd = [sys.executable, "-m", "kvfsm.showcase.engine.offline", str(tiny_model), "--connector", connector,
-                   "--extra", json.dumps(extra or {}), "--json", str(out)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "kvfsm.showcase.engine.offline",
+                str(tiny_model),
+                "--connector",
+                connector,
+                "--extra",
+                json.dumps(extra or {}),
+                "--json",
+                str(out),
+            ]
             proc = subprocess.run(cmd, env=engine_env(), capture_output=True, text=True, timeout=timeout)
             if proc.returncode != 0:
                 raise AssertionError(f"engine run {connector} failed ({proc.returncode}):\n{proc.stderr[-6000:]}")

@@ -40,7 +40,10 @@ def test_completions_after_cpu_hits_match_the_engine_without_a_connector(
     offload_server.reset_prefix_cache(connector=True)
     third = offload_server.complete_all(prompts[:4], concurrency=4)
     assert third == want[:4]
-    assert offload_server.metrics()["vllm:external_prefix_cache_hits_total"] == after["vllm:external_prefix_cache_hits_total"]
+    assert (
+        offload_server.metrics()["vllm:external_prefix_cache_hits_total"]
+        == after["vllm:external_prefix_cache_hits_total"]
+    )
 
 
 def test_bench_serve_prefix_repetition_at_concurrency_16_fails_nothing(offload_server: Any, tiny_model: Path) -> None:

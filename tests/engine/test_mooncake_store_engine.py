@@ -33,7 +33,9 @@ def test_store_hits_generate_the_tokens_of_the_engine_without_a_connector(
     run_offline: Callable[..., dict[str, Any]], master: MasterProcess
 ) -> None:
     plain = run_offline("none")
-    store = run_offline("mooncake_store", extra={"master_address": master.address, "prefix": f"tiny-{uuid.uuid4().hex[:8]}"})
+    store = run_offline(
+        "mooncake_store", extra={"master_address": master.address, "prefix": f"tiny-{uuid.uuid4().hex[:8]}"}
+    )
     stats = store["stats"]
     prompts = len(plain["passes"][0])
     assert prompts >= 24

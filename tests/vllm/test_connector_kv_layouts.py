@@ -31,7 +31,9 @@ NAMES = [f"model.layers.{i}.attn" for i in range(LAYERS)]
 def allocation(kind: str) -> tuple[KVCacheConfig, dict[str, torch.Tensor], Callable[[int], list[torch.Tensor]]]:
     """A KV-cache config, the per-layer tensors vLLM would register for it, and how the layout reads block b."""
     if kind == "mla":  # one latent per token: [blocks, block_size, latent]
-        spec: FullAttentionSpec = MLAAttentionSpec(block_size=BS, num_kv_heads=1, head_size=4 * HEAD, dtype=torch.float16)
+        spec: FullAttentionSpec = MLAAttentionSpec(
+            block_size=BS, num_kv_heads=1, head_size=4 * HEAD, dtype=torch.float16
+        )
         shape: tuple[int, ...] = (N, BS, 4 * HEAD)
     else:  # vLLM's CPU backend: [blocks, heads, block_size, 2*head]
         spec = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float16)

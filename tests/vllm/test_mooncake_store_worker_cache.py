@@ -45,7 +45,9 @@ def worker(master: EmbeddedMaster) -> Iterator[MooncakeStoreConnector]:
     config = KVCacheConfig(
         num_blocks=BLOCKS,
         kv_cache_tensors=[
-            KVCacheTensor(size=BLOCKS * per_block, layers=[name], layer_stride=BLOCKS * per_block, block_stride=per_block)
+            KVCacheTensor(
+                size=BLOCKS * per_block, layers=[name], layer_stride=BLOCKS * per_block, block_stride=per_block
+            )
             for name in LAYERS
         ],
         kv_cache_groups=[KVCacheGroupSpec(LAYERS, spec)],
