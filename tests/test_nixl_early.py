@@ -23,10 +23,11 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
 import itertools
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from nixl_peer import PeerOutcomes
 
 pytest.importorskip("torch")
 
@@ -214,8 +215,10 @@ def test_past_keep_notifications_at_once_the_excess_is_dropped_as_early_and_wait
 _names = itertools.count()
 
 
-class Real:
+class Real(PeerOutcomes):
     """A prefill process that computes now and holds later, and decode ranks here, all with real NIXL agents."""
+
+    wait = 10.0
 
     def __init__(
         self, topology: Topology, *, abort_timeout: float, early_within: float, blocks: int = 64,
@@ -248,18 +251,6 @@ class Real:
                 for key in d.step().recving:
                     d.blocks.pool.release(key)
             time.sleep(0.002)
-
-    def stats_once(self, ready: Callable[[dict[str, Any]], bool], until: float = 10.0) -> dict[str, Any]:
-        """The peer's stats once ``ready`` holds for them, or after ``until`` seconds (the assertion then says why)."""
-        deadline = time.monotonic() + until
-        stats = self.peer.stats()
-        while not ready(stats) and time.monotonic() < deadline:
-            time.sleep(0.02)
-            stats = self.peer.stats()
-        return stats
-
-    def leaked(self) -> int:
-        return sum(len(d.leaked()) for d in self.decode) + int(self.peer.stats()["leaked"])
 
 
 @pytest.fixture

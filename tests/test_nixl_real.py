@@ -14,10 +14,10 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 import itertools
 import signal
 import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
 
 import pytest
+from nixl_peer import PeerOutcomes
 
 pytest.importorskip("nixl", reason="needs the nixl wheels: pip install 'kvfsm[nixl]'")
 
@@ -32,7 +32,7 @@ from kvfsm.showcase.nixl_seed import LocalIdReader
 _names = itertools.count()
 
 
-class Real:
+class Real(PeerOutcomes):
     """A prefill process and the decode ranks of a topology in this process, all with real NIXL agents."""
 
     def __init__(
@@ -82,18 +82,6 @@ class Real:
             stats = self.peer.stats()
         held: list[int] = stats["held"]
         return held
-
-    def stats_once(self, ready: Callable[[dict[str, Any]], bool], until: float = 3.0) -> dict[str, Any]:
-        """The peer's stats once ``ready`` holds for them (a notification takes milliseconds to arrive)."""
-        deadline = time.monotonic() + until
-        stats = self.peer.stats()
-        while not ready(stats) and time.monotonic() < deadline:
-            time.sleep(0.02)
-            stats = self.peer.stats()
-        return stats
-
-    def leaked(self) -> int:
-        return sum(len(d.leaked()) for d in self.decode) + int(self.peer.stats()["leaked"])
 
 
 @pytest.fixture
