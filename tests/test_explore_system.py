@@ -442,3 +442,18 @@ def test_a_rejected_shape_is_explored_only_when_asked_and_its_check_errors_come_
     assert "KVF107" in shown.out + shown.err and "leak" in shown.out
     with pytest.raises(SpecError):  # a composition that cannot be read is never explored
         read_system(SPECS / "moriio" / "no_such_system.yaml")
+
+
+@pytest.mark.parametrize("name", ["kv_request.yaml", "moriio/write_pre_fix.yaml"], ids=["machine_spec", "pre_fix"])
+def test_explore_refuses_what_it_cannot_explore_as_unusable_not_violated(
+    name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Exit 1 means "a property is violated": a machine spec given as a system, or a composition that fails its
+    checks, is unusable (2), as in check, test and replay."""
+    from kvfsm.cli import main
+    from kvfsm.spec.bundled import SPECS
+
+    assert main(["explore", str(SPECS / name)]) == 2
+    shown = capsys.readouterr()
+    assert ("KVF001" if name == "kv_request.yaml" else "KVF107") in shown.out + shown.err
+    assert ("--unchecked" in shown.err) == (name != "kv_request.yaml"), "the hint only where --unchecked would help"

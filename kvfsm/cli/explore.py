@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from rich.markup import escape
 from rich.table import Table
 
-from .common import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, Subparsers, err, out, print_finding, write_output
+from .common import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, Subparsers, err, out, print_finding, unreadable, write_output
 
 if TYPE_CHECKING:
     from ..explore import ExploreResult, Progress
@@ -123,6 +123,7 @@ def _bound(text: str | None, default: float, flag: str, kind: Callable[[str], fl
 
 def run(args: argparse.Namespace) -> int:
     from ..explore import MAX_REQUESTS, check_sizes
+    from ..spec import SpecError
     from ..spec.system import load_system, read_system
 
     if args.requests is not None and not 1 <= args.requests <= MAX_REQUESTS:
@@ -145,7 +146,14 @@ def run(args: argparse.Namespace) -> int:
         if rejected:
             err.print(f"[yellow]kvfsm explore: exploring {len(rejected)} check error(s) as written (--unchecked)[/]")
     else:
-        system = load_system(args.system)
+        try:
+            system = load_system(args.system)
+        except SpecError as exc:  # a composition that fails its checks is unusable (2), not violated (1)
+            for finding in exc.findings:
+                print_finding(finding)
+            if not unreadable(exc.findings) and all(f.code != "KVF001" for f in exc.findings):  # read, only refused
+                err.print("[yellow]kvfsm explore: fix the errors above, or explore it as written with --unchecked[/]")
+            return EXIT_USAGE
     check_sizes(system, args.requests)  # before anything is built: ExploreError, a usage error
     if args.promela is not None:
         return _export(args, system)
