@@ -94,7 +94,7 @@ def test_a_malformed_relation_is_a_schema_error(tmp_path: Path, relation: str, m
     ("relations", "message"),
     [
         (["nobody.idle_timeout > client.reply_timeout"], "names 'nobody', which is not a role"),
-        (["server.answer_timeout > client.reply_timeout"], "no state of server has a timeout after 'answer_timeout'"),
+        (["server.answer_timeout > client.reply_timeout"], "no state or phase of server has a timeout after 'answer_timeout'"),
         (
             ["server.idle_timeout > client.reply_timeout", "client.reply_timeout > server.idle_timeout"],
             "longer than itself",
