@@ -360,9 +360,10 @@ def test_cli_bad_input_is_a_usage_error_without_traceback(args: list[str], says:
     assert says in result.stdout + result.stderr and "Traceback" not in result.stdout + result.stderr
 
 
-def test_cli_findings_in_a_broken_system_exit_one(tmp_path: Path) -> None:
+def test_cli_findings_in_a_broken_system_exit_two(tmp_path: Path) -> None:
+    """A composition that fails its checks cannot be explored: unusable (2), never "violated" (1)."""
     result = kvfsm_cli(str(write_pingpong(tmp_path, edits={"message: ping}}": "message: pings}}"})))
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert "KVF201" in result.stderr and "Traceback" not in result.stderr
 
 

@@ -150,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
             system = load_system(args.system)
         except SpecError as exc:  # a composition that fails its checks is unusable (2), not violated (1)
             for finding in exc.findings:
-                print_finding(finding)
+                err.print(f"[red]{escape(str(finding))}[/]")  # on stderr, as every refused input is
             if not unreadable(exc.findings) and all(f.code != "KVF001" for f in exc.findings):  # read, only refused
                 err.print("[yellow]kvfsm explore: fix the errors above, or explore it as written with --unchecked[/]")
             return EXIT_USAGE
