@@ -178,7 +178,8 @@ class Tracker:
         self.spec = spec
         self.driver = driver
         resolved = resolve(spec, dict(params or {}))
-        self._program = compile_program(spec, driver, {name: r.value for name, r in resolved.items()})
+        values = {name: r.value for name, r in resolved.items()}
+        self._program = compile_program(spec, driver, values)
         self.params = resolved
         """Every param's value and its source (``Tracker(params=...)``, ``environment KVFSM_...``, ``spec``)."""
         log_once(spec, resolved)
@@ -243,17 +244,14 @@ class Tracker:
         self._need: dict[Hashable, dict[str, int]] = {}
         """Key → the K its ``begin`` payload gave each count (``count: <begin payload key>``), by key name."""
         self._install_counts()
-        self._phase_rules = tuple(
-            (spec.param(p.timeout.after, {n: r.value for n, r in resolved.items()}), p.timeout.fire)
-            for p in spec.phases.values()
-        )
+        self._phase_rules = tuple((spec.param(p.timeout.after, values), p.timeout.fire) for p in spec.phases.values())
         """Per phase, in declaration order: (seconds its deadline is armed for, the event it fires)."""
         self._phase_deadlines = Deadlines([deque() for _ in self._phase_rules])
         """Phase deadlines, keyed ``(key, phase index)``: armed and disarmed by taps on the edges that enter and
         leave each phase, so a transition that stays inside one pays nothing."""
         self._install_phases()
         self._early_rules: dict[str, tuple[int, float]] = {
-            name: (decl.early.keep, spec.param(decl.early.within, {n: r.value for n, r in resolved.items()}))
+            name: (decl.early.keep, spec.param(decl.early.within, values))
             for name, decl in spec.event_decls.items()
             if decl.early is not None
         }
