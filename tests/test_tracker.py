@@ -1189,3 +1189,30 @@ def test_a_raising_observer_is_reported_and_queued_events_still_run() -> None:
     assert [f.phase for f in info.value.failures] == ["observer"]
     assert (tracker.state("a"), tracker.state("b")) == ("queued", "queued")
     assert tracker.counts["observer_errors"] == 1
+
+
+def test_several_observers_each_see_every_transition_and_one_raising_stops_none() -> None:
+    """A metrics exporter and a journal on one tracker: both are told, in order, and a raising one is reported."""
+    seen: list[tuple[str, str]] = []
+
+    def first(key: Hashable, gen: int, event: str, source: str, target: str, at: float) -> None:
+        seen.append(("first", event))
+        raise RuntimeError("exporter down")
+
+    def second(key: Hashable, gen: int, event: str, source: str, target: str, at: float) -> None:
+        seen.append(("second", event))
+
+    spec = read_text(
+        "kvfsm: 1\nmachine: m\nkey: k\nstates:\n  a: {initial: true}\n  b: {final: success}\n"
+        "transitions:\n  - {event: go, from: a, to: b}\n"
+    )
+    tracker = Tracker(spec, object(), observer=[first, second])
+    with pytest.raises(ActionError) as raised:
+        tracker.begin("r")
+    assert [f.action for f in raised.value.failures] == ["first"]
+    with pytest.raises(ActionError):
+        tracker.fire("r", "go")
+    assert seen == [("first", "begin"), ("second", "begin"), ("first", "go"), ("second", "go")]
+    assert tracker.counts["observer_errors"] == 2
+    with pytest.raises(TypeError, match="not callable"):
+        Tracker(spec, object(), observer=[second, "journal.log"])  # type: ignore[list-item]
