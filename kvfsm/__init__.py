@@ -19,6 +19,7 @@ from .errors import (
     PayloadError,
     ReentrantCall,
     TrackerClosed,
+    UnknownParent,
 )
 from .spec import Finding, Spec, SpecError, check, load, parse
 
@@ -41,6 +42,7 @@ __all__ = [
     "SpecError",
     "Tracker",
     "TrackerClosed",
+    "UnknownParent",
     "batch",
     "check",
     "load",

@@ -93,6 +93,10 @@ class DuplicateKey(KvfsmError):
     """``begin`` for a key whose instance is still live."""
 
 
+class UnknownParent(KvfsmError, LookupError):
+    """``begin`` of a child (``owns:``) naming a parent with no live instance; nothing begun."""
+
+
 class TrackerClosed(KvfsmError):
     """The tracker was closed; it accepts no more events."""
 

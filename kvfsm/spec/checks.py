@@ -1,4 +1,4 @@
-"""Static checks KVF101–KVF118: properties proved over a spec's transition graph.
+"""Static checks KVF101–KVF119: properties proved over a spec's transition graph.
 
 Every check works on the expanded edge set of the model (``Spec.edges``), so a
 wildcard source, a timeout or an ``on_error`` path is seen exactly as the
@@ -238,14 +238,17 @@ def check_deterministic(spec: Spec) -> Iterable[Finding]:
 def check_waiting(spec: Spec) -> Iterable[Finding]:
     """KVF107: every live state either times out or is left only by local code."""
     for state in spec.states.values():
-        if not state.is_final and state.timeout is None and not state.waits_local and not spec.phases_of(state.name):
-            yield _finding(
-                "KVF107",
-                state.loc,
-                f"state {state.name!r} has no timeout and is not 'waits: local' — a remote peer that never answers would pin it there forever{_keeping(state.holds, ', holding ')}",
-                "Add 'timeout: {after: <param>, fire: expire}', or mark it 'waits: local' only if local code alone "
-                "moves it on (a state a remote notification leaves needs the timeout: 'waits: local' would hide the hang).",
-            )
+        if state.is_final or state.timeout is not None or state.waits_local or spec.phases_of(state.name):
+            continue
+        if any((state.name, o.ended) in spec.table for o in spec.owns.values()):
+            continue  # it waits for its children to end, and each child's own spec bounds its waits
+        yield _finding(
+            "KVF107",
+            state.loc,
+            f"state {state.name!r} has no timeout and is not 'waits: local' — a remote peer that never answers would pin it there forever{_keeping(state.holds, ', holding ')}",
+            "Add 'timeout: {after: <param>, fire: expire}', or mark it 'waits: local' only if local code alone "
+            "moves it on (a state a remote notification leaves needs the timeout: 'waits: local' would hide the hang).",
+        )
 
 
 def check_abortable(spec: Spec) -> Iterable[Finding]:
@@ -540,6 +543,40 @@ def check_phases(spec: Spec) -> Iterable[Finding]:
                 )  # fmt: skip
 
 
+def check_owns(spec: Spec) -> Iterable[Finding]:
+    """KVF119: the events the engine fires for a machine's children, and those it passes on, are its events."""
+    events = {t.event for t in spec.transitions}
+    fired: dict[str, str] = {}
+    for owned in spec.owns.values():
+        where = f"owns {owned.name!r}"
+        for role, event in (("ended", owned.ended), ("failed", owned.failed)):
+            if event is None:
+                continue
+            if event not in events:
+                yield _finding(
+                    "KVF119", owned.loc, f"{where} fires {event!r} ({role}), which no transition takes: "
+                    f"the parent would never hear that its children {'ended' if role == 'ended' else 'failed'}",
+                    f"Add a transition '{{event: {event}, from: <waiting state>, to: <next state>}}'.",
+                )  # fmt: skip
+            if event in fired:
+                yield _finding(
+                    "KVF119", owned.loc, f"{where} fires {event!r}, which {fired[event]} fires too",
+                    "Give each its own event, so the parent can tell them apart.",
+                )  # fmt: skip
+            fired[event] = f"{where} ({role})"
+        for event in owned.forward:
+            if event not in events:
+                yield _finding(
+                    "KVF119", owned.loc, f"{where} passes {event!r} on to its children, but no transition of "
+                    f"{spec.name!r} takes it, so it is never fired here", f"Remove {event!r} from 'forward:'.",
+                )  # fmt: skip
+            if event in (owned.ended, owned.failed):
+                yield _finding(
+                    "KVF119", owned.loc, f"{where} passes on {event!r}, the event its children's ends fire",
+                    f"Remove {event!r} from 'forward:'.",
+                )  # fmt: skip
+
+
 CHECKS: tuple[Check, ...] = (
     check_initial,
     check_references,
@@ -559,6 +596,7 @@ CHECKS: tuple[Check, ...] = (
     check_counts,
     check_early,
     check_phases,
+    check_owns,
 )
 
 

@@ -22,6 +22,7 @@ from .model import (
     EventDecl,
     IgnoreRule,
     Outgoing,
+    Owned,
     Phase,
     Relation,
     Resource,
@@ -51,7 +52,9 @@ TOP_KEYS = {
     "events": "what events are: {name: {by: <id space>, remote: true}}",
     "outgoing": "messages sent to peers: {name: {to: <peer machine>, event: <its event>, carries: <id space>}}",
     "phases": "deadlines that span states: {name: {states: [<states>] or '*', timeout: {after, fire}}}",
+    "owns": "instances of another machine: {name: {machine, by: <begin payload key>, ended: <event>}}",
 }
+OWNS_KEYS = ("machine", "by", "ended", "failed", "forward", "doc")
 PHASE_KEYS = ("states", "timeout", "doc")
 BEGIN_KEYS = ("payload", "doc")
 SPACE_KEYS = ("linked_at", "doc")
@@ -331,6 +334,27 @@ def _phase(s: Schema, name: str, knode: Node, node: Node) -> Phase | None:
     return Phase(name, states, timeout, doc, s.loc(knode))
 
 
+def _owned(s: Schema, name: str, knode: Node, node: Node) -> Owned | None:
+    """``name: {machine, by, ended, failed, forward}``: children of another machine, linked by their begin payload."""
+    what = f"owns {name!r}"
+    items = s.mapping(node, what, OWNS_KEYS)
+    if items is None:
+        return None
+    example = f"'{name}: {{machine: store_job, by: request_id, ended: {name}_ended}}'"
+    machine = s.required_name(items, "machine", knode, what, f"Say which machine the children run: {example}.",
+                              f"{what}: machine")  # fmt: skip
+    by = s.required_name(items, "by", knode, what, "Say which key of the child's begin payload names its parent: "
+                         f"{example}.", f"{what}: by")  # fmt: skip
+    ended = s.required_name(items, "ended", knode, what, "Say which event the parent takes once none of its "
+                            f"children is live: {example}.", f"{what}: ended")  # fmt: skip
+    failed = s.name(items["failed"][1], f"{what}: failed") if "failed" in items else None
+    forward = s.names(items["forward"][1], f"{what}: forward", empty=True) if "forward" in items else ()
+    doc = s.text(items["doc"][1], f"{what}: doc") if "doc" in items else ""
+    if machine is None or by is None or ended is None:
+        return None
+    return Owned(name, machine, by, ended, failed, forward, doc, s.loc(knode))
+
+
 def _outgoing(s: Schema, name: str, knode: Node, node: Node) -> Outgoing | None:
     what = f"outgoing message {name!r}"
     items = s.mapping(node, what, OUTGOING_KEYS)
@@ -426,6 +450,13 @@ def read_text(text: str, path: str = "<string>") -> Spec:
             if phase is not None:
                 phases[pname] = phase
 
+    owns: dict[str, Owned] = {}
+    if "owns" in top:
+        for oname, oknode, onode in s.named_mapping(top["owns"][1], "owns", "owned machine"):
+            owned = _owned(s, oname, oknode, onode)
+            if owned is not None:
+                owns[oname] = owned
+
     if s.errors or name is None or key is None:
         raise SpecError(sorted(s.errors, key=lambda f: (f.line, f.col)))
     locs = {k: s.loc(knode) for k, (knode, _v) in top.items()}
@@ -447,6 +478,7 @@ def read_text(text: str, path: str = "<string>") -> Spec:
         event_decls=event_decls,
         outgoing=outgoing,
         phases=phases,
+        owns=owns,
     )
 
 

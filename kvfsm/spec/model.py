@@ -79,6 +79,29 @@ class Phase:
 
 
 @dataclass(frozen=True, slots=True)
+class Owned:
+    """Instances of another machine this one owns (``owns:``): a request's store jobs, its per-rank handles.
+
+    A child names its parent in its ``begin`` payload key ``by``. The engine
+    fires ``ended`` on the parent once no child of it is live, whenever the
+    parent is in a state with a transition on it (so at once on entering such
+    a state with none live), ``failed`` (if given) each time a child ends in a
+    failure state, and passes each event in ``forward`` fired on the parent on
+    to every live child. The parent's own spec says what those events do: a
+    request keeps its blocks until ``ended`` lets it go.
+    """
+
+    name: str
+    machine: str
+    by: str
+    ended: str
+    failed: str | None = None
+    forward: tuple[str, ...] = ()
+    doc: str = ""
+    loc: Loc = NOWHERE
+
+
+@dataclass(frozen=True, slots=True)
 class State:
     name: str
     initial: bool = False
@@ -281,6 +304,13 @@ class Spec:
     """Messages sent to peer machines, by name, each with the id space its id comes from (``outgoing:``)."""
     phases: Mapping[str, Phase] = field(default_factory=dict)
     """Deadlines that span states (``phases:``), by name."""
+    owns: Mapping[str, Owned] = field(default_factory=dict)
+    """Instances of other machines this one owns (``owns:``), by name."""
+
+    @property
+    def owned_events(self) -> frozenset[str]:
+        """The events the engine fires on this machine for its children (each ``ended`` and ``failed``)."""
+        return frozenset(e for o in self.owns.values() for e in (o.ended, o.failed) if e is not None)
 
     def routed_by(self, event: str) -> str:
         """The id space a message of ``event`` names: its declared ``by``, else the key's."""
