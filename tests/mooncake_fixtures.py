@@ -184,7 +184,8 @@ def assert_everything_released(worker: MooncakeStoreWorker, buffer: BlockBuffer,
     assert buffer.pool.refused_releases == 0, "a holder released blocks it did not hold (a double release)"
     assert worker.unfinished_tasks() == 0, "a queue task was never marked done"
     assert worker.sender.outstanding_tasks() == 0 and worker.loader.outstanding_tasks() == 0
-    assert worker.sender.requests_pinned() == 0, "a request's blocks are still pinned by a store job"
+    assert worker.sender.pinned() == 0, "a store job still pins its request's blocks"
+    assert not any(worker.requests.owned(r) for r, _ in worker.requests.snapshot()), "a request still owns live jobs"
     pins = [
         h
         for b in range(buffer.pool.num_blocks)

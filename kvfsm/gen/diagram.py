@@ -63,6 +63,13 @@ def _title(spec: Spec, t: Transition) -> str:
     decl = spec.event_decls.get(t.event)
     if decl is not None and decl.early is not None:
         event = f"{event} (early ≤{decl.early.within})"
+    for owned in spec.owns.values():
+        if t.event == owned.ended:
+            event = f"{event} (no {owned.name} live)"
+        elif t.event == owned.failed:
+            event = f"{event} (one of {owned.name} failed)"
+        elif t.event in owned.forward:
+            event = f"{event} (→ {owned.name})"
     text = event if t.do is None else f"{event} / {t.do}()"
     return f"{text}  (on_error)" if t.event == spec.on_error else text
 
@@ -156,6 +163,16 @@ def _group_label(spec: Spec, members: list[str]) -> str:
 # -- DOT -------------------------------------------------------------------
 
 
+def _owns(spec: Spec) -> list[list[str]]:
+    """Per ``owns:`` entry, the lines of a note drawn beside the parent: its children and what it hears of them."""
+    notes = []
+    for o in spec.owns.values():
+        heard = f"ended → {o.ended}" + (f", failed → {o.failed}" if o.failed else "")
+        passed = [f"passes on {', '.join(o.forward)}"] if o.forward else []
+        notes.append([f"owns {o.name}: {o.machine}", f"each begun with its {o.by}", heard, *passed])
+    return notes
+
+
 def _q(text: str) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
@@ -218,6 +235,9 @@ def to_dot(spec: Spec, *, ignores: bool = False, coverage: Coverage | None = Non
         extra = ", peripheries=2" if st.is_final else ""
         extra += ", penwidth=2" if st.initial else ""
         lines.append(f'  {_q(st.name)} [label=<{"<br/>".join(rows)}>, fillcolor="{fill}"{extra}];')
+    for i, note in enumerate(_owns(spec)):
+        label = "\\l".join(n.replace("\\", "\\\\").replace('"', '\\"') for n in note) + "\\l"
+        lines.append(f'  __owns{i} [shape=note, style=filled, fillcolor="#fff9db", fontsize=9, label="{label}"];')
     for name, members in clusters:
         timeout = spec.phases[name].timeout
         label = f"phase {name}: {_seconds(timeout.after)} → {timeout.fire}, from entering it"
@@ -283,6 +303,9 @@ def to_mermaid(spec: Spec, *, ignores: bool = False) -> str:
         lines.append(f"    [*] --> {initial} : begin")
     for a in arrows:
         lines.append(f"    {a.source} --> {a.target} : {_m('<br/>'.join(a.label))}")
+    if initial is not None:
+        for note in _owns(spec):
+            lines += [f"    note left of {initial}", *(f"        {_m(n)}" for n in note), "    end note"]
     for st in spec.states.values():
         if st.is_final:
             lines.append(f"    {st.name} --> [*]")

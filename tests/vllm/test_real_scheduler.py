@@ -119,7 +119,7 @@ def test_vllm_loads_the_mooncake_connector_and_keeps_a_stored_request_until_fini
     assert mooncake.scheduler.requests["b"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
     mooncake.drain()
     w = mooncake.worker.worker
-    assert w.outcomes == {"send:stored": 2, "load:loaded": 1}  # b is stored too: its blocks are deduped
+    assert w.outcomes == {"send:stored": 2, "request:sent": 2, "load:loaded": 1}  # b is stored: deduped
     assert (w.sender.stats["blocks_put"], w.loader.stats["blocks_loaded"]) == (3, 3)
     assert mooncake.finish().clean
 
@@ -130,7 +130,7 @@ def test_seed000_a_store_whose_existence_check_raises_still_frees_the_requests_b
     mooncake.faulty.fail_next("batch_is_exist")
     mooncake.add(make_request("a", list(range(1, 3 * 16 + 2)), max_tokens=1, block_size=16))
     mooncake.drain()
-    assert mooncake.worker.worker.outcomes == {"send:failed": 1}
+    assert mooncake.worker.worker.outcomes == {"send:failed": 1, "request:sent": 1}
     assert not mooncake.scheduler.requests
     assert mooncake.finish().clean
 

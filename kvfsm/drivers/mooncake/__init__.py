@@ -1,9 +1,9 @@
 """Mooncake store drivers: the store jobs and loads of a Mooncake store connector, run by kvfsm.
 
 - :class:`MooncakeStoreWorker`: a vLLM-shaped worker (sending thread, load
-  threads, ``get_finished``) over the two specs ``mooncake_store_send`` and
-  ``mooncake_store_load``;
-- :class:`StoreSender` / :class:`StoreLoader`: those specs' drivers;
+  threads, ``get_finished``) over the three specs ``mooncake_store_request``
+  (which owns its store jobs), ``mooncake_store_send`` and ``mooncake_store_load``;
+- :class:`StoreRequests` / :class:`StoreSender` / :class:`StoreLoader`: those specs' drivers;
 - :func:`connect`: the real ``MooncakeDistributedStore``, set up with bounds;
   :class:`EmbeddedMaster` / :class:`EmbeddedStore`: the in-process stand-in;
   :class:`FaultyStore`: fault injection in front of either;
@@ -18,7 +18,7 @@ from ..block_pool import BlockPool, HolderError
 from ..report import Finished, Report
 from .buffer import BlockBuffer
 from .codes import StoreClosed, StoreError, StoreUnavailable
-from .driver import NotHeld, StoreLoader, StoreSender, block_key
+from .driver import NotHeld, StoreLoader, StoreRequests, StoreSender, block_key
 from .embedded import EmbeddedMaster, EmbeddedStore, connect_embedded
 from .faults import FaultyStore, InjectedStoreFault, raising, returning
 from .master import MasterProcess
@@ -44,6 +44,7 @@ __all__ = [
     "StoreClosed",
     "StoreError",
     "StoreLoader",
+    "StoreRequests",
     "StoreSender",
     "StoreUnavailable",
     "block_key",

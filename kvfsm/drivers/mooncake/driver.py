@@ -1,9 +1,10 @@
 """The drivers of the Mooncake store specs: the actions that really pin blocks, queue jobs and call the store.
 
 :class:`StoreSender` drives ``specs/mooncake_store_send.yaml`` (one instance
-per store job) and :class:`StoreLoader` drives ``specs/mooncake_store_load.yaml``
-(one instance per load). Every resource the specs name is held somewhere
-real: a pin is a holder of blocks in the :class:`~kvfsm.drivers.block_pool.BlockPool`
+per store job), :class:`StoreRequests` drives ``specs/mooncake_store_request.yaml``
+(one instance per request, owning its store jobs) and :class:`StoreLoader`
+drives ``specs/mooncake_store_load.yaml`` (one instance per load). Every
+resource the specs name is held somewhere real: a pin is a holder of blocks in the :class:`~kvfsm.drivers.block_pool.BlockPool`
 of a :class:`~.buffer.BlockBuffer`, a queue task is an unfinished task of a
 :class:`queue.Queue`, a report owed to vLLM is an entry not yet recorded in
 the :class:`~kvfsm.drivers.report.Report`. ``observe(key)`` reads those back,
@@ -11,10 +12,10 @@ so a model-based test compares the spec's ledger with reality.
 
 Actions raise on any failure, including negative store codes; the Tracker
 then fires the spec's ``on_error`` event and the derived releases run. No
-action releases anything by hand, and no action counts jobs: the jobs of a
-request are the store jobs that hold a pin, recorded when the pin is taken and
-forgotten when it is released. Each release takes the key alone: what it
-needs (a job's request, a load's blocks) is kept here by key.
+action releases anything by hand, and no action counts jobs: which store jobs
+of a request are live is the engine's to know (the request spec ``owns:``
+them). Each release takes the key alone: what it needs (a load's blocks) is
+kept here by key.
 """
 
 from __future__ import annotations
@@ -115,33 +116,34 @@ class SaveJob:
     """Indexes of the keys the existence check found missing; None until it ran."""
 
 
+class StoreRequests:
+    """Actions of ``mooncake_store_request``: report a request in finished_sending once its last job let go."""
+
+    def __init__(self, report: Report | None = None) -> None:
+        self.report = report if report is not None else Report()
+
+    def report_sent(self, request_id: Hashable, /) -> None:
+        self.report.send(request_id)
+
+
 class StoreSender:
     """Actions of ``mooncake_store_send``: pin, queue, check, put, and their releases.
 
-    A request is owed a finished_sending once :meth:`finish_request` was
-    called for it and none of its jobs still pins its blocks; the release of
-    the last pin records it in :attr:`report`. Thread-safe: the scheduler
-    thread begins jobs while the sending thread runs them; the bookkeeping
-    below is guarded by one leaf lock (no call out while held).
+    Thread-safe: the scheduler thread begins jobs while the sending thread
+    runs them; the bookkeeping below is guarded by one leaf lock (no call
+    out while held).
     """
 
-    def __init__(
-        self, store: KVStore, buffer: BlockBuffer, *, prefix: str = "kv", report: Report | None = None
-    ) -> None:
+    def __init__(self, store: KVStore, buffer: BlockBuffer, *, prefix: str = "kv") -> None:
         self.store = store
         self.buffer = buffer
         self.pool = buffer.pool
         self.prefix = prefix
-        self.report = report if report is not None else Report()
-        """Where the release of a request's last pin records its finished_sending."""
         self.queue = JobQueue("store job")
         """The sending thread's queue; one task per job holding ``queue_task``."""
         self.stats: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._jobs: dict[Hashable, SaveJob] = {}
-        self._by_request: dict[Hashable, set[Hashable]] = {}
-        self._finishing: set[Hashable] = set()
-        """Requests vLLM finished whose blocks some job still pins (vLLM's delay_free)."""
 
     @staticmethod
     def holder(job: Hashable) -> tuple[str, Hashable]:
@@ -163,33 +165,13 @@ class StoreSender:
         self.pool.pin(self.holder(job), block_ids)
         with self._lock:
             self._jobs[job] = SaveJob(request_id, tuple(block_ids), keys)
-            self._by_request.setdefault(request_id, set()).add(job)
 
     def unpin_blocks(self, job: Hashable, /) -> None:
-        """Drop the job's pin; the request's last pin, once vLLM finished it, reports it finished_sending."""
+        """Drop the job's pin; a block is free again once it has no holder left."""
         with self._lock:
-            rec = self._jobs.pop(job, None)
-            if rec is None:
+            if self._jobs.pop(job, None) is None:
                 raise NotHeld(f"store job {job!r} holds no pin")
-            jobs = self._by_request[rec.request_id]
-            jobs.discard(job)
-            done = not jobs and rec.request_id in self._finishing
-            if not jobs:
-                del self._by_request[rec.request_id]
-                self._finishing.discard(rec.request_id)
         self.pool.release(self.holder(job))
-        if done:
-            self.report.send(rec.request_id)
-
-    def finish_request(self, request_id: Hashable) -> bool:
-        """vLLM finished the request: True if jobs still pin its blocks (reported when the last lets go)."""
-        with self._lock:
-            pinned = request_id in self._by_request
-            if pinned:
-                self._finishing.add(request_id)
-        if not pinned:
-            self.report.send(request_id)
-        return pinned
 
     # -- queue_task ------------------------------------------------------------
 
@@ -249,14 +231,10 @@ class StoreSender:
             held.add("queue_task")
         return held
 
-    def live_jobs(self, request_id: Hashable) -> frozenset[Hashable]:
-        """The request's store jobs that still pin its blocks."""
+    def pinned(self) -> int:
+        """Store jobs that hold a pin."""
         with self._lock:
-            return frozenset(self._by_request.get(request_id, ()))
-
-    def requests_pinned(self) -> int:
-        with self._lock:
-            return len(self._by_request)
+            return len(self._jobs)
 
     def outstanding_tasks(self) -> int:
         """Queue tasks the driver holds; always equal to ``queue.unfinished_tasks``."""

@@ -6,16 +6,16 @@ store, :meth:`lookup` / :meth:`start_load` for a prefix to load, and
 ``finished_sending``, ``finished_recving`` and invalid block ids (vLLM's
 ``get_finished`` and ``get_block_ids_with_load_errors``). The threads only
 fire events; every pin, queue task and store call happens in the drivers'
-actions, under the two Trackers, so a store call that raises or returns a
+actions, under the Trackers, so a store call that raises or returns a
 negative code ends its job in ``failed`` with everything released.
 
 What vLLM is owed is declared in the specs and recorded by the drivers'
 releases in one :class:`~kvfsm.drivers.report.Report`: a load's
 ``recv_report`` reports it (with the blocks it did not fill) on every way
-out, and a request's last store pin, once :meth:`request_finished` was
-called, reports it ``finished_sending`` (vLLM's ``stored_requests`` counter,
-with the count read from the jobs that hold pins). ``get_finished`` only
-drains it.
+out, and a request's ``send_report`` reports it ``finished_sending`` once
+:meth:`request_finished` was called and the engine saw its last store job
+end (vLLM's ``stored_requests`` counter: the request spec owns its jobs).
+``get_finished`` only drains it.
 """
 
 from __future__ import annotations
@@ -36,11 +36,12 @@ from ...spec import Spec, load
 from ...spec.bundled import SPECS
 from ..report import Finished, Report
 from .buffer import BlockBuffer
-from .driver import BlockHash, StoreLoader, StoreSender
+from .driver import BlockHash, StoreLoader, StoreRequests, StoreSender
 from .store import KVStore
 
 log = logging.getLogger(__name__)
 
+REQUEST_SPEC = "mooncake_store_request.yaml"
 SEND_SPEC = "mooncake_store_send.yaml"
 LOAD_SPEC = "mooncake_store_load.yaml"
 _STOP = object()
@@ -53,7 +54,8 @@ def bundled_spec(name: str) -> Spec:
 
 
 class MooncakeStoreWorker:
-    """Two Trackers (store jobs, loads) over one store and one registered block buffer, with vLLM's threads.
+    """Three Trackers (requests owning their store jobs, store jobs, loads) over one store and one registered
+    block buffer, with vLLM's threads.
 
     ``sender``/``loader`` default to the drivers in this package; tests pass
     others (for example a copy with a known bug) to show what the specs catch.
@@ -84,11 +86,17 @@ class MooncakeStoreWorker:
         """What the drivers' releases recorded for vLLM; :meth:`get_finished` drains it."""
         self.sender = sender or StoreSender(store, buffer, prefix=prefix)
         self.loader = loader or StoreLoader(store, buffer, prefix=prefix)
-        self.sender.report = self.loader.report = self.report
+        self.loader.report = self.report
         params = dict(params or {})
         send_spec, load_spec = bundled_spec(SEND_SPEC), bundled_spec(LOAD_SPEC)
+        self.requests = Tracker(bundled_spec(REQUEST_SPEC), StoreRequests(self.report), clock=clock)
+        """One instance per request that saved, owning its store jobs: reports finished_sending after the last."""
         self.send = Tracker(
-            send_spec, self.sender, clock=clock, params={k: v for k, v in params.items() if k in send_spec.params}
+            send_spec,
+            self.sender,
+            clock=clock,
+            params={k: v for k, v in params.items() if k in send_spec.params},
+            parent=self.requests,
         )
         self.load = Tracker(
             load_spec,
@@ -141,6 +149,8 @@ class MooncakeStoreWorker:
         """
         job = (request_id, next(self._seq))
         try:
+            if self.requests.state(request_id) is None:  # its first save (scheduler thread only: no race)
+                self.requests.begin(request_id)
             self.send.begin(job, request_id=request_id, block_ids=list(block_ids), block_hashes=list(block_hashes))
             self.send.fire(job, "enqueue")
         except ActionError as exc:
@@ -152,7 +162,13 @@ class MooncakeStoreWorker:
 
         Either way it is reported in ``Finished.sending`` once no job pins its blocks.
         """
-        return self.sender.finish_request(request_id)
+        try:
+            if self.requests.state(request_id) is None:  # it never saved: nothing pins its blocks
+                self.requests.begin(request_id)
+            return self.requests.fire(request_id, "finish") not in ("sent", "aborted")
+        except ActionError as exc:
+            self._failed(exc)
+            return self.requests.state(request_id) not in (None, "sent", "aborted")
 
     def lookup(self, request_id: Hashable, block_hashes: Sequence[BlockHash]) -> int:
         """How many leading blocks of the request the store holds (0 on a lookup error).
@@ -208,6 +224,7 @@ class MooncakeStoreWorker:
                 tracker.poll()
             except ActionError as exc:
                 self._failed(exc)
+        drain_outcomes(self.requests, self.outcomes, prefix="request:")
         drain_outcomes(self.send, self.outcomes, prefix="send:")
         drain_outcomes(self.load, self.outcomes, prefix="load:")
         return self.report.take()
@@ -224,7 +241,7 @@ class MooncakeStoreWorker:
             (self.sender.queue if t is self._threads[0] else self.loader.queue).put(_STOP)
         for t in running:
             t.join(timeout)
-        for tracker in (self.send, self.load):
+        for tracker in (self.send, self.requests, self.load):  # jobs first: their requests then report
             try:
                 tracker.close()
             except ActionError as exc:
@@ -280,9 +297,9 @@ class MooncakeStoreWorker:
     # -- internals -------------------------------------------------------------------
 
     def _end_request(self, request_id: Hashable, event: str) -> None:
-        for job in self.sender.live_jobs(request_id):
+        if self.requests.state(request_id) is not None:  # its store jobs hear of it from the request (owns: forward)
             try:
-                self.send.fire(job, event)
+                self.requests.fire(request_id, event)
             except ActionError as exc:
                 self._failed(exc)
         load_id = self.load.route("request_id", request_id)
