@@ -21,7 +21,7 @@ from typing import Any
 
 from ..drivers.moriio.consumer import BlockReader
 from ..drivers.moriio.model import ModelReader, ModelWriter
-from ..drivers.moriio.producer import BlockWriter, Job
+from ..drivers.moriio.producer import BlockWriter
 from ..drivers.moriio.specs import FOLDER
 from ..spec import Spec, well_formed
 from ..spec.loader import read
@@ -43,10 +43,17 @@ def pre_fix_spec(name: str) -> Spec:
 class FreesOnSuccessOnly:
     """The pre-fix release: blocks are freed (finished_sending) only for a transfer whose writes all succeeded."""
 
-    _jobs: dict[Hashable, Job]
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.written: set[Hashable] = set()
+
+    def notify_write_done(self, key: Hashable, /) -> None:
+        super().notify_write_done(key)  # type: ignore[misc]
+        self.written.add(key)
 
     def free_blocks(self, key: Hashable, /) -> None:
-        if self._jobs[key].written:
+        if key in self.written:
+            self.written.discard(key)
             super().free_blocks(key)  # type: ignore[misc]
         # else: no Succeeded() status, so the transfer id never reaches done_req_ids: the hold stays
 

@@ -50,7 +50,6 @@ class Job:
 
     transfer_id: str
     blocks: tuple[int, ...]
-    written: bool = False
     sent: tuple[int, int] = (0, 0)
     """Blocks and bytes the posted batch writes."""
 
@@ -179,7 +178,6 @@ class BlockWriter(BlockHolder):
     def notify_write_done(self, key: Hashable, /) -> None:
         peer, _ = self._batches[key]
         job = self._jobs[key]
-        job.written = True
         self.stats["batches_written"] += 1
         self.stats["blocks_written"] += job.sent[0]
         self.stats["bytes_written"] += job.sent[1]
