@@ -39,6 +39,12 @@ class Deadlines:
         self.armed[key] = entry
         self.queues[state].append(entry)
 
+    def arm_many(self, keys: list[Hashable], state: int, due: float) -> None:
+        """Arm every key (none armed already) in ``state``'s queue, all due at once: a batch's step."""
+        entries = [(due, key) for key in keys]
+        self.armed.update(zip(keys, entries, strict=True))
+        self.queues[state].extend(entries)
+
     def sweep(self, slack: int = 4096) -> None:
         """Drop dead entries, in place, once there are more than ``slack`` beyond twice the live ones.
 

@@ -518,10 +518,7 @@ class Tracker:
             for key in regen if self._observer is None else fresh:
                 self._gens[key] = self._serial = self._serial + 1
         if target.after is not None:
-            due = self._clock() + target.after
-            entries = [(due, key) for key in fresh]
-            self._armed.update(zip(fresh, entries, strict=True))
-            target.queue.extend(entries)
+            self._deadlines.arm_many(fresh, target.index, self._clock() + target.after)
         if edge.links:
             for key in fresh:
                 self._link_carried(key, edge, payload)
@@ -1083,10 +1080,7 @@ class Tracker:
             for key in keys:
                 armed.pop(key, None)
         if target.after is not None:
-            due = self._clock() + target.after
-            entries = [(due, key) for key in keys]
-            armed.update(zip(keys, entries, strict=True))
-            target.queue.extend(entries)
+            self._deadlines.arm_many(keys, target.index, self._clock() + target.after)
         if target.final:
             self._finished.extend(zip(keys, repeat(target.name)))
         if edge.links:
@@ -1104,8 +1098,7 @@ class Tracker:
             if failed:
                 name = _release_name(edge, index)
                 for key, error in failed.items():
-                    self.counts["release_errors"] += 1
-                    self._failures.append(Failure(key, edge.event, name, "release", error, target.name))
+                    self._release_error(key, edge.event, name, error, target.name)
 
     def _prepare_many(
         self,
@@ -1201,9 +1194,14 @@ class Tracker:
                 self._failures.append(Failure(key, event, name, "observer", exc, target))
 
     def _release_failed(self, key: Hashable, edge: CEdge, release: Action, exc: BaseException, target: CState) -> None:
+        """A release ``fire`` called raised: named by identity (it is one of the edge's, or a tap)."""
         name = next((n for n, fn in edge.releases if fn is release), "<tap>")
+        self._release_error(key, edge.event, name, exc, target.name)
+
+    def _release_error(self, key: Hashable, event: str, action: str, exc: BaseException, where: str) -> None:
+        """Every raising release is recorded here: counted, and kept for the caller with the state it left."""
         self.counts["release_errors"] += 1
-        self._failures.append(Failure(key, edge.event, name, "release", exc, target.name))
+        self._failures.append(Failure(key, event, action, "release", exc, where))
 
     def _prepare_failed(self, key: Hashable, source: CState, edge: CEdge, action: Action, exc: BaseException) -> int:
         """``action``, one of ``edge.before`` (the do, then the acquires), raised: record it, undo what it must."""
@@ -1225,8 +1223,7 @@ class Tracker:
             try:
                 release(key)
             except BaseException as uexc:
-                self.counts["release_errors"] += 1
-                self._failures.append(Failure(key, edge.event, name, "release", uexc, where))
+                self._release_error(key, edge.event, name, uexc, where)
         return index
 
     def _record(self, key: Hashable, event: str, action: str, phase: Phase, exc: BaseException, where: str) -> int:
@@ -1558,8 +1555,7 @@ class Tracker:
             try:
                 release(key)
             except BaseException as exc:
-                self.counts["release_errors"] += 1
-                self._failures.append(Failure(key, ABORT, action, "release", exc, state.name))
+                self._release_error(key, ABORT, action, exc, state.name)
         if state.after is not None:
             self._armed.pop(key, None)
         if self._phase_rules:
