@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from rich.markup import escape
 from rich.table import Table
 
-from .common import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, Subparsers, err, out, print_finding, unreadable, write_output
+from .common import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, Subparsers, err, out, print_finding, write_output
 
 if TYPE_CHECKING:
     from ..explore import ExploreResult, Progress
@@ -139,25 +139,39 @@ def run(args: argparse.Namespace) -> int:
     args.max_states_given, args.time_limit_given = args.max_states is not None, args.time_limit is not None
     args.max_states = int(max_states) if isinstance(max_states, float | int) else None
     args.time_limit = time_limit
-    if args.unchecked:
-        system, rejected = read_system(args.system)
-        for finding in rejected:
-            print_finding(finding)
-        if rejected:
-            err.print(f"[yellow]kvfsm explore: exploring {len(rejected)} check error(s) as written (--unchecked)[/]")
-    else:
-        try:
+    try:
+        if args.unchecked:
+            system, rejected = read_system(args.system)
+            for finding in rejected:
+                print_finding(finding)
+            if rejected:
+                err.print(
+                    f"[yellow]kvfsm explore: exploring {len(rejected)} check error(s) as written (--unchecked)[/]"
+                )
+        else:
             system = load_system(args.system)
-        except SpecError as exc:  # a composition that fails its checks is unusable (2), not violated (1)
-            for finding in exc.findings:
-                err.print(f"[red]{escape(str(finding))}[/]")  # on stderr, as every refused input is
-            if not unreadable(exc.findings) and all(f.code != "KVF001" for f in exc.findings):  # read, only refused
-                err.print("[yellow]kvfsm explore: fix the errors above, or explore it as written with --unchecked[/]")
-            return EXIT_USAGE
+    except SpecError as exc:  # a composition that fails its checks is unusable (2), not violated (1)
+        for finding in exc.findings:
+            err.print(f"[red]{escape(str(finding))}[/]")  # on stderr, as every refused input is
+        if not args.unchecked and _explorable_as_written(args.system):
+            err.print("[yellow]kvfsm explore: fix the errors above, or explore it as written with --unchecked[/]")
+        return EXIT_USAGE
     check_sizes(system, args.requests)  # before anything is built: ExploreError, a usage error
     if args.promela is not None:
         return _export(args, system)
     return _explore(args, system)
+
+
+def _explorable_as_written(path: str) -> bool:
+    """Whether ``--unchecked`` would explore the system: only its roles' own checks fail, not the composition's."""
+    from ..spec import SpecError
+    from ..spec.system import read_system
+
+    try:
+        read_system(path)
+    except SpecError:
+        return False
+    return True
 
 
 def _export(args: argparse.Namespace, system: System) -> int:

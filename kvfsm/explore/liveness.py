@@ -6,8 +6,9 @@ from the initial state and a cycle repeated forever. Only *fair* cycles
 count. The fairness assumed (and written again in the Promela export):
 
 - **weak fairness of each role's own work**: an instance that stays where a
-  local event or its timeout can fire eventually fires one of them (``abort``
-  and the ``on_error`` event are the environment's and never owed);
+  local event or its timeout can fire eventually fires one of them (``abort``,
+  the ``on_error`` event and the events a role declares ``environment:`` are
+  the environment's and never owed);
 - **weak fairness of delivery**: a message that stays deliverable is
   eventually delivered;
 - **the channel misbehaves finitely often**: a fair run loses and duplicates
@@ -17,12 +18,17 @@ count. The fairness assumed (and written again in the Promela export):
   phase forever (runs are non-Zeno: infinitely many steps take unbounded
   time, and the deadline fires by then). A fair run leaves each phase it
   enters, or stays out of it, infinitely often: a cycle that keeps an instance
-  inside one phase throughout (retrying inside a lease) is no run. A state's
-  own timeout needs no such rule: a self-loop re-arms it, and an instance
-  that does not move at all owes its timeout by the first rule.
+  inside one phase throughout (retrying inside a lease) is no run;
+- **weak fairness of progress**: an instance whose own work can take it to
+  another state (a local event or a timeout into a different state) does not
+  stay in its state forever: a cycle that keeps it there by self-loops (a
+  retry, a re-lookup) or stutters while such a way out stays enabled is no
+  run. Any move of the instance to another state honours it, so a loop
+  through a second state is not excused.
 
 A state where nothing is owed (nothing deliverable, no instance with local
-work or a timeout) may last forever: that lasso has an empty cycle.
+work or a timeout) may last forever: that lasso has an empty cycle. The
+Promela export writes the same obligations (:func:`kvfsm.gen.promela._liveness`).
 
 The check runs on one request's local system. Requests share nothing but the
 channel's capacity, and the capacity only makes a send be lost (an unfair
@@ -63,7 +69,14 @@ class Lasso:
 
 
 class Fairness:
-    """What each local state owes (obligations enabled) and what each move discharges."""
+    """What each local state owes (obligations enabled) and what each move discharges.
+
+    Obligations, numbered: role r's own work (r), the delivery of message m
+    (roles + m), leaving each phase (after those), then role r's progress
+    (``leave + r``): owed where its own work can take it to another state
+    (:meth:`~kvfsm.spec.system.System.leaves`), discharged by any move of r to
+    another state. The Promela export numbers them the same way.
+    """
 
     def __init__(self, local: LocalSystem) -> None:
         self.local = local
@@ -71,6 +84,11 @@ class Fairness:
         first = self.nroles + len(local.message_names)
         self.phases = [(first + j, slot) for j, slot in enumerate(s for s in local.clocks.slots if s.phase)]
         """(obligation, phase slot): "leave the phase", owed in its states and discharged by no move."""
+        self.leave = first + len(self.phases)
+        """Role r's progress obligation is ``leave + r``."""
+        system = local.system
+        self.leaving = [tuple(system.leaves(role.name, st) for st in role.states) for role in local.roles]
+        """Per role, per state index: its own work can take it to another state."""
         self.enabled = [self._enabled(i) for i in range(len(local.states))]
 
     def _enabled(self, i: int) -> frozenset[int]:
@@ -85,15 +103,24 @@ class Fairness:
         }
         owed |= {self.nroles + flight[pos] for pos in self.local.wire.deliverable(flight)}
         owed |= {k for k, slot in self.phases if slot.param[at[slot.role]] is not None}
+        owed |= {self.leave + r for r, leaving in enumerate(self.leaving) if leaving[at[r]]}
         return frozenset(owed)
 
-    def takes(self, move: Move | None) -> int:
-        """The obligation ``move`` discharges, or -1 (the environment's moves, staying put)."""
+    def takes(self, move: Move | None) -> tuple[int, ...]:
+        """The obligations ``move`` discharges: its role's own work (local work, a timeout) or its message's
+        delivery, and its role's progress if it leaves its state; none for staying put."""
         if move is None:
-            return -1
+            return ()
+        done: tuple[int, ...]
         if move.cause == "message":
-            return self.nroles + move.message
-        return move.role if move.cause in ("local", "timeout") else -1
+            done = (self.nroles + move.message,)
+        elif move.cause in ("local", "timeout"):
+            done = (move.role,)
+        else:
+            done = ()
+        if move.action == "fire" and (move.source != move.target or move.via):
+            done += (self.leave + move.role,)
+        return done
 
     @staticmethod
     def fair_move(move: Move) -> bool:
@@ -167,7 +194,7 @@ def _is_fair(comp: list[int], edges: list[list[Hop]], fair: Fairness) -> bool:
     """Every obligation enabled throughout the component is discharged by one of its edges."""
     members = set(comp)
     owed = frozenset.intersection(*(fair.enabled[i] for i in comp))
-    taken = {fair.takes(h[1]) for i in comp for h in edges[i] if h[2] in members}
+    taken = {k for i in comp for h in edges[i] if h[2] in members for k in fair.takes(h[1])}
     return owed <= taken
 
 
@@ -205,13 +232,13 @@ def _cycle(comp: list[int], entry: int, edges: list[list[Hop]], fair: Fairness) 
         k = min(owed)
 
         def honours(hop: Hop, k: int = k) -> bool:
-            return fair.takes(hop[1]) == k or k not in fair.enabled[hop[2]]
+            return k in fair.takes(hop[1]) or k not in fair.enabled[hop[2]]
 
         path = _bfs(edges, pos, honours, members)
         walk += path
         for hop in path:
             owed &= fair.enabled[hop[2]]
-            owed.discard(fair.takes(hop[1]))
+            owed.difference_update(fair.takes(hop[1]))
         pos = walk[-1][2]
     if pos != entry or not walk:
 

@@ -13,8 +13,9 @@ Semantics (the same in the Promela export):
 
 - every role's instance starts in its initial state, nothing in flight;
 - a live instance may fire any event it has a transition for, unless that event
-  is a message it receives (local work, ``abort`` and the ``on_error`` event
-  happen whenever their state allows; a timeout too, its state's own or a
+  is a message it receives (local work, ``abort``, the ``on_error`` event and
+  the events the system file declares the environment's happen whenever their
+  state allows; a timeout too, its state's own or a
   phase's while the instance is in one of the phase's states, unless the
   system's relations make another armed deadline fall due first); a role that
   may crash may also ``crash`` from any live state into ``crashed``;
@@ -75,7 +76,8 @@ class Move:
 
     role: int
     cause: str
-    """``local`` | ``timeout`` | ``abort`` | ``error`` (the on_error event) | ``crash`` | ``message``."""
+    """``local`` | ``timeout`` | ``abort`` | ``error`` (the on_error event) | ``environment`` (an event the system
+    file declares from outside) | ``crash`` | ``message``."""
     action: str
     """``fire`` (a transition) | ``ignore`` | ``count`` (a counted copy, remembered) | ``reply`` | ``reject``."""
     event: str
@@ -188,6 +190,7 @@ class LocalSystem:
         states = tuple(spec.states)
         sid = {s: i for i, s in enumerate(states)}
         inbox = self.system.inbox(name)
+        environment = self.system.environment(name)
         by_event: dict[str, list[int]] = {}
         for msg in inbox.values():
             by_event.setdefault(msg.event, []).append(msg_id[msg.name])
@@ -217,6 +220,8 @@ class LocalSystem:
                 cause = "abort"
             elif e.event == spec.on_error:
                 cause = "error"
+            elif e.event in environment:
+                cause = "environment"
             else:
                 cause = "local"
             spontaneous[src].append((e.event, dst, sends, cause, via))

@@ -34,7 +34,7 @@ counted message remembered until the last sender rank's copy fires the transitio
 reply: a finished instance's server answers without moving it; reject: the
 event is neither handled nor ignored (the violating step of a message property)."""
 
-CAUSES = ("begin", "local", "timeout", "abort", "error", "crash", "message")
+CAUSES = ("begin", "local", "timeout", "abort", "error", "environment", "crash", "message")
 
 
 class TraceError(KvfsmError, ValueError):
@@ -524,6 +524,7 @@ def describe_step(step: Step) -> str:
             "timeout": " (timeout)",
             "abort": "",
             "error": " (an action raised)",
+            "environment": " (from outside the system)",
             "crash": " (the process died; what it held is lost)",
             "message": " arrives",
         }.get(step.cause, "")

@@ -53,7 +53,7 @@ from pathlib import Path
 from ..explore.clocks import Clocks
 from ..explore.entry import entering
 from ..explore.limits import ExploreError
-from ..spec.model import ABORT, Edge, Send, Spec
+from ..spec.model import Edge, Send, Spec
 from ..spec.system import Message, System
 from ..spec.system.model import CRASHED
 
@@ -255,7 +255,7 @@ class _Model:
         """States where some local event other than abort / on_error can happen."""
         spec = self.specs[role]
         inbox = {m.event for m in self.system.inbox(role).values()}
-        env = {ABORT} | ({spec.on_error} if spec.on_error else set())
+        env = self.system.environment(role)
         return sorted(
             {e.source for e in spec.edges() if e.event not in inbox and e.event not in env},
             key=list(spec.states).index,
@@ -276,13 +276,17 @@ class _Model:
         return [s for s in self.progress(role) if not self.specs[role].states[s].is_final]
 
     def enabled(self, obligation: int, who: str) -> str:
-        """Obligation ``obligation`` of request ``who`` is enabled: a role's own work, a message's delivery, or
-        leaving a phase the role is in (time passes: its deadline ends the stay)."""
+        """Obligation ``obligation`` of request ``who`` is enabled: a role's own work, a message's delivery,
+        leaving a phase the role is in (time passes: its deadline ends the stay), or a role's progress (its own
+        work can take it to another state)."""
         if obligation < len(self.roles):
             role = self.roles[obligation]
             return self.is_state(role, self.owed(role), who)
         if obligation < len(self.roles) + len(self.messages):
             return f"({self.has(self.messages[obligation - len(self.roles)], who)})"
+        if obligation >= self.leave:
+            role = self.roles[obligation - self.leave]
+            return self.is_state(role, [s for s in self.live(role) if self.system.leaves(role, s)], who)
         slot = self.clocks.slots[self.phase_slots[obligation - len(self.roles) - len(self.messages)]]
         role = self.roles[slot.role]
         return self.is_state(role, [s for s, p in zip(self.order[role], slot.param, strict=True) if p is not None], who)
@@ -293,9 +297,15 @@ class _Model:
         return [k for k, slot in enumerate(self.clocks.slots) if slot.phase]
 
     @property
-    def obligations(self) -> int:
-        """Fairness obligations per request: one per role, one per message, one per phase of a role."""
+    def leave(self) -> int:
+        """The first progress obligation: role k's is ``leave + k``."""
         return len(self.roles) + len(self.messages) + len(self.phase_slots)
+
+    @property
+    def obligations(self) -> int:
+        """Fairness obligations per request: one per role, one per message, one per phase of a role, and one
+        per role for its progress (numbered as the explorer's :class:`~kvfsm.explore.liveness.Fairness`)."""
+        return self.leave + len(self.roles)
 
 
 def _fates(m: _Model, sends: tuple[str, ...]) -> Iterator[tuple[str, ...]]:
@@ -312,19 +322,21 @@ def _option(
     consumed: int,
     kept: tuple[str, ...],
     body: list[str],
-    took: tuple[int, bool],
+    took: tuple[int, bool, int],
 ) -> list[str]:
     """One d_step: the guard, then the body with the kept sends; plus the overflow twin for a reliable channel.
 
     ``took``: the fairness obligation the step discharges (``NOBODY`` for the
-    environment's) and whether the channel misbehaved (lost or duplicated).
+    environment's), whether the channel misbehaved (lost or duplicated), and
+    the role whose instance it takes to another state (``NOBODY`` if none:
+    that discharges the role's progress obligation).
     """
     growth = len(kept) - consumed
     lines = [f"  /* {comment}{'; keeps ' + ', '.join(kept) if kept else ''} */"]
     cond = list(guard)
     if growth > 0:
         cond.append(f"inflight + {growth} <= CAP")
-    stmts = [*body, *(s for msg in kept for s in m.add(msg)), f"took({took[0]}, {int(took[1])})", "after()"]
+    stmts = [*body, *(s for msg in kept for s in m.add(msg)), f"took({took[0]}, {int(took[1])}, {took[2]})", "after()"]
     lines.append(f"  :: d_step {{ {' && '.join(cond)} ->")
     lines += [f"       {s};" for s in stmts[:-1]] + [f"       {stmts[-1]} }}"]
     if growth > 0 and not m.system.channel.loss and "overflow" in m.props:
@@ -345,6 +357,7 @@ def _spontaneous(m: _Model, role: str) -> Iterator[str]:
         target, sends, body = _enter(m, role, e)
         timeout = spec.fires_on_timeout(e.source, e.event)
         owed = timeout or e.event not in m.system.environment(role)
+        moved = m.roles.index(role) if e.target != e.source else NOBODY
         for kept in _fates(m, sends):
             yield from _option(
                 m,
@@ -356,7 +369,7 @@ def _spontaneous(m: _Model, role: str) -> Iterator[str]:
                 0,
                 kept,
                 body,
-                (m.roles.index(role) if owed else NOBODY, len(kept) < len(sends)),
+                (m.roles.index(role) if owed else NOBODY, len(kept) < len(sends), moved),
             )
     if m.system.roles[role].crash:
         for state, st in spec.states.items():
@@ -368,7 +381,7 @@ def _spontaneous(m: _Model, role: str) -> Iterator[str]:
                     0,
                     (),
                     [f"{m.var(role)} = {m.const(role, CRASHED)}", *m.rearm(role, "", CRASHED)],
-                    (NOBODY, False),
+                    (NOBODY, False, m.roles.index(role)),
                 )
 
 
@@ -416,6 +429,7 @@ def _deliveries(m: _Model, name: str) -> Iterator[str]:
             what = f"-> {target}"
         else:
             what, sends = f"rejected ({'late_message' if final else 'unexpected_message'})", ()
+        moved = m.roles.index(role) if target is not None and targets[state].target != state else NOBODY
         if target is not None and msg.count:
             heard, last = m.counted(msg)
             yield from _counting(m, msg, state, [*guard, f"!{last}"], keeps, heard)
@@ -436,7 +450,7 @@ def _deliveries(m: _Model, name: str) -> Iterator[str]:
                     0 if keep else 1,
                     kept,
                     body or ["skip"],
-                    (len(m.roles) + m.messages.index(name), keep or len(kept) < len(sends)),
+                    (len(m.roles) + m.messages.index(name), keep or len(kept) < len(sends), moved),
                 )
 
 
@@ -452,7 +466,7 @@ def _counting(
             0 if keep else 1,
             (),
             [*([] if keep else m.consume(msg.name)), f"h_{m.heard[(msg.receiver, msg.event)]}[_pid] = {heard}"],
-            (len(m.roles) + m.messages.index(msg.name), keep),
+            (len(m.roles) + m.messages.index(msg.name), keep, NOBODY),
         )
 
 
@@ -490,16 +504,22 @@ def _liveness(m: _Model) -> list[str]:
 
     Fairness (as the explorer assumes it, :mod:`kvfsm.explore.liveness`):
     obligation k of request q (role k's local work and timeouts, the
-    delivery of message k - roles, or, after those, leaving a phase) is
-    weakly fair, checked round-robin by ``wf``: it advances past k when k is
-    not enabled or was just discharged (no step discharges a phase's: only
-    being outside it does), and ``wf == K`` infinitely often means every
-    obligation was honoured. A fair run also misbehaves finitely often
-    (``<>[] !chaos``: eventually no message is lost or duplicated).
+    delivery of message k - roles, after those leaving a phase, and last
+    each role's progress) is weakly fair, checked round-robin by ``wf``: it
+    advances past k when k is not enabled or was just discharged (no step
+    discharges a phase's: only being outside it does; a role's progress is
+    discharged by any step that takes the role to another state, ``lastm``),
+    and ``wf == K`` infinitely often means every obligation was honoured. A
+    fair run also misbehaves finitely often (``<>[] !chaos``: eventually no
+    message is lost or duplicated).
     """
     total = m.n * m.obligations
+
+    def discharged(k: int) -> str:
+        return f"lastm == {k - m.leave}" if k >= m.leave else f"lasto == {k}"
+
     rounds = [  # in order, so that one step may see several honoured
-        f"  if :: wf == {q * m.obligations + k} && (!{m.enabled(k, str(q))} || (lastp == {q} && lasto == {k}))"
+        f"  if :: wf == {q * m.obligations + k} && (!{m.enabled(k, str(q))} || (lastp == {q} && {discharged(k)}))"
         " -> wf++ :: else -> skip fi;"
         for q in range(m.n)
         for k in range(m.obligations)
@@ -508,10 +528,11 @@ def _liveness(m: _Model) -> list[str]:
     lines = [
         "#ifdef LIVE",
         f"#define K {total}",
-        "byte wf;                       /* the next fairness obligation to see honoured */",
+        f"{'byte' if total < 255 else 'short'} wf;  /* the next fairness obligation to see honoured */",
         f"byte lastp = {NOBODY}, lasto = {NOBODY};  /* who discharged which obligation in the last step */",
+        f"byte lastm = {NOBODY};  /* the role the last step took to another state (its progress) */",
         "bit chaos;                     /* the last step lost or duplicated a message */",
-        "inline took(o, c) { lastp = _pid; lasto = o; chaos = c }",
+        "inline took(o, c, mv) { lastp = _pid; lasto = o; chaos = c; lastm = mv }",
         "inline fairness() {",
         "  if :: wf == K -> wf = 0 :: else -> skip fi;",
         *rounds,
@@ -532,7 +553,7 @@ def _liveness(m: _Model) -> list[str]:
         lines.append(f"ltl {prop.name} {{ {fair} -> ({' && '.join(goals) or 'true'}) }}")
     lines += [
         "#else",
-        "inline took(o, c) { skip }",
+        "inline took(o, c, mv) { skip }",
         "inline fairness() { skip }",
         "#endif",
     ]
@@ -557,7 +578,7 @@ def _stutter(m: _Model) -> list[str]:
     return [
         "#ifdef LIVE",
         "  /* nothing owed: the request may stay as it is forever */",
-        f"  :: d_step {{ {alive} && !({owes}) -> took({NOBODY}, 0); after() }}",
+        f"  :: d_step {{ {alive} && !({owes}) -> took({NOBODY}, 0, {NOBODY}); after() }}",
         "#endif",
     ]
 

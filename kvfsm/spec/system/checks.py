@@ -1,14 +1,15 @@
-"""The composition checks (KVF201–KVF212): what a system file's roles, messages and properties get wrong together.
+"""The composition checks (KVF201–KVF218): what a system file's roles, messages and properties get wrong together.
 
 Each role's own findings come from the machine checks (:mod:`kvfsm.spec.checks`)
 when the loader reads it; these look at what only the composition can show:
 sends to undeclared messages or roles, messages no state handles, waits that
 only a lossy message can end, states no run reaches, properties naming what
-does not exist.
+does not exist, remote events nobody is said to send.
 """
 
 from __future__ import annotations
 
+import difflib
 from collections import defaultdict
 from collections.abc import Collection, Iterator
 
@@ -107,7 +108,7 @@ def _check_messages(system: System, missing: Collection[str]) -> Iterator[Findin
         if receiver is None:
             continue
         spec = receiver.spec
-        if msg.name in system.environment(msg.receiver):
+        if msg.name in (ABORT, spec.on_error):
             yield _finding(
                 "KVF212",
                 msg.loc,
@@ -332,8 +333,62 @@ def _check_counts(system: System) -> Iterator[Finding]:
             )
 
 
+def _check_remote(system: System) -> Iterator[Finding]:
+    """KVF217: a remote event comes from a role (a declared message) or from outside (``environment:``).
+
+    Without either, nothing says when it may happen: explored as the role's own
+    work it would fire at any moment, and a fair run would even owe it.
+    """
+    for role in system.roles.values():
+        for event in system.undelivered(role.name):
+            decl = role.spec.event_decls[event]
+            senders = [
+                r.name
+                for r in system.roles.values()
+                if r.name != role.name
+                and any(o.event == event and o.to == role.spec.name for o in r.spec.outgoing.values())
+            ]
+            sender = senders[0] if senders else "<sending role>"
+            yield _finding(
+                "KVF217",
+                role.loc,
+                f"role {role.name!r}: event {event!r} is 'remote: true' ({role.path} line {decl.loc.line}), but no "
+                f"message of {system.name!r} delivers it and the role does not declare it the environment's: "
+                f"the explorer cannot tell when it may happen",
+                f"If a role of this system sends it, declare it under 'messages:' as "
+                f"'{event}: {{from: {sender}, to: {role.name}}}' (and 'send:' it from that role's transition); if it "
+                f"comes from outside the system, write 'environment: [{event}]' on role {role.name!r}: it may then "
+                "happen whenever its state allows, and no fair run owes it.",
+            )
+
+
+def _check_environment(system: System) -> Iterator[Finding]:
+    """KVF218: ``environment:`` names events of the role that are no message."""
+    for role in system.roles.values():
+        spec = role.spec
+        inbox = system.inbox(role.name)
+        known = set(spec.events)
+        for event in role.environment:
+            if event in inbox:
+                yield _finding(
+                    "KVF218",
+                    role.loc,
+                    f"role {role.name!r}: {event!r} is declared the environment's, but it is a message from "
+                    f"{inbox[event].sender!r}: it happens when that message is delivered",
+                    f"Drop {event!r} from 'environment:', or drop the message if the event really comes from outside.",
+                )
+            elif event not in known:
+                close = difflib.get_close_matches(event, sorted(known), n=1)
+                yield _finding(
+                    "KVF218",
+                    role.loc,
+                    f"role {role.name!r}: 'environment:' names {event!r}, which is no event of {role.path}",
+                    f"Did you mean {close[0]!r}?" if close else f"Name one of: {', '.join(sorted(known))}.",
+                )
+
+
 def run_system_checks(system: System, missing: Collection[str] = ()) -> list[Finding]:
-    """Every composition finding (KVF201–KVF215), grouped by file, in line order within each.
+    """Every composition finding (KVF201–KVF218), grouped by file, in line order within each.
 
     ``missing`` names roles whose spec could not be read: what they would
     have checked is left to the findings that say why.
@@ -346,6 +401,8 @@ def run_system_checks(system: System, missing: Collection[str] = ()) -> list[Fin
         *_check_relations(system, missing),
         *_check_crashes(system),
         *_check_counts(system),
+        *_check_remote(system),
+        *_check_environment(system),
     ]
     if not missing and not any(f.severity == "error" for f in found):
         found += _check_armed(system)  # after an error, what it cuts off would only echo it

@@ -36,7 +36,7 @@ TOP_KEYS = {
     "properties": "what must never happen, and what must eventually happen",
     "relations": "which timeouts outlast which: 'prefill.abort_timeout > decode.read_timeout'",
 }
-ROLE_KEYS = ("spec", "doc", "crash", "ranks")
+ROLE_KEYS = ("spec", "doc", "crash", "ranks", "environment")
 CRASH_KEYS = ("restart",)
 MESSAGE_KEYS = ("from", "to", "reply_if_finished", "count", "doc")
 CHANNEL_KEYS = ("loss", "duplicate", "reorder", "capacity")
@@ -173,6 +173,7 @@ def _crash(s: Schema, node: Node, what: str) -> tuple[bool, bool]:
 def _read_role(s: Schema, base: Path, name: str, knode: Node, node: Node, out: list[Finding]) -> Role | None:
     what = f"role {name!r}"
     crash, restart, ranks = False, True, 1
+    environment: tuple[str, ...] = ()
     if isinstance(node, ScalarNode) and node.tag != NULL:
         spec_node: Node | None = node  # `prefill: prefill.yaml`
         doc = ""
@@ -186,6 +187,8 @@ def _read_role(s: Schema, base: Path, name: str, knode: Node, node: Node, out: l
             crash, restart = _crash(s, items["crash"][1], what)
         if "ranks" in items:
             ranks = s.count(items["ranks"][1], f"{what}: ranks", "Write how many instances (TP ranks), e.g. 2.") or 1
+        if "environment" in items:  # events from outside the composition: KVF217, KVF218
+            environment = s.names(items["environment"][1], f"{what}: environment event")
     if spec_node is None:
         return None
     rel = s.scalar(spec_node, f"{what}: spec")
@@ -213,7 +216,7 @@ def _read_role(s: Schema, base: Path, name: str, knode: Node, node: Node, out: l
             out.extend(exc.findings)
         return None
     out.extend(run_checks(spec))
-    return Role(name, spec, shown, doc, s.loc(knode), crash, restart, ranks)
+    return Role(name, spec, shown, doc, s.loc(knode), crash, restart, ranks, environment)
 
 
 def _roles(s: Schema, node: Node, base: Path, out: list[Finding]) -> tuple[dict[str, Role], frozenset[str]]:

@@ -67,6 +67,9 @@ class Role:
     restart: bool = True
     ranks: int = 1
     """Instances of this role per request (one per TP rank); a message to the role goes to each of them."""
+    environment: tuple[str, ...] = ()
+    """Events of the role that come from outside the composition (``environment: [release]``): like ``abort``,
+    they may happen whenever the state has a transition for them, and no fair run owes them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -357,9 +360,46 @@ class System:
         return state == CRASHED or self.roles[role].spec.states[state].is_final
 
     def environment(self, role: str) -> frozenset[str]:
-        """Events of ``role`` that can always happen but are no progress: abort and the on_error event."""
+        """Events of ``role`` that can always happen but are no progress: abort, the on_error event, and the
+        events the system file declares the environment's (``environment:`` on the role)."""
+        r = self.roles[role]
+        return frozenset({ABORT, *r.environment} | ({r.spec.on_error} if r.spec.on_error else set()))
+
+    def undelivered(self, role: str) -> tuple[str, ...]:
+        """Events ``role``'s spec declares ``remote: true`` and has a transition for that no message of the system
+        delivers and that are not the environment's: who sends them is unsaid (KVF217)."""
         spec = self.roles[role].spec
-        return frozenset({ABORT} | ({spec.on_error} if spec.on_error else set()))
+        inbox = {m.event for m in self.inbox(role).values()}
+        env = self.environment(role)
+        fired = {e.event for e in spec.edges()}
+        return tuple(
+            d.name for d in spec.event_decls.values() if d.remote and d.name in fired and d.name not in inbox | env
+        )
+
+    def leaves(self, role: str, state: str) -> bool:
+        """Whether ``role``'s own work can take its instance in ``state`` to another state: a transition to a
+        different state on a local event or a deadline of the state (no message, nothing of the environment's).
+        A fair run does not keep such an instance in ``state`` forever (the explorer's progress fairness)."""
+        return state in self._leaving[role]
+
+    @cached_property
+    def _leaving(self) -> Mapping[str, frozenset[str]]:
+        out: dict[str, frozenset[str]] = {}
+        for name, role in self.roles.items():
+            spec = role.spec
+            inbox = {m.event for m in self.inbox(name).values()}
+            env = self.environment(name)
+            out[name] = frozenset(
+                e.source
+                for e in spec.edges()
+                if e.target != e.source
+                and e.source in spec.states
+                and e.target in spec.states
+                and not spec.states[e.source].is_final
+                and e.event not in inbox
+                and (e.event not in env or spec.fires_on_timeout(e.source, e.event))
+            )
+        return out
 
     def moves_on(self, role: str, state: str) -> bool:
         """Whether local work can move ``role`` on from ``state``: an event that is no message, abort or on_error."""
