@@ -154,7 +154,7 @@ def test_unknown_key_inside_a_section_is_reported_where_written(
             "5, waits",
             "state 'pinned': holds must be a name, not the number 5",
         ),
-        ("holds: [blocks], waits", "holds: {a: 1}, waits", "{a: 1}", "holds must be a name or a list of names"),
+        ("holds: [blocks], waits", "holds: {blocks: 0}, waits", "0}", "holds: blocks must be at least 1, not 0"),
         ("{initial: true,", '{initial: "yes",', '"yes"', "state 'pinned': initial must be true or false, not 'yes'"),
         ("{initial: true,", "{initial: 1,", "1,", "initial must be true or false"),
         ("transfer_timeout: 30.0", "transfer_timeout: soon", "soon", "param 'transfer_timeout' must be a number"),
@@ -174,7 +174,7 @@ def test_unknown_key_inside_a_section_is_reported_where_written(
         ("machine: base", "machine: [base]", "[base]", "machine must be a single value, not a list"),
     ],
     ids=[
-        *("holds-number", "holds-mapping", "initial-string", "initial-number"),
+        *("holds-number", "holds-count-zero", "initial-string", "initial-number"),
         *("param-word", "param-quoted", "param-list", "param-negative", "param-inf", "param-nan", "param-bad-tag"),
         *("after-negative", "after-bool", "final-bool", "waits-remote"),
         *("from-mapping", "to-list", "to-number", "machine-list"),

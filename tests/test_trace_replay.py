@@ -256,7 +256,7 @@ def test_the_ledger_driver_stands_in_for_roles_without_a_driver(write_after_free
     assert result.drivers == {"prefill": "ledger (built in)", "decode": "DecodeDriver"}
     assert result.summary.endswith("reproduced on the real decode driver (ledger for prefill)")
     prefill = replay.drivers["prefill"]
-    assert isinstance(prefill, LedgerDriver) and prefill.observe("r0") == {"src_pages"}
+    assert isinstance(prefill, LedgerDriver) and prefill.observe("r0") == {"src_pages": 1}
     assert prefill.calls == [("send_kv", "r0")]
 
 
@@ -264,7 +264,7 @@ def test_the_ledger_refuses_a_release_of_what_is_not_held() -> None:
     ledger = LedgerDriver(load(PD / "decode_merged_fix.yaml"))
     ledger.alloc_kv_pages("r0")
     ledger.release_kv_cache("r0")
-    assert ledger.observe("r0") == set()
+    assert ledger.observe("r0") == {}
     with pytest.raises(LedgerError, match=r"release_kv_cache\('r0'\) releases kv_pages, which 'r0' does not hold"):
         ledger.release_kv_cache("r0")
 

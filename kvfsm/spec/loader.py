@@ -13,7 +13,7 @@ import re
 import stat
 from pathlib import Path
 
-from yaml.nodes import Node, ScalarNode, SequenceNode
+from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from ..errors import KvfsmError
 from .findings import READ_ERROR, Finding, SpecError
@@ -154,13 +154,32 @@ def _state(s: Schema, name: str, knode: Node, node: Node) -> State | None:
         name,
         initial=s.boolean(items["initial"][1], f"{what}: initial") if "initial" in items else False,
         final=final,  # type: ignore[arg-type]
-        holds=s.names(items["holds"][1], f"{what}: holds", empty=True) if "holds" in items else (),
+        holds=_holds(s, items["holds"][1], f"{what}: holds") if "holds" in items else (),
         waits_local=waits_local,
         timeout=_timeout(s, name, *items["timeout"]) if "timeout" in items else None,
         warn_after=_seconds(s, items["warn_after"][1], f"{what}: warn_after") if "warn_after" in items else None,
         doc=s.text(items["doc"][1], f"{what}: doc") if "doc" in items else "",
         loc=s.loc(knode),
     )
+
+
+def _holds(s: Schema, node: Node, what: str) -> tuple[str, ...]:
+    """``[a, b]``, each held once, or ``{a: 2, b: 1}``: a resource held more than once (a pin taken twice) is
+    listed as often as it is held, so every edge acquires and releases the difference, one call per unit."""
+    if not isinstance(node, MappingNode):
+        return s.names(node, what, empty=True)
+    out: list[str] = []
+    fix = "Write how many times the state holds it, e.g. '{block_pin: 2}', or list names held once: '[a, b]'."
+    for knode, vnode in node.value:
+        name = s.name(knode, what)
+        times = s.count(vnode, f"{what}: {knode.value}", fix)
+        if name is not None and name in out:
+            s.error(
+                knode, f"{what} names {name!r} twice", f"Name it once, with how many times it is held: '{{{name}: 2}}'."
+            )
+        elif name is not None and times is not None:
+            out.extend([name] * times)
+    return tuple(out)
 
 
 def _send(s: Schema, node: Node) -> Send | None:

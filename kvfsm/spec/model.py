@@ -9,6 +9,7 @@ releases) are computed here once, so no consumer re-derives them its own way.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -478,14 +479,13 @@ class Spec:
         return st.holds if st is not None else ()
 
     def releases(self, source: str, target: str) -> tuple[str, ...]:
-        """Resources released moving source → target: holds(source) − holds(target)."""
-        keep = set(self.holds(target))
-        return tuple(r for r in self.holds(source) if r not in keep)
+        """Resources released moving source → target: holds(source) − holds(target), counted (a resource held
+        twice in the source and once in the target is released once)."""
+        return _minus(self.holds(source), self.holds(target))
 
     def acquires(self, source: str | None, target: str) -> tuple[str, ...]:
-        """Resources acquired moving source → target (``None`` source: entering at begin)."""
-        have = set(self.holds(source)) if source is not None else set()
-        return tuple(r for r in self.holds(target) if r not in have)
+        """Resources acquired moving source → target (``None`` source: entering at begin), counted."""
+        return _minus(self.holds(target), self.holds(source) if source is not None else ())
 
     def param_problems(self, overrides: Mapping[str, object]) -> list[str]:
         """What is wrong with params a deployment overrides: undeclared names, values that are no deadline."""
@@ -535,3 +535,15 @@ class Spec:
             if r.acquire:
                 names.add(r.acquire)
         return tuple(sorted(names))
+
+
+def _minus(have: tuple[str, ...], keep: tuple[str, ...]) -> tuple[str, ...]:
+    """``have`` less ``keep`` as multisets, in ``have``'s order: the units of each resource ``keep`` lacks."""
+    left = Counter(keep)
+    out = []
+    for r in have:
+        if left[r]:
+            left[r] -= 1
+        else:
+            out.append(r)
+    return tuple(out)

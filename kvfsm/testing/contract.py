@@ -33,8 +33,9 @@ from ..engine.outbox import Outbox
 class ObservableDriver(Protocol):
     """Required for model-based tests: ``observe(key)`` reads reality, so tests compare it with the spec."""
 
-    def observe(self, key: Hashable, /) -> Iterable[str]:
-        """The names of the resources the driver really holds for ``key`` now (a set, usually).
+    def observe(self, key: Hashable, /) -> Iterable[str] | Mapping[str, int]:
+        """The names of the resources the driver really holds for ``key`` now (a set, usually), or each name with
+        how many units it holds (``{"block_pin": 2}``), which a spec holding a resource more than once needs.
 
         Read them from the real system (block-pool holders, queue entries, the
         store's counters), never from a log of the calls made: the test then

@@ -11,6 +11,7 @@ resource did.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Collection, Hashable
 from functools import partial
 from typing import Any
@@ -34,7 +35,9 @@ class LedgerDriver:
         self.spec = spec
         self.calls: list[tuple[str, Hashable]] = []
         """(action, key) per call, in order."""
-        self._held: dict[Hashable, set[str]] = {}
+        self._held: dict[Hashable, Counter[str]] = {}
+        self._most = {r: max((st.holds.count(r) for st in spec.states.values()), default=1) for r in spec.resources}
+        """How many units of each resource one instance can hold at once (more than 1: a counted holding)."""
         self._acquires: dict[str, list[str]] = {}
         self._releases: dict[str, list[str]] = {}
         for r in spec.resources.values():
@@ -53,25 +56,26 @@ class LedgerDriver:
 
     def _act(self, action: str, key: Hashable, /, **_payload: Any) -> None:
         self.calls.append((action, key))
-        held = self._held.setdefault(key, set())
-        taken = next((r for r in self._acquires.get(action, ()) if r not in held), None)
+        held = self._held.setdefault(key, Counter())
+        taken = next((r for r in self._acquires.get(action, ()) if held[r] < self._most[r]), None)
         if taken is not None:
-            held.add(taken)
+            held[taken] += 1
             return
         names = self._releases.get(action, ())
-        given = next((r for r in names if r in held), None)
+        given = next((r for r in names if held[r]), None)
         if given is not None:
-            held.discard(given)
+            held[given] -= 1
         elif names and action not in self._acquires:
             raise LedgerError(f"{action}({key!r}) releases {', '.join(names)}, which {key!r} does not hold")
 
     def before_begin(self, key: Hashable, resources: Collection[str]) -> None:
         """The caller holds these before ``begin`` (resources of the initial state no acquire action takes)."""
-        self._held.setdefault(key, set()).update(resources)
+        self._held.setdefault(key, Counter()).update(resources)
 
     def before_fire(self, key: Hashable, event: str, resources: Collection[str]) -> None:
         """The caller takes these before ``fire`` (the transition enters a state holding them, and no action does)."""
-        self._held.setdefault(key, set()).update(resources)
+        self._held.setdefault(key, Counter()).update(resources)
 
-    def observe(self, key: Hashable) -> set[str]:
-        return set(self._held.get(key, ()))
+    def observe(self, key: Hashable) -> dict[str, int]:
+        """Each resource the calls left held, with how many units (a name per unit a spec lists)."""
+        return {r: n for r, n in self._held.get(key, Counter()).items() if n}

@@ -502,16 +502,28 @@ class SpecMachine(RuleBasedStateMachine):
             self._diverge(problems)
 
     def _reality(self, key: str, state: str | None) -> list[str]:
-        """What observe(key) says against what the spec says ``key`` holds in ``state``."""
+        """What observe(key) says against what the spec says ``key`` holds in ``state``.
+
+        A driver whose ``observe`` returns names is compared by name; one that returns counts
+        (``{"block_pin": 2}``) is compared unit by unit, so a pin taken twice but counted once is caught.
+        """
         try:
-            seen = set(
-                self._guarded(f"{type(self.driver).__name__}.observe({key!r})", lambda: self.driver.observe(key))
+            raw: Iterable[str] | Mapping[str, int] = self._guarded(
+                f"{type(self.driver).__name__}.observe({key!r})", lambda: self.driver.observe(key)
             )
+            counted = isinstance(raw, Mapping)
+            seen = Counter({r: int(n) for r, n in raw.items() if n}) if isinstance(raw, Mapping) else Counter(set(raw))
         except Exception as exc:
             return [f"observe({key!r}) raised {type(exc).__name__}: {exc}"]
-        want = set(self.model.held(key))
+        want = Counter(self.model.held(key))
+        if not counted:
+            want = Counter(set(want))
         where = f"{key} is {state}" if state is not None else f"{key} has no instance"
-        says = f"{where}, which holds {', '.join(sorted(want))}" if want else f"{where}, which holds nothing"
+        says = f"{where}, which holds {_units(want)}" if want else f"{where}, which holds nothing"
+        if seen == want:
+            return []
+        if counted:
+            return [f"observe says {key} holds {_units(seen) or 'nothing'} ({says})"]
         out = []
         extra, missing = sorted(seen - want), sorted(want - seen)
         if extra:
@@ -831,3 +843,8 @@ __all__ = [
     "fault_targets",
     "spec_machine",
 ]
+
+
+def _units(held: Counter[str]) -> str:
+    """``block_pin ×2, queue_task``: a resource held more than once says how many times."""
+    return ", ".join(r if n == 1 else f"{r} ×{n}" for r, n in sorted(held.items()) if n)
