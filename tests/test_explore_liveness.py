@@ -12,7 +12,8 @@ import pytest
 from test_explore_system import write_pingpong
 
 from kvfsm.explore import Trace, TraceError, check_trace, explore, format_trace
-from kvfsm.gen.promela import check_liveness_with_spin, to_promela
+from kvfsm.gen.promela import to_promela
+from kvfsm.gen.spin import check_liveness_with_spin
 from kvfsm.spec import SpecError
 from kvfsm.spec.system import System, load_system
 

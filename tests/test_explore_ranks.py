@@ -12,7 +12,8 @@ from test_explore_system import write_pingpong
 
 from kvfsm.explore import Trace, check_trace, explore
 from kvfsm.explore.local import LocalSystem
-from kvfsm.gen.promela import check_with_spin, to_promela
+from kvfsm.gen.promela import to_promela
+from kvfsm.gen.spin import check_with_spin
 from kvfsm.spec import SpecError
 from kvfsm.spec.system import check_system, load_system
 

@@ -13,7 +13,8 @@ import pytest
 from test_explore_system import write_pingpong
 
 from kvfsm.explore import explore
-from kvfsm.gen.promela import check_liveness_with_spin, check_with_spin, to_promela
+from kvfsm.gen.promela import to_promela
+from kvfsm.gen.spin import check_liveness_with_spin, check_with_spin
 from kvfsm.spec.system import System, is_system_file, load_system
 
 ROOT = Path(__file__).resolve().parent.parent

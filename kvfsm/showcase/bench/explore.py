@@ -41,7 +41,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from ...explore import explore
-from ...gen.promela import check_with_spin, to_promela
+from ...gen.promela import to_promela
+from ...gen.spin import check_with_spin
 from ...spec.bundled import PD_ABORT, SPECS
 from ...spec.system import System, load_system
 
