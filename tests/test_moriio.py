@@ -41,7 +41,7 @@ from kvfsm.drivers.moriio.producer import BlockWriter
 from kvfsm.drivers.nixl.blocks import KVBlocks
 from kvfsm.drivers.nixl.memory import CacheBlocks
 from kvfsm.explore import explore
-from kvfsm.showcase.moriio_seed import PreFixModelReader, PreFixModelWriter, pre_fix_spec
+from kvfsm.showcase.moriio_seed import PRE_FIX_PREFILL, PreFixModelReader, PreFixModelWriter, pre_fix_spec
 from kvfsm.spec.system.loader import read_system_file
 from kvfsm.testing import VirtualClock
 
@@ -402,7 +402,7 @@ def test_a_dead_prefill_mid_run_still_finishes_every_request_within_its_deadline
 
 def test_seed_001_the_pre_fix_prefill_hangs_at_concurrency_512_and_the_fix_does_not() -> None:
     lost = ["lost_remote_blocks"]
-    before = embedded_run("write", requests=2048, concurrency=512, fault_rate=0.1, faults=lost, pre_fix=True)
+    before = embedded_run("write", requests=2048, concurrency=512, fault_rate=0.1, faults=lost, prefill=PRE_FIX_PREFILL)
     assert before.hung > 100 and before.leaked_blocks > 200  # stuck in `deferred` for good, blocks held
     assert before.prefill["live"] == before.faults["lost_remote_blocks"]
     after = embedded_run("write", requests=2048, concurrency=512, fault_rate=0.1, faults=lost)

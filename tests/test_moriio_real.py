@@ -19,6 +19,7 @@ pytest.importorskip("torch")
 pytest.importorskip("zmq")
 
 from kvfsm.drivers.moriio.cluster import Timeouts, mooncake_run
+from kvfsm.showcase.moriio_seed import PRE_FIX_PREFILL
 
 QUICK = Timeouts(defer=0.5, transfer=1.0, recv=2.0)
 
@@ -64,8 +65,9 @@ def test_concurrency_512_with_faults_and_the_prefill_process_killed_mid_run() ->
 @pytest.mark.mooncake_te
 def test_the_pre_fix_prefill_process_holds_the_blocks_of_lost_remote_blocks_for_good() -> None:
     result = mooncake_run(
-        requests=400, concurrency=128, fault_rate=0.1, faults=("lost_remote_blocks",), timeouts=QUICK, pre_fix=True
-    )
+        requests=400, concurrency=128, fault_rate=0.1, faults=("lost_remote_blocks",), timeouts=QUICK,
+        prefill=PRE_FIX_PREFILL,
+    )  # fmt: skip
     lost = result.faults["lost_remote_blocks"]
     assert lost > 0 and result.prefill["live"] == lost and result.prefill["held_blocks"] == 2 * lost
     assert result.hung == lost

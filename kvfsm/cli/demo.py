@@ -227,8 +227,10 @@ def run_moriio(args: argparse.Namespace) -> int:
     if args.pre_fix and args.mode != "write":
         err.print("[red]kvfsm demo: --pre-fix runs seed 001's WRITE-mode prefill; drop --mode read[/]")
         return EXIT_USAGE
+    from ..showcase.moriio_seed import PRE_FIX_PREFILL
+
     sizes = {"requests": args.requests, "concurrency": args.concurrency, "fault_rate": args.fault_rate,
-             "seed": args.seed, "pre_fix": args.pre_fix}  # fmt: skip
+             "seed": args.seed, "prefill": PRE_FIX_PREFILL if args.pre_fix else None}  # fmt: skip
     try:
         if args.backend == "real":
             if args.mode != "write":

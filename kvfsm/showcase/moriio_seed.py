@@ -33,6 +33,15 @@ PRE_FIX = {
 }
 
 
+PRE_FIX_PREFILL = "kvfsm.showcase.moriio_seed:pre_fix_prefill"
+"""Seed 001's prefill as the MoRIIO load runner's ``prefill=`` names it (``kvfsm.drivers.moriio.cluster``)."""
+
+
+def pre_fix_prefill(mode: str) -> dict[str, Any]:
+    """The pre-fix prefill's spec and, in WRITE mode, its driver: the arguments of a ``PrefillEngine``."""
+    return {"spec": pre_fix_spec(f"{mode}_producer"), "driver": PreFixWriter if mode == "write" else None}
+
+
 def pre_fix_spec(name: str) -> Spec:
     """The pre-fix shape of ``name``: well formed, but with the KVF107 errors ``kvfsm.load`` would refuse."""
     if name not in PRE_FIX:

@@ -2,8 +2,9 @@
 
 What the tests, the soak benchmark and ``kvfsm demo --driver moriio`` run:
 :func:`embedded_run` and :func:`mooncake_run` build a prefill and a decode
-engine with a shared :class:`~.faults.FaultPlan`, optionally seed 001's
-pre-fix prefill, optionally a prefill that dies mid-run, and return the
+engine with a shared :class:`~.faults.FaultPlan`, optionally a prefill the
+caller names (seed 001's pre-fix shape), optionally a prefill that dies
+mid-run, and return the
 :class:`~.load.LoadResult`. Timeouts are scaled down from vLLM's 30 s / 60 s
 so a run takes seconds; their order is the one the specs ask for (the decode
 side waits longer than the prefill side may still write).
@@ -11,6 +12,7 @@ side waits longer than the prefill side may still write).
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -70,25 +72,20 @@ def embedded_run(
     faults: Sequence[str] | None = None,
     seed: int = 1,
     timeouts: Timeouts = FAST,
-    pre_fix: bool = False,
+    prefill: str | None = None,
     prefill_headroom: float = 1.25,
     kill_after: int | None = None,
 ) -> LoadResult:
-    """One run in this process. ``pre_fix``: seed 001's prefill (WRITE mode);
+    """One run in this process. ``prefill``: another prefill than the bundled one (:func:`prefill_variant`);
     ``kill_after``: the prefill dies once that many requests have ended."""
     fabric = Fabric()
     plan = FaultPlan(fault_rate, faults if faults is not None else default_faults(mode), seed)
     pt = FaultyTransport(fabric.endpoint("prefill"), plan)
     dt = FaultyTransport(fabric.endpoint("decode"), plan)
     prefill_blocks = int(concurrency * blocks_per_request * prefill_headroom)
-    extra: dict[str, Any] = {}
-    params: dict[str, float] | None = timeouts.producer(mode)
-    if pre_fix:
-        from ...showcase.moriio_seed import PreFixWriter, pre_fix_spec
-
-        extra = {"spec": pre_fix_spec(f"{mode}_producer"), "driver": PreFixWriter if mode == "write" else None}
-        params = None
-    prefill = PrefillEngine(pt, prefill_blocks, block_bytes, mode=mode, params=params, **extra)
+    extra = prefill_variant(prefill, mode)
+    params = None if extra else timeouts.producer(mode)
+    engine = PrefillEngine(pt, prefill_blocks, block_bytes, mode=mode, params=params, **extra)
     decode = DecodeEngine(
         dt, concurrency * blocks_per_request, block_bytes, "prefill", mode=mode, params=timeouts.consumer(mode)
     )
@@ -102,13 +99,32 @@ def embedded_run(
 
     def step_prefill() -> None:
         if not dead:
-            prefill.step()
+            engine.step()
 
     return run_load(
         decode, "prefill", requests=requests, concurrency=concurrency, blocks_per_request=blocks_per_request,
         deadline=timeouts.deadline(mode), settle=timeouts.defer + timeouts.transfer + 0.5, step_prefill=step_prefill,
-        prefill_stats=lambda: DEAD_PEER if dead else prefill.stats(), faults=lambda: _merge(pt, dt), tick=tick,
+        prefill_stats=lambda: DEAD_PEER if dead else engine.stats(), faults=lambda: _merge(pt, dt), tick=tick,
     )  # fmt: skip
+
+
+def prefill_variant(ref: str | None, mode: str) -> dict[str, Any]:
+    """The :class:`PrefillEngine` arguments (``spec``, ``driver``) that ``ref``, ``"module:function"``, gives for
+    ``mode``; none for ``None`` (the bundled spec and driver).
+
+    The caller names the variant, so the load runner runs a prefill shaped like a known bug
+    (``kvfsm.showcase.moriio_seed:pre_fix_prefill``, seed 001) without the drivers importing the showcase, and a
+    prefill in a process of its own (:class:`~.peer.PeerProcess`) gets the same by name.
+    """
+    if ref is None:
+        return {}
+    module, _, name = ref.partition(":")
+    if not module or not name:
+        raise ValueError(
+            f"prefill {ref!r}: name it as 'module:function', e.g. 'kvfsm.showcase.moriio_seed:pre_fix_prefill'"
+        )
+    made: dict[str, Any] = getattr(importlib.import_module(module), name)(mode)
+    return made
 
 
 def mooncake_run(
@@ -121,10 +137,11 @@ def mooncake_run(
     faults: Sequence[str] = WRITE_FAULTS,
     seed: int = 1,
     timeouts: Timeouts = MOONCAKE,
-    pre_fix: bool = False,
+    prefill: str | None = None,
     kill_after: int | None = None,
 ) -> LoadResult:
-    """One WRITE-mode run on real TransferEngines: the prefill in a process of its own, the decode side here."""
+    """One WRITE-mode run on real TransferEngines: the prefill in a process of its own, the decode side here.
+    ``prefill`` as for :func:`embedded_run`."""
     from .mooncake import UNREACHABLE, MooncakeTransport
     from .peer import PeerProcess
 
@@ -132,7 +149,7 @@ def mooncake_run(
     with PeerProcess(
         blocks=int(concurrency * blocks_per_request * 1.25), block_bytes=block_bytes,
         params=timeouts.producer("write"), fault_rate=fault_rate, faults=tuple(faults), fault_seed=seed,
-        pre_fix=pre_fix,
+        prefill=prefill,
     ) as peer:  # fmt: skip
         base = MooncakeTransport()
         dt = FaultyTransport(base, plan, UNREACHABLE)

@@ -5,8 +5,9 @@ over a :class:`~.mooncake.MooncakeTransport` (behind a
 :class:`~.faults.FaultyTransport` when a fault rate is given), prints its
 transport name as one JSON line, and steps it until stdin closes. Requests
 (``prefill``), ``remote_blocks``, ``release`` and ``stats_query`` reach it
-over its ZMQ socket, like any other message. ``--pre-fix`` runs seed 001's
-shape instead (:mod:`kvfsm.showcase.moriio_seed`). :class:`PeerProcess`
+over its ZMQ socket, like any other message. ``--prefill module:function``
+runs another prefill the caller names (seed 001's shape:
+``kvfsm.showcase.moriio_seed:pre_fix_prefill``). :class:`PeerProcess`
 starts it, waits for its name with a deadline, and stops or kills it by pid.
 """
 
@@ -21,7 +22,6 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any
 
 
 class PeerError(RuntimeError):
@@ -41,7 +41,7 @@ class PeerProcess:
         fault_rate: float = 0.0,
         faults: tuple[str, ...] = (),
         fault_seed: int = 0,
-        pre_fix: bool = False,
+        prefill: str | None = None,
         start_timeout: float = 60.0,
     ) -> None:
         args = [
@@ -49,8 +49,8 @@ class PeerProcess:
             "--block-bytes", str(block_bytes), "--params", json.dumps(params or {}),
             "--fault-rate", str(fault_rate), "--faults", ",".join(faults), "--fault-seed", str(fault_seed),
         ]  # fmt: skip
-        if pre_fix:
-            args.append("--pre-fix")
+        if prefill is not None:
+            args += ["--prefill", prefill]
         env = {**os.environ, "MC_LOG_LEVEL": os.environ.get("MC_LOG_LEVEL", "ERROR")}
         self.proc = subprocess.Popen(
             args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env
@@ -109,7 +109,7 @@ def _serve(argv: list[str]) -> int:
     ap.add_argument("--fault-rate", type=float, default=0.0)
     ap.add_argument("--faults", default="")
     ap.add_argument("--fault-seed", type=int, default=0)
-    ap.add_argument("--pre-fix", action="store_true")
+    ap.add_argument("--prefill", default=None, help="another prefill, as 'module:function' (cluster.prefill_variant)")
     opts = ap.parse_args(argv)
     from .faults import FaultPlan, FaultyTransport
     from .mooncake import UNREACHABLE, MooncakeTransport
@@ -121,15 +121,10 @@ def _serve(argv: list[str]) -> int:
     kinds = tuple(k for k in opts.faults.split(",") if k)
     if kinds:
         transport = FaultyTransport(base, FaultPlan(opts.fault_rate, kinds, opts.fault_seed), UNREACHABLE)
-    extra: dict[str, Any] = {}
-    if opts.pre_fix:
-        from ...showcase.moriio_seed import PreFixWriter, pre_fix_spec
+    from .cluster import prefill_variant
 
-        extra = {
-            "spec": pre_fix_spec(f"{opts.mode}_producer"),
-            "driver": PreFixWriter if opts.mode == "write" else None,
-        }
-    params = json.loads(opts.params) if not opts.pre_fix else None
+    extra = prefill_variant(opts.prefill, opts.mode)
+    params = None if extra else json.loads(opts.params)
     engine = PrefillEngine(transport, opts.blocks, opts.block_bytes, mode=opts.mode, params=params, **extra)
     sys.stdout.write(json.dumps({"name": base.name, "pid": os.getpid()}) + "\n")
     sys.stdout.flush()
