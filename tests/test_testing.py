@@ -26,7 +26,7 @@ from hypothesis.stateful import run_state_machine_as_test
 import kvfsm
 from kvfsm import BindingError
 from kvfsm.gen.diagram import to_dot
-from kvfsm.testing import Report, SpecMachine, SpecViolation, run, spec_machine
+from kvfsm.testing import RunReport, SpecMachine, SpecViolation, run, spec_machine
 from kvfsm.testing.runner import replay
 
 CPU_HIT = kvfsm.parse(CPU_HIT_SPEC, "cpu_hit_load.yaml")
@@ -36,12 +36,12 @@ FIND = settings(max_examples=200, database=None, deadline=None, phases=(Phase.ge
 
 
 @pytest.fixture(scope="module")
-def store_sender_run() -> Report:
+def store_sender_run() -> RunReport:
     """One default-budget run of the correct kv_request driver, shared by the tests that read it."""
     return run(KV_REQUEST, StoreSender, seed=0)
 
 
-def story(report: Report) -> str:
+def story(report: RunReport) -> str:
     return "\n".join(report.story) or report.error
 
 
@@ -53,7 +53,7 @@ def test_cpu_hit_spec_is_clean() -> None:
 # -- correct drivers pass ------------------------------------------------------------------
 
 
-def test_correct_store_sender_passes(store_sender_run: Report) -> None:
+def test_correct_store_sender_passes(store_sender_run: RunReport) -> None:
     assert store_sender_run.passed, story(store_sender_run)
     assert store_sender_run.examples == 100 and store_sender_run.coverage.examples >= 100
 
@@ -140,7 +140,7 @@ def test_a_tracker_that_disagrees_with_the_spec_is_caught() -> None:
     assert any("IllegalTransition" in p for p in caught.value.problems), caught.value
 
 
-def test_illegal_ignored_and_unknown_key_events_are_fired(store_sender_run: Report) -> None:
+def test_illegal_ignored_and_unknown_key_events_are_fired(store_sender_run: RunReport) -> None:
     cov = store_sender_run.coverage
     assert sum(cov.illegal.values()) > 0 and sum(cov.ignored.values()) > 0 and cov.unknown > 0
 
@@ -183,7 +183,7 @@ def test_unknown_params_are_refused_before_any_example() -> None:
 # -- coverage ------------------------------------------------------------------------------
 
 
-def test_coverage_counts_each_edge_by_how_it_was_taken(store_sender_run: Report) -> None:
+def test_coverage_counts_each_edge_by_how_it_was_taken(store_sender_run: RunReport) -> None:
     cov = store_sender_run.coverage
     done, total = cov.summary()["edges"]
     assert total == 10 and done >= 8  # a default run rarely misses any; the table shows which

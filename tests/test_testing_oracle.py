@@ -15,7 +15,7 @@ import pytest
 from buggy_drivers import pool_driver
 
 import kvfsm
-from kvfsm.testing import Report, run
+from kvfsm.testing import RunReport, run
 from kvfsm.testing.oracle import Call, SpecModel
 
 SPEC = kvfsm.parse(
@@ -56,15 +56,15 @@ on_error: fail
 
 
 @pytest.fixture(scope="module", params=[0, 1])
-def agreement(request: pytest.FixtureRequest) -> Report:
+def agreement(request: pytest.FixtureRequest) -> RunReport:
     return run(SPEC, pool_driver(SPEC), seed=request.param)
 
 
-def test_the_model_agrees_with_the_tracker_on_every_feature_it_interprets(agreement: Report) -> None:
+def test_the_model_agrees_with_the_tracker_on_every_feature_it_interprets(agreement: RunReport) -> None:
     assert agreement.passed, "\n".join(agreement.story) or agreement.error
 
 
-def test_the_runs_reach_every_feature_the_model_interprets(agreement: Report) -> None:
+def test_the_runs_reach_every_feature_the_model_interprets(agreement: RunReport) -> None:
     cov = agreement.coverage
     taken = cov.taken()
     assert taken["transferring", "expire"] and taken["retrying", "give_up"] and taken["transferring", "abort"]

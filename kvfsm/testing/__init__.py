@@ -35,7 +35,7 @@ from .contract import (
 )
 from .ledger import LedgerDriver
 from .machine import SpecMachine, spec_machine
-from .runner import Report, run
+from .runner import RunReport, run
 from .story import SpecViolation
 from .trace_replay import TraceResult, TraceRun, replay_trace
 from .trace_set import SystemCoverage, TraceSet, cover_system, trace_set
@@ -50,8 +50,8 @@ __all__ = [
     "LedgerDriver",
     "ObservableDriver",
     "ReceivesMessages",
-    "Report",
     "ReportsSends",
+    "RunReport",
     "SpecMachine",
     "SpecViolation",
     "SystemCoverage",

@@ -167,7 +167,7 @@ class Fault:
 
 
 @dataclass(frozen=True)
-class Edge:
+class ActionEdge:
     """One ``(source, event) → target`` with the driver actions the spec derives for it."""
 
     source: str
@@ -222,11 +222,11 @@ class SpecModel:
     def __init__(self, spec: Spec, params: Mapping[str, float] | None = None) -> None:
         """``spec`` must be one the engine runs (:func:`kvfsm.spec.well_formed`); ``params`` override its own."""
         self.spec = well_formed(spec)
-        self.edges: dict[tuple[str, str], Edge] = {}
+        self.edges: dict[tuple[str, str], ActionEdge] = {}
         for e in spec.edges():
             acquires = self._acquires(e.source, e.target)
             releases = tuple(spec.resources[r].release for r in spec.releases(e.source, e.target))
-            self.edges[e.source, e.event] = Edge(e.source, e.event, e.target, e.do, acquires, releases)
+            self.edges[e.source, e.event] = ActionEdge(e.source, e.event, e.target, e.do, acquires, releases)
         self.ignored = {(state, event) for state, event, _rule in spec.ignored()}
         self.counted = {where: spec.count_source(t) for where, t in spec.counted().items()}
         """(state, event) → where its K comes from (see :meth:`Spec.count_source`)."""
@@ -687,7 +687,7 @@ class SpecModel:
     def _take(
         self,
         inst: Instance,
-        edge: Edge,
+        edge: ActionEdge,
         how: How,
         out: Outcome,
         payload: Mapping[str, Any] | None = None,
@@ -724,7 +724,7 @@ class SpecModel:
         if edge.target != source:
             self._at_once(inst, out)
 
-    def _on_error(self, inst: Instance, failed: Edge, mine: int, out: Outcome) -> None:
+    def _on_error(self, inst: Instance, failed: ActionEdge, mine: int, out: Outcome) -> None:
         """Fire on_error from the source, if it handles it (bare if ``failed`` is that very edge);
         failures since ``mine`` report the state the instance ends in."""
         handled = len(out.failures)
@@ -732,7 +732,9 @@ class SpecModel:
         handler = self.edges.get((inst.state, on_error)) if on_error is not None else None
         if handler is not None:
             if handler is failed:
-                handler = Edge(handler.source, handler.event, handler.target, None, (), handler.releases, bare=True)
+                handler = ActionEdge(
+                    handler.source, handler.event, handler.target, None, (), handler.releases, bare=True
+                )
             self._take(inst, handler, "on_error", out)
         for failure in out.failures[mine:handled]:
             failure.state = inst.state
@@ -845,8 +847,8 @@ class SpecModel:
 
 __all__ = [
     "NOT_BEGUN",
+    "ActionEdge",
     "Call",
-    "Edge",
     "ExpectedFailure",
     "Expiry",
     "Fault",

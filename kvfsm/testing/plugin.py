@@ -35,7 +35,7 @@ import pytest
 from ..spec import load
 from .bar import Bar, load_exemptions
 from .contract import DriverFactory
-from .runner import Report, load_factory, run
+from .runner import RunReport, load_factory, run
 
 Drivers = Mapping[str, DriverFactory | str] | DriverFactory | str
 """One factory (or ``"MODULE:FACTORY"``) for every spec, or one per machine name or file stem."""
@@ -208,7 +208,7 @@ def _run(
     seed: int | None = None,
     min_coverage: float = 1.0,
     exempt: Path | Mapping[str, Mapping[str, str]] | None = None,
-) -> Report:
+) -> RunReport:
     option_examples = config.getoption("kvfsm_examples", default=None)
     option_seed = config.getoption("kvfsm_seed", default=None)
     option_bar = config.getoption("kvfsm_min_coverage", default=None)
@@ -224,7 +224,7 @@ def _run(
     )
 
 
-def failure_text(report: Report) -> str:
+def failure_text(report: RunReport) -> str:
     """The failing story (or what the run never exercised) as pytest shows it, with how to repeat the run."""
     if not report.diverged and report.verdict is not None:
         lines = [

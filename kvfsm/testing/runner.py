@@ -5,7 +5,7 @@ front (so a missing method is an error, not a hundred failing examples), runs
 the path cover (planned examples that take every edge, deadline, ignore rule
 and fault point), then Hypothesis with a known seed and no example database
 (so a run is reproduced by its seed alone), judges the coverage against the
-bar, and returns a :class:`Report` that the CLI renders and the pytest helpers
+bar, and returns a :class:`RunReport` that the CLI renders and the pytest helpers
 turn into a failure.
 """
 
@@ -41,7 +41,7 @@ STEPS = 50
 
 
 @dataclass(frozen=True)
-class Report:
+class RunReport:
     """The result of one run: passed or the failing story, the seed that reproduces it, the coverage.
 
     ``passed`` needs both: the driver kept to the spec, and the coverage cleared
@@ -155,8 +155,8 @@ def run(
     cover: bool = True,
     call_timeout: float | None = None,
     on_stuck: Callable[[str], None] | None = None,
-) -> Report:
-    """Model-test the drivers ``factory`` makes against ``spec``; returns a :class:`Report`.
+) -> RunReport:
+    """Model-test the drivers ``factory`` makes against ``spec``; returns a :class:`RunReport`.
 
     ``examples`` is the whole run, by default the current Hypothesis
     profile's ``max_examples`` (100 unless a profile says otherwise): the path
@@ -171,7 +171,7 @@ def run(
     (:class:`~kvfsm.testing.calls.CallTimer`; main thread only). A driver that
     fails at run time (its factory raises, on the first call or a later one,
     or a call does not return in time) ends the run with a failing report
-    whose :attr:`Report.driver_error` names the call; ``on_stuck`` is called
+    whose :attr:`RunReport.driver_error` names the call; ``on_stuck`` is called
     instead for a call that does not stop even when interrupted.
     """
     if not isinstance(spec, Spec):
@@ -208,7 +208,7 @@ def run(
             found = play(machine, plan.steps)
             if found is not None:
                 found = tidy(machine, found)
-                return Report(
+                return RunReport(
                     spec, False, chosen, budget, steps, machine.coverage, found.story, found.problems, str(found),
                     planned=n, found_by=plan.goal,
                 )  # fmt: skip
@@ -217,25 +217,27 @@ def run(
                 run_state_machine_as_test(use_seed(chosen)(machine), settings=config)
         except SpecViolation as exc:
             exc = tidy(machine, exc)
-            return Report(
+            return RunReport(
                 spec, False, chosen, budget, steps, machine.coverage, exc.story, exc.problems, str(exc),
                 planned=len(plans),
             )  # fmt: skip
         except Exception as exc:  # Hypothesis' own verdicts (e.g. a driver that does not repeat itself)
             error = f"{type(exc).__name__}: {exc}"
-            return Report(spec, False, chosen, budget, steps, machine.coverage, error=error, planned=len(plans))
+            return RunReport(spec, False, chosen, budget, steps, machine.coverage, error=error, planned=len(plans))
     except DriverFault as fault:  # from an example, or a replay while tidying: the driver's own failure
         return _driver_failed(spec, chosen, budget, steps, machine.coverage, fault, len(plans))
     verdict = judge(machine.coverage, bar, machine.blocked)
-    return Report(spec, verdict.cleared, chosen, budget, steps, machine.coverage, verdict=verdict, planned=len(plans))
+    return RunReport(
+        spec, verdict.cleared, chosen, budget, steps, machine.coverage, verdict=verdict, planned=len(plans)
+    )
 
 
 def _driver_failed(
     spec: Spec, seed: int, examples: int | None, steps: int, coverage: Coverage, fault: DriverFault, planned: int
-) -> Report:
+) -> RunReport:
     """The report of a run the driver itself ended (a factory that raised, a call that hung)."""
     budget = examples if examples is not None else Settings().max_examples
-    return Report(
+    return RunReport(
         spec, False, seed, budget, steps, coverage, fault.story, (fault.problem,), fault.problem,
         planned=planned, driver_error=fault.problem,
     )  # fmt: skip
@@ -320,4 +322,4 @@ def _first_keys(keys: Sequence[str], trace: Sequence[TraceStep]) -> list[TraceSt
 
 
 def _silent(_text: object) -> None:
-    """Hypothesis prints the failing example as Python calls; the Report tells it as a story instead."""
+    """Hypothesis prints the failing example as Python calls; the RunReport tells it as a story instead."""
