@@ -113,7 +113,9 @@ def recording_driver(spec: Spec) -> RecordingDriver:
     namespace: dict[str, Any] = {action: _method(action) for action in spec.actions()}
     namespace["spec"] = spec
     namespace["resource_of_acquire"] = {r.acquire: r.name for r in tracked}
-    namespace["resource_of_release"] = {r.release: r.name for r in tracked}
+    namespace["resource_of_release"] = {r.release: r.name for r in tracked} | {
+        action: r for t in spec.transitions for r, action in t.release if r in {x.name for x in tracked}
+    }  # a transition's own release (release:) gives its resource back too
     cls = type(f"{spec.name.title().replace('_', '')}Driver", (RecordingDriver,), namespace)
     driver: RecordingDriver = cls()
     return driver

@@ -20,7 +20,7 @@ from typing import Any
 
 from ..errors import BindingError, KvfsmError
 from ..spec import well_formed
-from ..spec.model import Spec, Transition
+from ..spec.model import Edge, Spec, Transition
 
 Action = Callable[..., Any]
 
@@ -354,6 +354,9 @@ def _driver_problems(spec: Spec, driver: object) -> list[str]:
     carried: dict[str, dict[str, frozenset[str]]] = {}
     for resource in spec.resources.values():
         carried.setdefault(resource.release, {})[RELEASE] = frozenset()
+    for t in spec.transitions:
+        for _r, action in t.release:
+            carried.setdefault(action, {})[RELEASE] = frozenset()
     for e in spec.edges():
         for action in spec.raising_actions(e):
             carried.setdefault(action, {})[e.event] = spec.payloads.get(e.event, frozenset())
@@ -388,6 +391,8 @@ def compile_program(spec: Spec, driver: object, params: Mapping[str, float] | No
     release = {r.name: _bind(driver, r.release, missing) for r in spec.resources.values()}
     acquire = {r.name: _bind(driver, r.acquire, missing) for r in spec.resources.values() if r.acquire}
     do = {t.do: _bind(driver, t.do, missing) for t in spec.transitions if t.do}
+    own = {a: _bind(driver, a, missing) for t in spec.transitions for _r, a in t.release}
+    """Release actions a transition names for a resource instead of its own (``release:``)."""
     if missing:
         names = ", ".join(sorted(set(missing)))
         raise BindingError(
@@ -403,13 +408,15 @@ def compile_program(spec: Spec, driver: object, params: Mapping[str, float] | No
     states = tuple(CState(s.name, i, s.is_final, s.holds) for i, s in enumerate(spec.states.values()))
     by_name = {s.name: s for s in states}
 
-    def edge(event: str, source: str | None, target: str, do_name: str | None) -> CEdge:
+    def edge(event: str, source: str | None, target: str, do_name: str | None, spec_edge: Edge | None = None) -> CEdge:
         acq = tuple(
             (spec.resources[r].acquire or "", acquire[r], spec.resources[r].release, release[r])
             for r in spec.acquires(source, target)
             if r in acquire
         )
-        if source is not None:
+        if spec_edge is not None:
+            rel = tuple((name, own[name] if name in own else release[r]) for r, name in spec.release_actions(spec_edge))
+        elif source is not None:
             rel = tuple((spec.resources[r].release, release[r]) for r in spec.releases(source, target))
         else:  # begin: what is held without an acquire action, released only if begin fails
             rel = tuple((spec.resources[r].release, release[r]) for r in spec.holds(target) if r not in acquire)
@@ -424,7 +431,7 @@ def compile_program(spec: Spec, driver: object, params: Mapping[str, float] | No
         )
 
     for (source, event), e in spec.table.items():
-        by_name[source].row[event] = compiled = edge(event, source, e.target, e.do)
+        by_name[source].row[event] = compiled = edge(event, source, e.target, e.do, e)
         compiled.links = compiled.bare.links = spec.linked_at(event)
         compiled.count = _count(spec, e.transition, params)
     for state_name, event, _rule in spec.ignored():  # in declaration order, so messages list events stably

@@ -1,4 +1,4 @@
-"""Static checks KVF101–KVF119: properties proved over a spec's transition graph.
+"""Static checks KVF101–KVF120: properties proved over a spec's transition graph.
 
 Every check works on the expanded edge set of the model (``Spec.edges``), so a
 wildcard source, a timeout or an ``on_error`` path is seen exactly as the
@@ -577,6 +577,36 @@ def check_owns(spec: Spec) -> Iterable[Finding]:
                 )  # fmt: skip
 
 
+def check_release_by(spec: Spec) -> Iterable[Finding]:
+    """KVF120: a transition's own release action (``release:``) is for a resource it releases from every source,
+    and is no resource's own release (which is called for that resource on every other edge)."""
+    defaults = {r.release: r.name for r in spec.resources.values()}
+    for t in spec.transitions:
+        for resource, action in t.release:
+            if resource not in spec.resources:
+                declared = ", ".join(spec.resources) or "none"
+                yield _finding(
+                    "KVF120", t.loc, f"transition {t.event!r} releases undeclared resource {resource!r} by {action}()",
+                    f"Name a resource declared under 'resources:' ({declared}).",
+                )  # fmt: skip
+                continue
+            keeps = [src for src in spec.expand(t.sources) if src in spec.states and t.target in spec.states
+                     and resource not in spec.releases(src, t.target)]  # fmt: skip
+            if keeps:
+                yield _finding(
+                    "KVF120", t.loc, f"transition {t.event!r} names {action}() to release {resource!r}, but from "
+                    f"{', '.join(map(repr, keeps))} it releases no {resource!r}: the action would never run there",
+                    f"Drop it from 'release:', or narrow 'from:' to states that hold {resource!r} where "
+                    f"{t.target!r} does not.",
+                )  # fmt: skip
+            if action in defaults and defaults[action] != resource:
+                yield _finding(
+                    "KVF120", t.loc, f"transition {t.event!r} releases {resource!r} by {action}(), which is also "
+                    f"resource {defaults[action]!r}'s own release: it could not tell which is going",
+                    f"Give it an action of its own, e.g. '{action}_{resource}'.",
+                )  # fmt: skip
+
+
 CHECKS: tuple[Check, ...] = (
     check_initial,
     check_references,
@@ -597,6 +627,7 @@ CHECKS: tuple[Check, ...] = (
     check_early,
     check_phases,
     check_owns,
+    check_release_by,
 )
 
 

@@ -33,7 +33,7 @@ from .model import (
     Timeout,
     Transition,
 )
-from .schema import INT, NULL, STR, Schema
+from .schema import INT, NULL, STR, Schema, kind_of
 
 TOP_KEYS = {
     "kvfsm": "schema version (required, 1)",
@@ -64,7 +64,7 @@ OUTGOING_KEYS = ("to", "event", "carries", "doc")
 RESOURCE_KEYS = ("release", "acquire", "doc")
 STATE_KEYS = ("initial", "final", "holds", "waits", "timeout", "warn_after", "doc")
 TIMEOUT_KEYS = ("after", "fire")
-TRANSITION_KEYS = ("event", "from", "to", "do", "doc", "send", "payload", "count")
+TRANSITION_KEYS = ("event", "from", "to", "do", "doc", "send", "payload", "count", "release")
 SEND_KEYS = ("to", "message")
 IGNORE_KEYS = ("event", "in")
 
@@ -222,9 +222,26 @@ def _transition(s: Schema, node: Node) -> Transition | None:
     sends = _sends(s, items["send"][1]) if "send" in items else ()
     payload = s.names(items["payload"][1], "transition payload", empty=True) if "payload" in items else ()
     count = _count(s, items["count"][1]) if "count" in items else None
+    release = _release_by(s, items["release"][1]) if "release" in items else ()
     if event is None or not sources or target is None:
         return None
-    return Transition(event, sources, target, do, doc, s.loc(node), sends, payload, count)
+    return Transition(event, sources, target, do, doc, s.loc(node), sends, payload, count, release)
+
+
+def _release_by(s: Schema, node: Node) -> tuple[tuple[str, str], ...]:
+    """``release: {recv_report: report_loaded}``: on this transition, those resources go by those actions."""
+    fix = "Write 'release: {<resource>: <driver method>}', e.g. 'release: {recv_report: report_loaded}'."
+    if not isinstance(node, MappingNode):
+        s.error(node, f"transition release must be a mapping of resource to action, not {kind_of(node)}", fix)
+        return ()
+    out: list[tuple[str, str]] = []
+    for knode, vnode in node.value:
+        resource, action = s.name(knode, "transition release"), s.name(vnode, "transition release action")
+        if resource is not None and any(r == resource for r, _a in out):
+            s.error(knode, f"transition release names {resource!r} twice", fix)
+        elif resource is not None and action is not None:
+            out.append((resource, action))
+    return tuple(out)
 
 
 def _count(s: Schema, node: Node) -> int | str | None:

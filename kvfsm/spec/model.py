@@ -152,6 +152,9 @@ class Transition:
     """``count: K``: the transition waits for the event from K distinct senders (``fire(..., sender=...)``)
     during one stay in its source state. K is a number, a param, a ``begin`` payload key (per instance) or
     a key of this transition's payload (each arrival says it); None: every arrival fires it."""
+    release: tuple[tuple[str, str], ...] = ()
+    """``release: {resource: action}``: resources this transition releases by another action than their own
+    (a load's report says its blocks are valid only on the edge that checked them)."""
 
     @property
     def wildcard(self) -> bool:
@@ -527,9 +530,16 @@ class Spec:
                 acts.append(acquire)
         return tuple(acts)
 
+    def release_actions(self, edge: Edge) -> tuple[tuple[str, str], ...]:
+        """``(resource, release action)`` for what ``edge`` releases, in the source's holds order: each
+        resource's own release, or the one the transition names for it (``release:``)."""
+        by = dict(edge.transition.release)
+        return tuple((r, by.get(r, self.resources[r].release)) for r in self.releases(edge.source, edge.target))
+
     def actions(self) -> tuple[str, ...]:
-        """Every driver method the spec names (do, acquire, release), sorted."""
+        """Every driver method the spec names (do, acquire, release, a transition's own release), sorted."""
         names: set[str] = {t.do for t in self.transitions if t.do}
+        names.update(action for t in self.transitions for _r, action in t.release)
         for r in self.resources.values():
             names.add(r.release)
             if r.acquire:

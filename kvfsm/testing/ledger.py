@@ -42,6 +42,10 @@ class LedgerDriver:
         self._releases: dict[str, list[str]] = {}
         for r in spec.resources.values():
             self._releases.setdefault(r.release, []).append(r.name)
+        for t in spec.transitions:
+            for resource, action in t.release:
+                if resource not in self._releases.setdefault(action, []):
+                    self._releases[action].append(resource)
             if r.acquire:
                 self._acquires.setdefault(r.acquire, []).append(r.name)
         clash = sorted(set(spec.actions()) & set(dir(LedgerDriver)))

@@ -225,7 +225,7 @@ class SpecModel:
         self.edges: dict[tuple[str, str], ActionEdge] = {}
         for e in spec.edges():
             acquires = self._acquires(e.source, e.target)
-            releases = tuple(spec.resources[r].release for r in spec.releases(e.source, e.target))
+            releases = tuple(action for _r, action in spec.release_actions(e))
             self.edges[e.source, e.event] = ActionEdge(e.source, e.event, e.target, e.do, acquires, releases)
         self.ignored = {(state, event) for state, event, _rule in spec.ignored()}
         self.counted = {where: spec.count_source(t) for where, t in spec.counted().items()}

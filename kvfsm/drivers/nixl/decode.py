@@ -112,7 +112,6 @@ class Load:
     engine_id: str
     blocks: tuple[int, ...]
     remote_blocks: tuple[int, ...]
-    verified: bool = False
 
 
 class BlockReader:
@@ -181,11 +180,20 @@ class BlockReader:
         self._loads[key] = Load(remote_request_id, remote_engine_id, tuple(block_ids), tuple(remote_block_ids))
 
     def unpin_dst(self, key: Hashable, /) -> None:
-        """Let go of the blocks and report finished_recving; blocks not byte-checked are reported invalid."""
+        """Let go of the blocks and report finished_recving with every block invalid: vLLM recomputes them."""
+        blocks = self._unpin(key)
+        self.report.recv(key, blocks)
+
+    def unpin_loaded(self, key: Hashable, /) -> None:
+        """The release of the edge that byte-checked the blocks (``complete``): reported with none invalid."""
+        self._unpin(key)
+        self.report.recv(key, ())
+
+    def _unpin(self, key: Hashable) -> tuple[int, ...]:
         load = self._loads.pop(key)
         if load.blocks:
             self.pool.release(self.holder(key))
-        self.report.recv(key, () if load.verified else load.blocks)
+        return load.blocks
 
     # -- xfer -------------------------------------------------------------------------
 
@@ -256,7 +264,6 @@ class BlockReader:
         wrong = self.blocks.wrong(load.blocks, load.remote_request_id, lo, first)
         if wrong:
             raise BlockMismatch(f"request {key!r}: blocks {wrong} do not hold {load.remote_request_id!r}'s KV")
-        load.verified = True
         self.stats["blocks_read"] += len(load.blocks)
         if wrong is not None:
             self.stats["blocks_verified"] += len(load.blocks)
