@@ -46,11 +46,10 @@ class Source:
 
 @dataclass
 class Load:
-    """One request's local blocks, the transfer id, and whether they were checked."""
+    """One request's local blocks and the transfer id."""
 
     transfer_id: str
     blocks: tuple[int, ...]
-    verified: bool = False
     peer: str = ""
     """WRITE mode: the prefill rank this load announces its blocks to (the engine's ``peer`` if empty)."""
 
@@ -81,10 +80,16 @@ class BlockLoader:
         self._loads[key] = Load(transfer_id, tuple(block_ids))
 
     def unpin_dst(self, key: Hashable, /) -> None:
-        """Let go of the blocks and report the load; blocks not byte-checked are reported invalid."""
+        """Let go of the blocks and report the load with every block invalid: vLLM recomputes them."""
         load = self._loads.pop(key)
         self.pool.release(self.holder(key))
-        self.report.recv(key, () if load.verified else load.blocks)
+        self.report.recv(key, load.blocks)
+
+    def unpin_loaded(self, key: Hashable, /) -> None:
+        """The release of the edge that byte-checked the blocks: reported with none invalid."""
+        self._loads.pop(key)
+        self.pool.release(self.holder(key))
+        self.report.recv(key, ())
 
     def verify_blocks(self, key: Hashable, /) -> None:
         """Byte-check the blocks against the prefill's KV; on vLLM's cache (which cannot tell) count them unchecked."""
@@ -93,7 +98,6 @@ class BlockLoader:
         if wrong:
             self.stats["blocks_wrong"] += len(wrong)
             raise BlockMismatch(f"request {key!r}: blocks {wrong} do not hold transfer {load.transfer_id!r}'s KV")
-        load.verified = True
         self.stats["blocks_verified" if wrong is not None else "blocks_unchecked"] += len(load.blocks)
 
     def observe(self, key: Hashable) -> set[str]:
