@@ -132,9 +132,9 @@ class SeededLoadDriver(Faults, LoadDriver):
         self.load_into: dict[Hashable, list[int]] = {}
         """The GPU blocks the scheduler gave each key's load: block i must end up with PREFIX[i]'s KV."""
 
-    def pin_cpu_hit(self, key: Hashable, /, hashes: Sequence[Hashable] | None = None) -> None:
+    def pin_cpu_hit(self, key: Hashable, /, hashes: Sequence[Hashable] | None = None, first: int = 0) -> None:
         self._fault("pin_cpu_hit")
-        super().pin_cpu_hit(key, PREFIX if hashes is None else hashes)
+        super().pin_cpu_hit(key, PREFIX if hashes is None else hashes, first)
 
     def owe_recv_report(self, key: Hashable, /, gpu_blocks: Sequence[int] | None = None) -> None:
         self._fault("owe_recv_report")

@@ -107,7 +107,7 @@ class LookupOnlyLoadDriver(LoadDriver):
         self._looked: dict[Hashable, list[int]] = {}
         self._hashes: dict[Hashable, list[int]] = {}
 
-    def pin_cpu_hit(self, key: Hashable, /, hashes: Sequence[Hashable]) -> None:
+    def pin_cpu_hit(self, key: Hashable, /, hashes: Sequence[Hashable], first: int = 0) -> None:
         self._looked[key] = self.cpu_pool.lookup(hashes)
         self._hashes[key] = list(hashes)
 

@@ -165,8 +165,6 @@ class CpuOffloadScheduler:
         """What the load spec's ``recv_report`` releases recorded for vLLM; drained each step."""
         self.stats = ConnectorStats()
         self._job_ids = itertools.count(1)
-        self._first_block: dict[str, int] = {}
-        """Phase A's ``num_computed_tokens // block_size``: where the pinned blocks start in the request."""
         self._loads_to_send: list[str] = []
         self._stores_to_send: list[str] = []
 
@@ -200,9 +198,8 @@ class CpuOffloadScheduler:
         if not self.offload.cpu_pool.lookup(hashes):
             return 0, False
         # Lookup and pin happen in one action, so nothing can evict in between.
-        self.loads.begin(rid, hashes=hashes)
+        self.loads.begin(rid, hashes=hashes, first=first)
         pinned = len(self.offload.load.pinned(rid))
-        self._first_block[rid] = first
         self.stats.hits += 1
         self.stats.hit_tokens += pinned * self.block_size
         return (first + pinned) * self.block_size - num_computed_tokens, True
@@ -217,7 +214,9 @@ class CpuOffloadScheduler:
         call finds no pinned hit and does nothing.
         """
         rid = request.request_id
-        first = self._first_block.pop(rid, request.num_computed_tokens // self.block_size)
+        first = self.offload.load.first_block(rid)  # where phase A's pinned hit starts, kept with the pin
+        if first is None:
+            first = request.num_computed_tokens // self.block_size
         n = -(-num_external_tokens // self.block_size)
         gpu_blocks = list(blocks.get_block_ids()[0][first : first + n])
         if num_external_tokens == 0:
@@ -378,7 +377,6 @@ class CpuOffloadScheduler:
         event = "abort" if request.status == RequestStatus.FINISHED_ABORTED else "finish"
         if self.loads.accepts(rid, event):
             self.loads.fire(rid, event)
-        self._first_block.pop(rid, None)
         self._plan_store(request, block_ids)
         return False, None
 

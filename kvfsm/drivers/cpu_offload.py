@@ -35,8 +35,10 @@ def _observe(key: Hashable, pools: dict[str, BlockPool]) -> set[str]:
 class LoadDriver:
     """Pins a CPU prefix hit, owes vLLM the load's report, holds the GPU blocks a load writes, and lets go.
 
-    ``_hit[key]`` lists the pinned CPU blocks in prefix order and ``_dst[key]``
-    the GPU blocks in the same order (the copy pairs them up); ``_owed[key]``
+    ``_hit[key]`` lists the pinned CPU blocks in prefix order, ``_first[key]``
+    where they start in the request (both the ``cpu_hit`` record, gone with
+    it), and ``_dst[key]`` the GPU blocks in the same order (the copy pairs
+    them up); ``_owed[key]``
     lists the GPU blocks vLLM must recompute unless the copy completes.
     Releases record the report in :attr:`report`.
     """
@@ -48,22 +50,30 @@ class LoadDriver:
         """Where ``report_recv`` records each load vLLM waits for, for the next finished_recving."""
         self._pools = {"cpu_hit": cpu_pool, "gpu_dst": gpu_pool}
         self._hit: dict[Hashable, list[int]] = {}
+        self._first: dict[Hashable, int] = {}
         self._dst: dict[Hashable, list[int]] = {}
         self._owed: dict[Hashable, list[int]] = {}
 
     # -- cpu_hit -------------------------------------------------------------------
 
-    def pin_cpu_hit(self, key: Hashable, /, hashes: Sequence[BlockHash]) -> None:
-        """Phase A: pin the longest cached prefix of ``hashes``. Lookup and pin are one step."""
+    def pin_cpu_hit(self, key: Hashable, /, hashes: Sequence[BlockHash], first: int = 0) -> None:
+        """Phase A: pin the longest cached prefix of ``hashes``, which starts at the request's block ``first``.
+        Lookup and pin are one step."""
         blocks = self.cpu_pool.lookup(hashes)
         if not blocks:
             raise LoadPlanError(f"{key!r}: no block of the prefix is cached; begin a load only for a hit")
         self.cpu_pool.pin(("cpu_hit", key), blocks)
         self._hit[key] = blocks
+        self._first[key] = first
 
     def unpin_cpu_hit(self, key: Hashable, /) -> None:
         self._hit.pop(key, None)
+        self._first.pop(key, None)
         self.cpu_pool.release(("cpu_hit", key))
+
+    def first_block(self, key: Hashable) -> int | None:
+        """Where the pinned hit starts in the request (phase A's ``num_computed_tokens // block_size``), while pinned."""
+        return self._first.get(key)
 
     # -- recv_report ---------------------------------------------------------------
 
