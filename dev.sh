@@ -74,6 +74,40 @@ if [ -z "${KVFSM_NO_VLLM:-}" ] && [ "$(cat "$vllm_stamp" 2>/dev/null)" != "$vllm
     echo "$vllm_want" > "$vllm_stamp"
     echo "    vLLM set up in $((SECONDS - t0)) s"
 fi
+# ---- SGLang: the `sglang` tests (kvfsm's PD specs around SGLang 0.5.23's real Mooncake KV manager,
+# sender, receiver and bootstrap server, prefill and decode in two processes; docs/sglang.md). SGLang pins
+# torch==2.14.1, whose PyPI build runs on the CPU, beside torchvision 0.29.1 (its disaggregation code
+# imports torchvision), so it gets a venv of its own, $VENV/sglang (~6 GB, ~3 min): kvfsm[sglang] (the
+# requirements those classes import) under the torch pin, then the sglang wheel with --no-deps (its own
+# requirements name sgl-kernel and CUDA packages, unused here). Its own stamp, so it runs once;
+# KVFSM_NO_SGLANG=1 skips it (and the `sglang` tests).
+SGLANG_VENV=$VENV/sglang
+SGLANG_WHEEL=sglang==0.5.23
+case "${1:-demo}" in
+    demo|diagrams|bench) KVFSM_NO_SGLANG=${KVFSM_NO_SGLANG:-1} ;;
+esac
+sglang_stamp="$SGLANG_VENV/.kvfsm-sglang"
+sglang_want="$(printf '%s\n' "$SGLANG_WHEEL" "$(sed -n '/^sglang = \[/,/^\]/p' pyproject.toml)" | sha256sum | cut -d' ' -f1)"
+if [ -z "${KVFSM_NO_SGLANG:-}" ] && [ "$(cat "$sglang_stamp" 2>/dev/null)" != "$sglang_want" ]; then
+    echo "==> setting up $SGLANG_VENV for $SGLANG_WHEEL (torch 2.14.1, ~3 min, ~6 GB); log in $VENV/setup.log"
+    t0=$SECONDS
+    [ -x "$SGLANG_VENV/bin/python" ] || "$PY" -m venv "$SGLANG_VENV"
+    sg_pip() {
+        "$SGLANG_VENV/bin/python" -m pip install -q "$@" >>"$VENV/setup.log" 2>&1 || {
+            echo "pip install $* (SGLang venv) failed; last lines of $VENV/setup.log:" >&2
+            tail -20 "$VENV/setup.log" >&2
+            exit 1
+        }
+    }
+    echo "torch==2.14.1" > "$SGLANG_VENV/torch-constraint.txt"
+    sg_pip --upgrade pip
+    sg_pip torch==2.14.1 torchvision==0.29.1
+    sg_pip -c "$SGLANG_VENV/torch-constraint.txt" -e ".[sglang]"
+    sg_pip --no-deps "$SGLANG_WHEEL"
+    "$SGLANG_VENV/bin/python" -c "import sglang.srt.disaggregation.mooncake.conn, kvfsm.adapters.sglang_pd"
+    echo "$sglang_want" > "$sglang_stamp"
+    echo "    SGLang set up in $((SECONDS - t0)) s"
+fi
 export PATH="$PWD/$VENV/bin:$PATH"
 
 case "${1:-demo}" in
