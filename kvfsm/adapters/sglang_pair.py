@@ -192,3 +192,107 @@ class Pair:
 
     def kill_prefill(self, i: int) -> None:
         self.prefills[i].kill()
+
+
+# -- scenarios ------------------------------------------------------------------------
+
+
+def race(pair: Pair, a: int, b: int, *, hold: str) -> list[int]:
+    """Seed 002's race on SGLang's classes; returns room ``b``'s pages that held another room's bytes.
+
+    Room ``a`` (prefill 0) is aborted by decode while a write of it cannot be
+    stopped, and room ``b`` (prefill 1) wants pages from a pool that has one
+    room's worth:
+
+    - ``hold="abort"``, the explorer's shortest trace: decode sends the
+      indices, aborts, and prefill's forward pass ends while the ABORT is
+      still in flight (held before the bootstrap thread handles it), so the
+      chunk passes SGLang's Failed check and writes;
+    - ``hold="chunk"``, the hole the report names: the ABORT arrives while a
+      chunk is inside ``batch_transfer_sync`` (held after the Failed check).
+
+    Where decode frees ``a``'s pages at the abort (``merged_fix``), ``b``
+    takes them and gets its KV before ``a``'s write lands; where decode keeps
+    them until prefill says the room is drained (``corrected``), ``b`` takes
+    them only after.
+    """
+    if hold not in ("abort", "chunk"):
+        raise ValueError(f"hold is 'abort' or 'chunk', not {hold!r}")
+    p0 = pair.prefills[0]
+    p0.call("gate", hold, True)
+    pair.begin(a, 0)
+    pair.bootstrapped(a)
+    pair.wait_prefill(a, "waiting_input")
+    if hold == "chunk":
+        p0.call("forward", a)
+        p0.call("reached", "chunk", a, HANG)
+    pair.decode.call("abort", a)
+    if hold == "chunk":
+        pair.wait_prefill(a, "draining")
+    else:
+        p0.call("reached", "abort", a, HANG)
+    pair.begin(b, 1)
+    took = pair.bootstrapped(b) is not None
+    if took:
+        _finish_transfer(pair, b, 1)
+    if hold == "chunk":
+        p0.call("gate", "chunk", False)
+    else:
+        p0.call("forward", a)
+    pair.wait_prefill(a)
+    p0.call("gate", hold, False)
+    pair.wait_decode(a)
+    if not took:
+        pair.bootstrapped(b)
+        _finish_transfer(pair, b, 1)
+    corrupted: list[int] = pair.decode.call("finish", b)
+    return corrupted
+
+
+def _finish_transfer(pair: Pair, room: int, prefill: int) -> None:
+    pair.wait_prefill(room, "waiting_input", prefill=prefill)
+    pair.prefills[prefill].call("forward", room)
+    pair.wait_prefill(room, prefill=prefill)
+    pair.wait_decode(room)
+
+
+FAULTS = ("none", "abort_bootstrapping", "abort_waiting", "race_abort", "race_chunk")
+
+
+def soak(pair: Pair, rooms: int, *, seed: int = 0, first_room: int = 1000) -> dict[str, Any]:
+    """``rooms`` rooms, each with a fault drawn at random from :data:`FAULTS`; corrupted pages by bytes, per fault.
+
+    A race takes two rooms (the aborted one and the one that wants its pages).
+    """
+    import random
+
+    rng = random.Random(seed)
+    corrupted: dict[str, int] = dict.fromkeys(FAULTS, 0)
+    drawn: dict[str, int] = dict.fromkeys(FAULTS, 0)
+    room = first_room
+    end = first_room + rooms
+    while room < end:
+        fault = rng.choice(FAULTS)
+        if fault.startswith("race") and room + 1 >= end:
+            fault = "none"
+        drawn[fault] += 1
+        if fault.startswith("race"):
+            corrupted[fault] += len(race(pair, room, room + 1, hold=fault.removeprefix("race_")))
+            room += 2
+            continue
+        prefill = rng.randrange(len(pair.prefills))
+        pair.begin(room, prefill)
+        if fault == "abort_bootstrapping":
+            pair.decode.call("abort", room)
+        else:
+            pair.bootstrapped(room)
+            pair.wait_prefill(room, "waiting_input", prefill=prefill)
+            if fault == "abort_waiting":
+                pair.decode.call("abort", room)
+            else:
+                pair.prefills[prefill].call("forward", room)
+        pair.wait_prefill(room, prefill=prefill)
+        if pair.wait_decode(room) == "received":
+            corrupted[fault] += len(pair.decode.call("finish", room))
+        room += 1
+    return {"rooms": rooms, "drawn": drawn, "corrupted": corrupted}
