@@ -6,14 +6,18 @@ import argparse
 import json
 import math
 import sys
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO, get_args
 
+import msgspec
 from rich.markup import escape
 
 from ..errors import AnomalyKind
-from ..replay import DEFAULT_TOLERANCE, Limit, LogReport, check_log
+from ..replay import DEFAULT_TOLERANCE, Header, Limit, LogReport, check_log
 from ..replay.codes import NAMES
+from ..replay.read import first_header, log_lines
+from ..replay.record import IDS_PLAIN
 from ..spec import Spec, SpecError, load
 from ..spec.loader import not_regular
 from .common import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, Subparsers, err, findings_json, out, print_finding
@@ -33,7 +37,7 @@ def register(sub: Subparsers) -> None:
         action="append",
         default=[],
         metavar="NAME=SECONDS",
-        help="a param the deployment overrode, as it passed Tracker(params=...); repeatable",
+        help="a param's value, over the one the journal's header records (or the spec's); repeatable",
     )
     p.add_argument(
         "--tolerance",
@@ -117,20 +121,66 @@ def run(args: argparse.Namespace) -> int:
         if why:
             err.print(f"[red]kvfsm replay: log {escape(str(source))} {escape(why)}[/]")
             return EXIT_USAGE
-    report = check_log(
-        spec,
-        source,
-        name="<stdin>" if args.log == "-" else None,
-        params=params,
-        tolerance=args.tolerance,
-        allow_live=args.allow_live,
-        limits=limits,
-    )
+    name = "<stdin>" if args.log == "-" else args.log
+    try:
+        with log_lines(source) as raw:
+            header, lines = first_header(raw)
+            recorded = _recorded(header, spec)
+            applied = {**recorded, **params}
+            sessions = Sessions(lines, applied, spec)
+            report = check_log(
+                spec,
+                sessions,
+                name=name,
+                params=applied,
+                tolerance=args.tolerance,
+                allow_live=args.allow_live,
+                limits=limits,
+            )
+    except OSError as exc:
+        err.print(f"[red]kvfsm replay: log {escape(name)} cannot be read: {escape(exc.strerror or str(exc))}[/]")
+        return EXIT_USAGE
+    for line, other in sessions.differing:
+        shown = ", ".join(f"{k}={v:g}" for k, v in sorted(other.items()))
+        err.print(
+            f"[yellow]{escape(name)}:{line}: this session's header records {escape(shown)}; every session is "
+            f"checked with the first's (or --param): check the sessions apart to check this one by its own[/]"
+        )
     if args.format == "json":
-        out.print_json(json.dumps(_json(report, args.spec)))
+        out.print_json(json.dumps(_json(report, args.spec, applied, header)))
     else:
-        _render(report, every=args.all)
+        _render(report, every=args.all, header=header)
     return EXIT_OK if report.conforms else EXIT_FINDINGS
+
+
+def _recorded(header: Header | None, spec: Spec) -> dict[str, float]:
+    """The params a journal's header records that ``spec`` declares (a version 1 header records none)."""
+    if header is None or header.params is None or header.machine not in (None, spec.name):
+        return {}
+    return {name: value for name, value in header.params.items() if name in spec.params}
+
+
+class Sessions:
+    """The log's lines, passed on as they are read; notes each later session header whose params differ."""
+
+    def __init__(self, lines: Iterable[bytes], applied: dict[str, float], spec: Spec) -> None:
+        self._lines = lines
+        self._applied = applied
+        self._spec = spec
+        self.differing: list[tuple[int, dict[str, float]]] = []
+        """(line, the params its header records) of each session not run with the params checked against."""
+
+    def __iter__(self) -> Iterator[bytes]:
+        decode = msgspec.json.Decoder(Header).decode
+        for number, raw in enumerate(self._lines, 1):
+            if number > 1 and raw.startswith(b'{"journal":'):
+                try:
+                    recorded = _recorded(decode(raw), self._spec)
+                except (msgspec.MsgspecError, ValueError, RecursionError):
+                    recorded = {}
+                if any(self._applied.get(k) != v for k, v in recorded.items()):
+                    self.differing.append((number, recorded))
+            yield raw
 
 
 def _not_a_log(path: Path) -> str:
@@ -152,22 +202,37 @@ def _not_a_log(path: Path) -> str:
     return f"is {kind}, not a journal file; read a pipe from stdin with '-' (e.g. zcat LOG.gz | kvfsm replay SPEC -)"
 
 
-def _json(report: LogReport, spec: Path) -> dict[str, object]:
+def _json(report: LogReport, spec: Path, params: dict[str, float], header: Header | None) -> dict[str, object]:
     """``kvfsm check``'s JSON shape for the log's findings, with what was checked beside it."""
     doc = findings_json([(report.path, report.findings)])
     doc["errors"] = report.total  # every finding is an error; only the first KEEP are listed
     summary = report.as_dict()
     del summary["findings"], summary["path"]
-    return {**doc, "spec": str(spec), **summary}
+    written = {
+        "journal": None if header is None else header.journal,
+        "ids": IDS_PLAIN if header is None or header.ids is None else header.ids,
+        "sample": 1.0 if header is None or header.sample is None else header.sample,
+    }
+    return {**doc, "spec": str(spec), **summary, "params": params, **written}
 
 
-def _render(report: LogReport, *, every: bool) -> None:
+def _written(header: Header | None) -> str:
+    """How the journal wrote its lines, where it matters to a reader: hashed ids, a sample of the keys."""
+    said = []
+    if header is not None and header.ids not in (None, IDS_PLAIN):
+        said.append(f"ids hashed ({header.ids})")
+    if header is not None and header.sample is not None and header.sample < 1.0:
+        said.append(f"{header.sample:.2%} of keys sampled")
+    return f" ({', '.join(said)})" if said else ""
+
+
+def _render(report: LogReport, *, every: bool, header: Header | None = None) -> None:
     shown = report.findings if every else report.findings[:1]
     for f in shown:
         print_finding(f)
     summary = (
         f"{report.path}: {report.records} transition(s) of {report.instances} instance(s) of "
-        f"{report.machine!r} in {report.lines} line(s)"
+        f"{report.machine!r} in {report.lines} line(s){_written(header)}"
     )
     mix = ", ".join(f"{n} {state}" for state, n in report.outcomes.items())
     dropped = ", ".join(f"{n} {kind}" for kind, n in sorted(report.anomalies.items()))

@@ -10,6 +10,9 @@ Lines are read with a bound: no more than :data:`MAX_LINE` bytes of a line
 are held. A longer line is passed on as its first ``MAX_LINE + 1`` bytes (the
 checker reports it, KVF301, by its length alone) and the rest of it is read
 and dropped, so memory does not grow with the longest line.
+
+:func:`first_header` reads the session header a journal begins with (its
+machine, its tracker's params) before the lines are checked.
 """
 
 from __future__ import annotations
@@ -17,11 +20,16 @@ from __future__ import annotations
 import contextlib
 import gzip
 import io
+import itertools
 import os
 import zlib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO, NamedTuple
+
+import msgspec
+
+from .record import Header
 
 GZIP_MAGIC = b"\x1f\x8b"
 """The first two bytes of every gzip stream: a log that starts with them is read as gzip."""
@@ -116,3 +124,30 @@ def _closing_if_new(stream: BinaryIO, under: BinaryIO) -> Iterator[BinaryIO]:
     finally:
         if stream is not under:
             stream.close()
+
+
+def first_header(lines: Iterable[bytes]) -> tuple[Header | None, Iterator[bytes]]:
+    """The session header on the log's first line (None if that line is none), and all the lines, it included.
+
+    Reading the first line may raise one of :data:`STOPS`; the lines
+    returned then raise it again when read, so the checker reports it at its
+    line as it would have.
+    """
+    lines = iter(lines)
+    try:
+        first = next(lines, None)
+    except STOPS as exc:
+        return None, _raising(exc)
+    if first is None:
+        return None, iter(())
+    header: Header | None
+    try:
+        header = msgspec.json.decode(first, type=Header) if len(first) <= MAX_LINE else None
+    except (msgspec.MsgspecError, ValueError, RecursionError):
+        header = None
+    return header, itertools.chain((first,), lines)
+
+
+def _raising(exc: BaseException) -> Iterator[bytes]:
+    raise exc
+    yield b""  # a generator: the raise happens when it is read

@@ -5,13 +5,21 @@ written when a journal opens (so a file appended to across restarts says where
 each tracker began), followed by one :class:`Record` line per transition in the
 order the tracker made them::
 
-    {"journal":1,"machine":"kv_request","pid":4711,"opened":1718000000.25}
+    {"journal":2,"machine":"kv_request","pid":4711,"opened":1718000000.25,"kvfsm":"0.1.0",
+     "params":{"transfer_timeout":30.0},"ids":"plain","sample":1.0}
     {"key":"req-1","generation":1,"event":"begin","from":"","to":"pinned","time":12.5}
     {"key":"req-1","generation":1,"event":"enqueue","from":"pinned","to":"queued","time":12.5}
     {"anomaly":"unknown","space":"remote_request_id","id":"req-1","event":"read_done"}
 
 An :class:`AnomalyLine` records an event the tracker dropped instead of
 applying (when the journal is also its ``on_anomaly`` hook).
+
+The header's format is versioned (:data:`VERSION`): version 1 named the
+machine, pid and opening time; version 2 adds the kvfsm version, the
+tracker's params (every one, as the tracker resolved it), how keys and ids
+are written (``ids``: plain, or hashed with a key secret to the journal) and
+the share of keys kept (``sample``). Every field after ``journal`` is
+optional, so each version's header reads as the other's.
 
 ``from`` is ``""`` exactly on ``begin`` lines (no state is named ``""``).
 ``time`` is the tracker's clock (monotonic seconds by default), stamped once
@@ -24,8 +32,15 @@ from typing import Any
 
 import msgspec
 
-VERSION = 1
-"""The format version a :class:`Header` names; a checker refuses nothing on it yet."""
+VERSION = 2
+"""The format version a :class:`Header` names (1: machine, pid, opened; 2: also kvfsm, params, ids, sample)."""
+
+IDS_PLAIN = "plain"
+"""``ids`` of a header whose lines carry keys and ids as the tracker had them."""
+
+IDS_HASHED = "blake2b-64-keyed"
+"""``ids`` of a header whose lines carry, for each key and id, the hex of its 64-bit BLAKE2b keyed with a secret
+of the journal's: one value per key within the journal, no way back to the key without the secret."""
 
 BEGIN = "begin"
 """The event name of a line that starts an instance (its ``from`` is ``""``)."""
@@ -52,14 +67,23 @@ class AnomalyLine(msgspec.Struct, gc=False):
     event: str
 
 
-class Header(msgspec.Struct, gc=False):
-    """The first line of a session: which journal format and, when known, which machine."""
+class Header(msgspec.Struct, gc=False, omit_defaults=True):
+    """The first line of a session: which journal format and, when known, which machine and params."""
 
     journal: int
     machine: str | None = None
     pid: int | None = None
     opened: float | None = None
     """Wall-clock time (seconds since the epoch) the journal opened; for people, not for checks."""
+    kvfsm: str | None = None
+    """The kvfsm version that wrote the journal (version 2)."""
+    params: dict[str, float] | None = None
+    """Every param of the tracker, as it resolved them (``Tracker(params=)``, the environment, the spec); what
+    ``kvfsm replay`` checks deadlines against (version 2, when the journal was attached to its tracker)."""
+    ids: str | None = None
+    """:data:`IDS_PLAIN` or :data:`IDS_HASHED` (version 2; a version 1 journal's ids are plain)."""
+    sample: float | None = None
+    """The share of keys whose lines the journal writes, every line of each (version 2; 1.0: all)."""
 
 
 def encode_key(value: object) -> object:
