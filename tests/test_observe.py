@@ -289,7 +289,12 @@ def test_each_lifecycle_is_a_span_with_a_child_per_state_and_crosses_processes_b
     assert len(roots) == 2 and roots[0].context.trace_id == roots[1].context.trace_id
     prefill_root = next(s for s in roots if (s.attributes or {}).get("kvfsm.final") == "done")
     children = [s.name for s in spans if s.parent is not None and s.parent.span_id == prefill_root.context.span_id]
-    assert children == ["pinned", "queued", "transferring", "kv_request lifecycle"]  # decode's continues prefill's
+    assert children == [
+        "kv_request pinned",
+        "kv_request queued",
+        "kv_request transferring",
+        "kv_request lifecycle",
+    ]  # decode's continues prefill's
     assert prefill_spans.lifecycles == {} and decode_spans.lifecycles == {}
 
 

@@ -15,14 +15,20 @@ counted transition pays one C call; the gauges are read when Prometheus
 scrapes, from one copy of the tracker's tables (its lock taken once). Timing
 every state (``state_times=True``) costs a Python call, a clock read and a
 dict update per transition, so it is opt-in.
+
+``kvfsm_build_info`` (always 1) names what runs: the kvfsm version and a hash
+of the spec, so a fleet that runs two versions of a spec shows it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import itertools
+import json
 import threading
 from bisect import bisect_left
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any, get_args
 
@@ -31,6 +37,7 @@ from .view import View
 
 if TYPE_CHECKING:
     from ..engine import Tracker
+    from ..spec.model import Spec
 
 try:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -48,6 +55,34 @@ FAILURES = {
     "observer_errors": "observer",
     "queued_errors": "queued",
 }
+
+
+UNHASHED = frozenset({"doc", "loc", "locs", "path"})
+"""Spec fields that do not change what the machine does: where and how it was written."""
+
+
+def spec_hash(spec: Spec) -> str:
+    """12 hex digits of the SHA-256 of what ``spec`` declares: its states, transitions, resources, params and rules.
+
+    Docs, comments, layout and the file's path do not count, so two files
+    that declare the same machine have one hash, and an edit that changes a
+    transition, a hold or a default changes it.
+    """
+    return hashlib.sha256(json.dumps(_declared(spec), separators=(",", ":")).encode()).hexdigest()[:12]
+
+
+def _declared(value: Any) -> Any:
+    """``value`` as plain JSON data, dataclass fields by name without :data:`UNHASHED`, in declaration order."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _declared(getattr(value, f.name)) for f in dataclasses.fields(value) if f.name not in UNHASHED}
+    if isinstance(value, Mapping):
+        return [[_declared(k), _declared(v)] for k, v in value.items()]
+    if isinstance(value, list | tuple | frozenset | set):
+        items = [_declared(v) for v in value]
+        return items if isinstance(value, list | tuple) else sorted(items, key=json.dumps)
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    return repr(value)
 
 
 class Tally:
@@ -115,6 +150,8 @@ class TrackerMetrics:
         self.begun = Tally()
         self.entered: dict[Hashable, float] = {}
         """When each live instance entered its current state (only with ``state_times``)."""
+        self.spec_hash = spec_hash(spec)
+        """What :func:`spec_hash` makes of the tracker's spec: the ``spec_hash`` label of ``kvfsm_build_info``."""
         self.histograms = {name: [0] * (len(self.buckets) + 1) for name in spec.states}
         self.sums = {name: [0.0] for name in spec.states}
         tracker.tap(
@@ -180,6 +217,12 @@ class TrackerMetrics:
         tracker's lock is taken once per scrape, however many instances live.
         """
         spec, labels, values = self.tracker.spec, self._labels, self._values
+        build = GaugeMetricFamily(
+            "kvfsm_build_info", "The kvfsm version and the hash of the spec it runs (always 1)",
+            labels=labels("version", "spec_hash"),
+        )  # fmt: skip
+        build.add_metric(values(_version(), self.spec_hash), 1)
+        yield build
         view = View.take(self.tracker, self.entered if self.state_times else None)
         census, holding, counts = view.census(), view.holding(), view.counts
         live = GaugeMetricFamily(
@@ -259,3 +302,9 @@ class TrackerMetrics:
     def describe(self) -> list[Any]:
         """No description up front: the collector's series are only known from the spec, at collection."""
         return []
+
+
+def _version() -> str:
+    from .. import __version__
+
+    return __version__

@@ -12,6 +12,11 @@ are bounded: ``with spans.adopt(key, carrier): tracker.begin(key)`` drops the
 context when the block ends unused; without ``with``, a context waits at most
 ``ttl`` seconds, and at most ``cap`` of them wait (the oldest go first). Every
 one dropped is counted in :attr:`LifecycleSpans.dropped`.
+
+A lifecycle that ends in a final state the spec marks ``failure`` has status
+ERROR. Once :meth:`LifecycleSpans.attach` has been given the tracker, a
+driver action that raised is recorded on the span of the state it ran from
+(an exception event naming the action, and status ERROR on that span).
 """
 
 from __future__ import annotations
@@ -19,13 +24,17 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Hashable, Mapping
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
+from ..errors import Failure
 from ..spec.model import Spec
+
+if TYPE_CHECKING:
+    from ..engine import Tracker
 
 try:
     from opentelemetry import propagate, trace
-    from opentelemetry.trace import Span, Tracer
+    from opentelemetry.trace import Span, Status, StatusCode, Tracer
 except ImportError as exc:  # pragma: no cover - exercised by the light-install test
     raise ImportError("kvfsm.observe.tracing needs opentelemetry-api: pip install 'kvfsm[otel]'") from exc
 
@@ -34,6 +43,10 @@ ADOPT_CAP = 10_000
 
 ADOPT_TTL = 60.0
 """Seconds an adopted context waits for its begin (a decode begins within moments of the message it adopts from)."""
+
+RECORDED = frozenset({"do", "acquire", "release", "queued", "link"})
+"""The phases of a :class:`~kvfsm.errors.Failure` recorded on a span: the instance's own actions. An observer that
+raised, or a queued call the tracker refused, says nothing about the instance's lifecycle."""
 
 
 class Adopted(NamedTuple):
@@ -60,7 +73,13 @@ class Adoption:
 
 class LifecycleSpans:
     """A tracker observer: ``begin`` opens the instance's span and its first state's; each transition ends the
-    state's span (with the event) and opens the next; a final state ends the instance's span with its outcome."""
+    state's span (with the event) and opens the next; a final state ends the instance's span with its outcome.
+
+    Spans are named after the machine: ``kv_request lifecycle`` for the
+    instance, ``kv_request transferring`` for its stay in a state. A failure
+    final state sets the lifecycle's status to ERROR; after :meth:`attach`,
+    an action that raised is an exception event on its state's span.
+    """
 
     def __init__(
         self,
@@ -75,6 +94,10 @@ class LifecycleSpans:
             raise ValueError(f"cap must be >= 1 and ttl > 0 (got cap={cap}, ttl={ttl})")
         self.machine = spec.name
         self.finals = frozenset(spec.finals)
+        self.outcomes = {name: spec.states[name].final for name in spec.finals}
+        """Final state → ``success`` or ``failure``, as the spec declares it."""
+        self.names = {name: f"{spec.name} {name}" for name in spec.states}
+        """State → the name of the span of a stay in it."""
         self.tracer = tracer if tracer is not None else trace.get_tracer("kvfsm")
         self.cap, self.ttl, self.clock = cap, ttl, clock
         self.lifecycles: dict[tuple[Hashable, int], tuple[Span, Span]] = {}
@@ -88,6 +111,43 @@ class LifecycleSpans:
         ``ttl``, ``evicted`` beyond ``cap``."""
         self._lock = threading.Lock()
         """Guards ``parents``: a listener thread adopts while the tracker's owner begins."""
+        self._tracker: Tracker | None = None
+        self._seen: tuple[list[Failure], set[int]] = ([], set())
+        """The tracker's list of failures last read, and which of them are on a span already."""
+
+    def attach(self, tracker: Tracker) -> None:
+        """Record the failures of ``tracker``'s actions on the spans: ``tracker`` is the one this observes.
+
+        The observer is told of a transition, not of the action that raised
+        before it; so it reads the failures the tracker keeps for the call it
+        is running (each one, once) when it is told of the key's next
+        transition, the on_error one. Without it, failed actions show only
+        as the on_error event and a failure final state.
+        """
+        if tracker.spec.name != self.machine:
+            raise ValueError(f"these spans are of machine {self.machine!r}, not {tracker.spec.name!r}")
+        self._tracker = tracker
+
+    def _failures(self, key: Hashable) -> list[Failure]:
+        """The failures of ``key``'s actions the tracker has kept since they were last read (each returned once).
+
+        Reads the tracker's private list of the running call's failures: a
+        ``Tracker`` hook that told observers of each failure would replace it.
+        """
+        assert self._tracker is not None
+        failures = self._tracker._failures
+        if not failures:
+            return []
+        seen_list, seen = self._seen
+        if failures is not seen_list:  # a new call: the tracker hands its list to the ActionError and starts anew
+            seen = set()
+            self._seen = (failures, seen)
+        out = []
+        for index, failure in enumerate(failures):
+            if index not in seen and failure.key == key and failure.phase in RECORDED:
+                seen.add(index)
+                out.append(failure)
+        return out
 
     def adopt(self, key: Hashable, carrier: Mapping[str, str]) -> Adoption:
         """Continue the trace ``carrier`` names (a peer's :meth:`carrier`) when ``key`` is next begun.
@@ -148,9 +208,21 @@ class LifecycleSpans:
         root, state = entry
         state.set_attribute("kvfsm.event", event)
         state.set_attribute("kvfsm.next", target)
+        failed = self._failures(key) if self._tracker is not None else ()
+        for failure in failed:
+            state.record_exception(
+                failure.error,
+                attributes={"kvfsm.action": failure.action, "kvfsm.phase": failure.phase, "kvfsm.event": failure.event},
+            )
+            state.set_status(Status(StatusCode.ERROR, f"{failure.phase} action {failure.action!r} raised"))
+            root.set_attribute("kvfsm.failed_action", failure.action)
         state.end()
         if target in self.finals:
+            outcome = self.outcomes[target]
             root.set_attribute("kvfsm.final", target)
+            root.set_attribute("kvfsm.outcome", outcome or "")
+            if outcome == "failure":
+                root.set_status(Status(StatusCode.ERROR, f"ended in {target!r}, a failure final state"))
             root.end()
             del self.lifecycles[key, gen]
             if self.current.get(key) == gen:
@@ -159,4 +231,8 @@ class LifecycleSpans:
             self.lifecycles[key, gen] = (root, self._state_span(root, target))
 
     def _state_span(self, root: Span, state: str) -> Span:
-        return self.tracer.start_span(state, context=trace.set_span_in_context(root), attributes={"kvfsm.state": state})
+        return self.tracer.start_span(
+            self.names[state],
+            context=trace.set_span_in_context(root),
+            attributes={"kvfsm.machine": self.machine, "kvfsm.state": state},
+        )
