@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
 
     to_stdout = args.output is None or str(args.output) == "-"
     fmt = args.format or ("svg" if to_stdout else format_of(args.output)) or "svg"
-    check_format(fmt)
+    check_format(fmt, "" if args.format or to_stdout else f"the extension of -o {args.output}")
     drawing = read_system(args.spec)[0] if is_system_file(args.spec) else read(args.spec)
     data = render(drawing, fmt, ignores=args.ignores, rankdir=args.rankdir)
     if to_stdout:

@@ -673,14 +673,16 @@ def to_svg(spec: Spec, *, ignores: bool = False, coverage: Coverage | None = Non
     return _graphviz(to_dot(spec, ignores=ignores, coverage=coverage, rankdir=rankdir), "svg", spec.name)
 
 
-def check_format(fmt: str) -> None:
-    """Raise :class:`~kvfsm.KvfsmError` unless ``fmt`` is DOT, Mermaid or a format Graphviz writes here."""
+def check_format(fmt: str, named_by: str = "") -> None:
+    """Raise :class:`~kvfsm.KvfsmError` unless ``fmt`` is DOT, Mermaid or a format Graphviz writes here;
+    ``named_by`` says where the name came from (an output file's extension), for the message."""
     if fmt in TEXT_FORMATS or fmt == "svg":
         return
     known = graphviz_formats()
     if fmt not in known:
+        where = f" (from {named_by})" if named_by else ""
         raise KvfsmError(
-            f"unknown diagram format {fmt!r}: Graphviz here writes {', '.join(known)}; kvfsm itself writes "
+            f"unknown diagram format {fmt!r}{where}: Graphviz here writes {', '.join(known)}; kvfsm itself writes "
             "dot (the source) and mermaid. Name one with -f, or give -o a file name ending in one (x.png, x.mmd)"
         )
 
