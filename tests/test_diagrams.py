@@ -183,6 +183,7 @@ def test_an_unknown_format_is_a_usage_error_naming_the_known_ones(
     target = value if flag == "-f" else str(tmp_path / value)
     code, text = _cli(capsys, str(ROOT / "specs" / "kv_request.yaml"), flag, target)
     assert code == 2 and "unknown diagram format" in text and "png" in text and "mermaid" in text
+    assert ("from the extension of -o" in text) == (flag == "-o")
     assert not (tmp_path / "x.txt").exists()
 
 

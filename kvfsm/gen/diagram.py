@@ -45,6 +45,7 @@ TEXT_FORMATS = ("dot", "mermaid")
 """What kvfsm writes itself, with no Graphviz installed; every other format is one ``dot -T`` writes."""
 INTERACTIVE = frozenset({"x11", "xlib", "gtk"})
 """Formats ``dot`` lists that open a window rather than write a file."""
+NO_GRAPHVIZ = "graphviz 'dot' is not installed; install the Debian package 'graphviz' (or use -f dot / -f mermaid)"
 EXTENSIONS = {".mmd": "mermaid", ".mermaid": "mermaid", ".dot": "dot", ".gv": "dot"}
 """Output extensions that do not name their format; any other (``.png``, ``.pdf``) is the Graphviz format."""
 
@@ -638,9 +639,7 @@ def graphviz_formats() -> tuple[str, ...]:
     try:
         done = subprocess.run(["dot", "-T?"], capture_output=True, check=False)
     except FileNotFoundError:
-        raise OSError(
-            "graphviz 'dot' is not installed; install the Debian package 'graphviz' (or use -f dot / -f mermaid)"
-        ) from None
+        raise OSError(NO_GRAPHVIZ) from None
     listed = done.stderr.decode(errors="replace").partition("Use one of:")[2].split()
     return tuple(f for f in listed if f not in INTERACTIVE)
 
@@ -656,9 +655,7 @@ def _graphviz(source: str, fmt: str, name: str) -> bytes:
     try:
         done = subprocess.run(["dot", f"-T{fmt}"], input=source.encode(), capture_output=True, check=False)
     except FileNotFoundError:
-        raise OSError(
-            "graphviz 'dot' is not installed; install the Debian package 'graphviz' (or use -f dot / -f mermaid)"
-        ) from None
+        raise OSError(NO_GRAPHVIZ) from None
     if done.returncode != 0:
         reason = done.stderr.decode(errors="replace").strip() or f"exit status {done.returncode}"
         raise OSError(f"graphviz 'dot' could not draw {name!r}: {reason}; use -f dot / -f mermaid instead")
