@@ -20,7 +20,7 @@ from typing import Any
 HANG = 60.0
 """Seconds a wait may last before the run counts as hung (each wait returns as soon as its condition holds)."""
 
-DECODE_FINAL = ("received", "failed", "aborted", "expired")
+DECODE_FINAL = ("received", "failed", "aborted", "expired", "released")
 PREFILL_FINAL = ("done", "failed", "aborted", "expired")
 
 
@@ -42,7 +42,8 @@ class RoleConfig:
     role: str
     protocol: str
     """``merged_fix``: SGLang with ``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE=0`` (PR #27372 as merged);
-    ``corrected``: SGLang's deferred drain ACK on, and decode keeping the pages until it (``decode_corrected``)."""
+    ``sglang``: SGLang 0.5.23 as it ships, the drain ACK on and decode giving up on it after a release timeout;
+    ``corrected``: the drain ACK on, and decode keeping the pages until it, resending ABORT (``decode_corrected``)."""
     bootstrap_port: int
     layout: Layout = field(default_factory=Layout)
     pages_per_room: int = 4
@@ -107,7 +108,7 @@ class Server:
 
 
 class Pair:
-    """One decode server and ``prefills`` prefill servers of one protocol (``merged_fix`` or ``corrected``).
+    """One decode server and ``prefills`` prefill servers of one protocol (``merged_fix``, ``sglang`` or ``corrected``).
 
     Journals go to ``journal_dir`` as ``<name>-decode.jsonl`` and
     ``<name>-prefill<i>.jsonl``.
@@ -197,7 +198,7 @@ class Pair:
 # -- scenarios ------------------------------------------------------------------------
 
 
-def race(pair: Pair, a: int, b: int, *, hold: str) -> list[int]:
+def race(pair: Pair, a: int, b: int, *, hold: str, give_up: bool = False) -> list[int]:
     """Seed 002's race on SGLang's classes; returns room ``b``'s pages that held another room's bytes.
 
     Room ``a`` (prefill 0) is aborted by decode while a write of it cannot be
@@ -214,7 +215,8 @@ def race(pair: Pair, a: int, b: int, *, hold: str) -> list[int]:
     Where decode frees ``a``'s pages at the abort (``merged_fix``), ``b``
     takes them and gets its KV before ``a``'s write lands; where decode keeps
     them until prefill says the room is drained (``corrected``), ``b`` takes
-    them only after.
+    them only after. ``give_up``: decode stops waiting for the drain ACK first
+    (``sglang``: its release timeout passes while the write is held).
     """
     if hold not in ("abort", "chunk"):
         raise ValueError(f"hold is 'abort' or 'chunk', not {hold!r}")
@@ -231,6 +233,8 @@ def race(pair: Pair, a: int, b: int, *, hold: str) -> list[int]:
         pair.wait_prefill(a, "draining")
     else:
         p0.call("reached", "abort", a, HANG)
+    if give_up:
+        pair.wait_decode(a, "released")
     pair.begin(b, 1)
     took = pair.bootstrapped(b) is not None
     if took:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from kvfsm.replay import check_log
 from kvfsm.spec.bundled import SPECS
+from kvfsm.spec.system import load_system
 
 
 def closed_clean(pair: Any, protocol: str) -> dict[str, Any]:
@@ -17,9 +17,9 @@ def closed_clean(pair: Any, protocol: str) -> dict[str, Any]:
         assert summary["held_pages"] == 0, f"{name} still holds pages: {summary}"
         assert summary["refused"] == [], f"{name}: SGLang did what the spec refuses: {summary['refused']}"
         assert summary["live"] == 0, summary
+    system = load_system(SPECS / "pd_abort" / f"{protocol}.yaml")
     for name, path in pair.journals.items():
-        role = "decode" if name == "decode" else "prefill"
-        report = check_log(Path(SPECS / "pd_abort" / f"{role}_{protocol}.yaml"), path)
+        report = check_log(system.roles["decode" if name == "decode" else "prefill"].spec, path)
         assert report.conforms, [f.message for f in report.findings]
         assert report.instances > 0
     return summaries
