@@ -520,6 +520,7 @@ def system_to_dot(system: System, *, ignores: bool = False, rankdir: Rankdir = "
         )
         lines += d.lines
         lines.append("  }")
+    wires: dict[tuple[str, str, str], list[str]] = {}  # messages with the same two ends share one edge
     for m in system.messages.values():
         sending, receiving = _message_ends(system, m)
         tail = drawn[m.sender].node(sending or system.roles[m.sender].spec.initial.name)
@@ -527,10 +528,11 @@ def system_to_dot(system: System, *, ignores: bool = False, rankdir: Rankdir = "
         ends = ("" if sending else f", ltail={_q('cluster_' + m.sender)}") + (
             "" if receiving else f", lhead={_q('cluster_' + m.receiver)}"
         )
-        label = "<br/>".join(_h(line) for line in _message_label(m, system))
+        wires.setdefault((tail, head, ends), []).extend(_message_label(m, system))
+    for (tail, head, ends), label in wires.items():
         lines.append(
-            f'  {tail} -> {head} [label=<{label}>, color="{MESSAGE}", fontcolor="{MESSAGE}", style=bold, '
-            f"arrowhead=vee{ends}];"
+            f'  {tail} -> {head} [label=<{"<br/>".join(map(_h, label))}>, color="{MESSAGE}", fontcolor="{MESSAGE}", '
+            f"style=bold, arrowhead=vee{ends}];"
         )
     return "\n".join([*lines, "}"]) + "\n"
 
@@ -625,8 +627,10 @@ def system_to_mermaid(system: System, *, ignores: bool = False, rankdir: Rankdir
         label = f"{name}꞉ {role.spec.name}" + (f" ×{role.ranks} ranks" if role.ranks > 1 else "")
         lines += [f'    state "{_m(label)}" as {name} {{', *body, "    }"]
         classes += more
+    wires: dict[tuple[str, str], list[str]] = {}  # messages between the same two roles share one edge
     for m in system.messages.values():
-        lines.append(f"    {m.sender} --> {m.receiver} : {_m('<br/>'.join(_message_label(m, system)))}")
+        wires.setdefault((m.sender, m.receiver), []).extend(_message_label(m, system))
+    lines += [f"    {sender} --> {receiver} : {_m('<br/>'.join(label))}" for (sender, receiver), label in wires.items()]
     return "\n".join([*lines, *_mermaid_classes(classes)]) + "\n"
 
 
