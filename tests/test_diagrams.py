@@ -92,6 +92,11 @@ def test_events_between_the_same_two_states_share_one_edge_self_loops_too() -> N
     assert mermaid.count("waiting --> waiting") == 1 and "poll, nudge / ping()" in mermaid
 
 
+def test_a_coverage_overlay_names_the_untaken_events_of_a_shared_edge() -> None:
+    dot = to_dot(read_text(PARALLEL, "parallel.yaml"), coverage={("waiting", "ok"): 2})
+    assert "taken 2× (never fine, peer_done)" in _edges(dot, "waiting", "done")[0]
+
+
 def test_a_deadline_keeps_its_own_edge_beside_an_event_to_the_same_state() -> None:
     failed = _edges(to_dot(read_text(PARALLEL, "parallel.yaml")), "waiting", "failed")
     assert len(failed) == 2

@@ -311,11 +311,14 @@ def _covered(a: _Arrow, coverage: Coverage) -> tuple[str, str]:
     if total == 0:
         return "never taken", UNTAKEN
     if len(counts) > 1 and 0 in counts:
-        one_event = len({e for _s, e in a.pairs}) == 1
-        missed = ", ".join(
-            src if one_event else f"{e} from {src}" for (src, e), n in zip(a.pairs, counts, strict=True) if n == 0
-        )
-        return f"taken {total}× (never from {missed})", ', color="#e67700", fontcolor="#e67700"'
+        untaken = [pair for pair, n in zip(a.pairs, counts, strict=True) if n == 0]
+        if len({e for _s, e in a.pairs}) == 1:  # one event from several states: which states
+            missed = "from " + ", ".join(src for src, _e in untaken)
+        elif len({s for s, _e in a.pairs}) == 1:  # several events merged on one edge: which events
+            missed = ", ".join(e for _s, e in untaken)
+        else:
+            missed = ", ".join(f"{e} from {src}" for src, e in untaken)
+        return f"taken {total}× (never {missed})", ', color="#e67700", fontcolor="#e67700"'
     return f"taken {total}×", ", penwidth=2"
 
 
