@@ -139,8 +139,8 @@ def test_the_dump_reads_ages_ids_and_holdings_from_its_one_copy() -> None:
     assert [(row["key"], row["age"]) for row in pinned["oldest"]] == [(0, 8.0), (1, 7.0)] and pinned["truncated"]
     assert [row["key"] for row in queued["oldest"]] == [3, 4] and not queued["truncated"]
     assert moving["oldest"] == [
-        {"key": 5, "age": 2.0, "generation": tracker.generation(5), "held": ["gpu_blocks", "queue_slot"],
-         "ids": {"peer": "decode-5"}}
+        {"key": 5, "age": 2.0, "stuck": False, "generation": tracker.generation(5),
+         "held": ["gpu_blocks", "queue_slot"], "ids": {"peer": "decode-5"}}
     ]  # fmt: skip
     untimed = state_dump(tracker, limit=3)  # no entry times: pinned has no age, listed in begin order
     assert [(row["key"], row["age"]) for row in untimed["states"]["pinned"]["oldest"]] == [

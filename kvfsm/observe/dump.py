@@ -4,6 +4,11 @@ For a debug endpoint: the output is capped however many instances are live
 (``limit`` per state, a ``truncated`` flag), sorted oldest first. The
 tracker's lock is taken once, to copy its tables (:class:`~kvfsm.observe.view.View`),
 never once per instance and never while the dump is built.
+
+Each live state names its deadline (``timeout``) and the age past which an
+instance in it is stuck (``stuck_after``, :func:`~kvfsm.observe.stuck.limits`),
+and each instance listed says whether it is (``stuck``): an old instance
+below the threshold is slow, not stuck.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from .stuck import Limits, limits
 from .view import View
 
 if TYPE_CHECKING:
@@ -32,7 +38,11 @@ def state_dump(
     one the tracker has assigned, or ``None``: a dump assigns none.
     """
     check_limit(limit)
-    return dump_view(View.take(tracker, entered), limit=limit, now=now)
+    return dump_view(View.take(tracker, entered), limit=limit, now=now, limits=limits(tracker))
+
+
+NO_LIMITS = Limits(None, None)
+"""A final state's (or an unknown tracker's): no deadline, never stuck."""
 
 
 def check_limit(limit: int) -> None:
@@ -40,8 +50,14 @@ def check_limit(limit: int) -> None:
         raise ValueError(f"limit must be a whole number >= 0, not {limit!r}")
 
 
-def dump_view(view: View, *, limit: int, now: float | None = None) -> dict[str, Any]:
-    """:func:`state_dump` of a view already taken: bounded work, ``limit`` rows per state."""
+def dump_view(
+    view: View, *, limit: int, now: float | None = None, limits: Mapping[str, Limits] | None = None
+) -> dict[str, Any]:
+    """:func:`state_dump` of a view already taken: bounded work, ``limit`` rows per state.
+
+    ``limits`` (:func:`~kvfsm.observe.stuck.limits` of the view's tracker)
+    gives each state's ``timeout`` and ``stuck_after``; without it they are None.
+    """
     check_limit(limit)
     spec = view.spec
     now = view.now if now is None else now
@@ -51,19 +67,26 @@ def dump_view(view: View, *, limit: int, now: float | None = None) -> dict[str, 
         state = spec.states[name]
         cut = len(group) > limit
         truncated |= cut
-        states[name] = {
-            "count": len(group),
-            "final": state.is_final,
-            "oldest": [
+        timeout, stuck_after = limits.get(name, NO_LIMITS) if limits is not None else NO_LIMITS
+        rows = []
+        for since, key in group.oldest(limit):
+            age = None if since is None else round(max(0.0, now - since), 3)
+            rows.append(
                 {
                     "key": _text(key),
-                    "age": None if since is None else round(max(0.0, now - since), 3),
+                    "age": age,
+                    "stuck": age is not None and stuck_after is not None and age >= stuck_after,
                     "generation": view.gens.get(key),
                     "held": list(view.live[key].holds),
                     "ids": {space: _text(ident) for space, ident in view.ids(key).items()},
                 }
-                for since, key in group.oldest(limit)
-            ],
+            )
+        states[name] = {
+            "count": len(group),
+            "final": state.is_final,
+            "timeout": timeout,
+            "stuck_after": stuck_after,
+            "oldest": rows,
             "truncated": cut,
         }
     return {"machine": spec.name, "live": view.live_count(), "states": states, "truncated": truncated}

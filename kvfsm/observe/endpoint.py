@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 from urllib.parse import parse_qs, urlparse
 
 from .dump import dump_view
+from .stuck import limits
 from .view import View
 
 if TYPE_CHECKING:
@@ -144,6 +145,8 @@ class DebugServer:
                 f"(got workers={workers}, max_idle={max_idle}, timeout={timeout}, rate={rate})"
             )
         self.trackers = _named(trackers)
+        self.limits = {name: limits(t) for name, t in self.trackers.items()}
+        """Each tracker's states' deadlines and stuck thresholds, shown in ``/state`` (its params never change)."""
         self.registry = registry
         self.entered = dict(entered or {})
         self.timeout = timeout
@@ -196,9 +199,12 @@ class DebugServer:
 
         return generate_latest(self.registry)
 
-    @staticmethod
-    def _document(views: Views, limit: int) -> dict[str, Any]:
-        return {"trackers": {name: dump_view(view, limit=limit) for name, view in views.views.items()}}
+    def _document(self, views: Views, limit: int) -> dict[str, Any]:
+        return {
+            "trackers": {
+                name: dump_view(view, limit=limit, limits=self.limits.get(name)) for name, view in views.views.items()
+            }
+        }
 
     def _state_body(self, limit: int) -> bytes:
         views = self._views.get()

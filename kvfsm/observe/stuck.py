@@ -6,13 +6,18 @@ endpoint's thread) logs one warning per instance per state once it has been
 there for the state's ``warn_after`` (declared in the spec) or, for a state
 with a timeout and no ``warn_after``, ``fraction`` of that timeout, naming
 what it holds; it changes nothing in the tracker.
+
+Stuck, not slow: an instance younger than its state's threshold is only
+slow, however long it has been there; one past it is stuck. :func:`limits`
+gives each state's deadline and threshold, which the state dump (and so
+``/state`` and ``kvfsm top``) shows beside each instance's age.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Hashable, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from .view import View
 
@@ -20,6 +25,33 @@ if TYPE_CHECKING:
     from ..engine import Tracker
 
 LOGGER = logging.getLogger("kvfsm.stuck")
+
+FRACTION = 0.8
+"""The share of a state's timeout after which an instance is stuck, where the spec declares no ``warn_after``."""
+
+
+class Limits(NamedTuple):
+    """A live state's deadline and the age past which an instance in it is stuck (None: it has none)."""
+
+    timeout: float | None
+    """Seconds the state's own timeout is armed for, params resolved."""
+    stuck_after: float | None
+    """The state's ``warn_after`` (seconds or a param), else ``fraction`` of its timeout."""
+
+
+def limits(tracker: Tracker, fraction: float = FRACTION) -> dict[str, Limits]:
+    """Every live state's :class:`Limits` on ``tracker`` (its params resolved): what tells stuck from slow."""
+    out: dict[str, Limits] = {}
+    for state in tracker.spec.live:
+        after = tracker.timeout(state)
+        declared = tracker.spec.states[state].warn_after
+        stuck: float | None
+        if declared is not None:
+            stuck = tracker.params[declared].value if isinstance(declared, str) else float(declared)
+        else:
+            stuck = None if after is None else fraction * after
+        out[state] = Limits(after, stuck)
+    return out
 
 
 class StuckWatch:
@@ -34,7 +66,7 @@ class StuckWatch:
         self,
         tracker: Tracker,
         *,
-        fraction: float = 0.8,
+        fraction: float = FRACTION,
         entered: Mapping[Hashable, float] | None = None,
         logger: logging.Logger = LOGGER,
     ) -> None:
@@ -46,17 +78,10 @@ class StuckWatch:
         self.fraction = fraction
         self.entered = entered
         self.logger = logger
-        self.thresholds = {name: self._threshold(name) for name in tracker.spec.live}
+        self.thresholds = {name: limit.stuck_after for name, limit in limits(tracker, fraction).items()}
         """Seconds in each live state after which an instance is stuck (None: not watched)."""
         self.warned: dict[Hashable, tuple[str, float]] = {}
         """Key → the stay it was warned about: (state, when it entered it). A new stay is warned about anew."""
-
-    def _threshold(self, state: str) -> float | None:
-        declared = self.tracker.spec.states[state].warn_after
-        if declared is not None:
-            return self.tracker.params[declared].value if isinstance(declared, str) else float(declared)
-        after = self.tracker.timeout(state)
-        return None if after is None else self.fraction * after
 
     def check(self, now: float | None = None) -> list[tuple[Hashable, str, float]]:
         """Warn about every instance newly found stuck; returns ``(key, state, seconds there)`` for each.
