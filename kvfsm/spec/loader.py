@@ -416,8 +416,8 @@ def read_text(text: str, path: str = "<string>") -> Spec:
         "machine",
         TOP_KEYS,
         "'kvfsm: 1', 'machine: <name>', 'key: <id space>', 'states:' and 'transitions:'",
-        "Check it with 'kvfsm check' and explore it with 'kvfsm explore'; draw, test or replay "
-        "one of its roles' machine specs (a role's 'spec:' must name a machine spec).",
+        "Check it with 'kvfsm check', explore it with 'kvfsm explore', draw it with 'kvfsm diagram' and test "
+        "it with 'kvfsm test'; replay one of its roles' machine specs (a role's 'spec:' must name a machine spec).",
     )
     name = s.header(top, root, "the spec", "machine")
     key = s.required_name(
