@@ -330,6 +330,15 @@ class TrackedDecodeManager(MooncakeKVManager):
 # -- the two servers ---------------------------------------------------------------
 
 
+def release_room(pool: BlockPool, pages: dict[int, list[int]], holder: str, peers: dict[int, Any], room: int) -> None:
+    """What a scheduler does as a room ends: its pages go back to the pool, its SGLang sender or receiver is cleared."""
+    if pages.pop(room, None) is not None:
+        pool.release((holder, room))
+    peer = peers.pop(room, None)
+    if peer is not None:
+        peer.clear()
+
+
 class PrefillDriver:
     """Prefill's actions: ``send_kv`` is SGLang's ``sender.init`` + ``send``; the release frees the room's pages."""
 
@@ -346,11 +355,7 @@ class PrefillDriver:
     def release_kv_cache(self, room: Hashable, /) -> None:
         """The prefill scheduler's cleanup: the room's own pages go back to the pool, the sender is cleared."""
         assert isinstance(room, int)
-        if self.server.src.pop(room, None) is not None:
-            self.server.pool.release(("src", room))
-        sender = self.server.senders.pop(room, None)
-        if sender is not None:
-            sender.clear()
+        release_room(self.server.pool, self.server.src, "src", self.server.senders, room)
 
 
 class PrefillServer:
@@ -434,11 +439,7 @@ class DecodeDriver:
     def release_kv_cache(self, room: Hashable, /) -> None:
         """The decode scheduler frees the room's pages (the next room may take them at once) and clears its receiver."""
         assert isinstance(room, int)
-        if self.server.pages.pop(room, None) is not None:
-            self.server.pool.release(("kv_pages", room))
-        receiver = self.server.receivers.pop(room, None)
-        if receiver is not None:
-            receiver.clear()
+        release_room(self.server.pool, self.server.pages, "kv_pages", self.server.receivers, room)
 
 
 class DecodeServer:
