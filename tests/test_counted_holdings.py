@@ -143,3 +143,9 @@ def test_a_bad_count_names_the_line_and_the_fix(holds: str, message: str) -> Non
 
 def test_kvfsm_parse_reads_the_same() -> None:
     assert kvfsm.parse(RELOOKUP).states["found_again"].holds == ("pin", "pin")
+
+
+def test_the_diagram_says_how_many_units_a_state_holds() -> None:
+    from kvfsm.gen.diagram import to_dot, to_mermaid
+
+    assert "holds pin ×2" in to_mermaid(SPEC) and "holds: pin ×2" in to_dot(SPEC)

@@ -16,6 +16,7 @@ import html
 import re
 import subprocess
 import textwrap
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
@@ -107,19 +108,25 @@ def _wrap(text: str, width: int = WIDE) -> list[str]:
     return [line.replace("\0", " ") for line in lines] or [text]
 
 
+def _units(held: tuple[str, ...]) -> str:
+    """``pin ×2, queue_task``: a resource held more than once (``holds: {pin: 2}``) says how many times."""
+    counts = Counter(held)
+    return ", ".join(r if counts[r] == 1 else f"{r} ×{counts[r]}" for r in dict.fromkeys(held))
+
+
 def _effects(spec: Spec, source: str | None, target: str, many: bool) -> list[str]:
     """What an edge does to resources, as short lines ('frees a, b' / 'takes c')."""
     lines = []
     taken = spec.acquires(source, target)
     if taken:
-        lines.append("takes " + ", ".join(taken))
+        lines.append("takes " + _units(taken))
     if many:
         if any(spec.holds(s) for s in spec.states if s != target):
             lines.append("frees what the state holds")
     elif source is not None:
         freed = spec.releases(source, target)
         if freed:
-            lines.append("frees " + ", ".join(freed))
+            lines.append("frees " + _units(freed))
     return lines
 
 
@@ -365,7 +372,7 @@ def _dot_machine(
     for st in spec.states.values():
         rows = [f"<b>{_h(st.name)}</b>"]
         if st.holds:
-            rows.append(f'<font point-size="9">holds: {_h(", ".join(st.holds))}</font>')
+            rows.append(f'<font point-size="9">holds: {_h(_units(st.holds))}</font>')
         if st.waits_local:
             rows.append('<font point-size="9" color="#6c757d">waits: local</font>')
         if st.timeout is not None:
@@ -558,7 +565,7 @@ def _mermaid_machine(
     for st in spec.states.values():
         notes = []
         if st.holds:
-            notes.append("holds " + ", ".join(st.holds))
+            notes.append("holds " + _units(st.holds))
         if st.waits_local:
             notes.append("waits local")
         if st.timeout is not None:
