@@ -10,6 +10,7 @@ from collections.abc import Hashable
 from pathlib import Path
 
 import pytest
+from drivers import RecordingDriver, recording_driver
 
 import kvfsm
 from kvfsm import ActionError, Tracker
@@ -33,19 +34,12 @@ from kvfsm.observe.tracing import LifecycleSpans  # noqa: E402
 SPEC = kvfsm.load(SPECS / "kv_request.yaml")
 
 
-class Driver:
-    """kv_request's actions; ``start_transfer`` raises for the keys in ``broken``."""
-
-    def __init__(self, broken: frozenset[Hashable] = frozenset()) -> None:
-        self.broken = broken
-
-    def enqueue_job(self, key: Hashable) -> None: ...
-    def task_done(self, key: Hashable) -> None: ...
-    def free_gpu_blocks(self, key: Hashable) -> None: ...
-
-    def start_transfer(self, key: Hashable) -> None:
-        if key in self.broken:
-            raise ConnectionError(f"peer of {key} is gone")
+def driver(*broken: Hashable) -> RecordingDriver:
+    """kv_request's actions, recorded; ``start_transfer`` raises for the keys in ``broken``."""
+    made = recording_driver(SPEC)
+    for key in broken:
+        made.fail_next("start_transfer", key)
+    return made
 
 
 def tracer_and_exporter() -> tuple[Tracer, InMemorySpanExporter]:
@@ -92,7 +86,7 @@ def roots_by_key(spans: tuple[ReadableSpan, ...]) -> dict[str, ReadableSpan]:
 def test_a_lifecycle_ending_in_a_failure_state_has_error_status_and_a_success_keeps_unset() -> None:
     tracer, exporter = tracer_and_exporter()
     spans = LifecycleSpans(SPEC, tracer)
-    tracker = Tracker(SPEC, Driver(frozenset({"bad"})), observer=spans)
+    tracker = Tracker(SPEC, driver("bad"), observer=spans)
     run_requests(tracker)
     roots = roots_by_key(exporter.get_finished_spans())
     assert roots["ok-1"].status.status_code == StatusCode.UNSET
@@ -104,7 +98,7 @@ def test_a_lifecycle_ending_in_a_failure_state_has_error_status_and_a_success_ke
 def test_an_action_that_raised_is_an_exception_event_naming_it_on_the_span_of_its_state() -> None:
     tracer, exporter = tracer_and_exporter()
     spans = LifecycleSpans(SPEC, tracer)
-    tracker = Tracker(SPEC, Driver(frozenset({"bad"})), observer=spans)
+    tracker = Tracker(SPEC, driver("bad"), observer=spans)
     spans.attach(tracker)
     run_requests(tracker)
     finished = exporter.get_finished_spans()
@@ -113,7 +107,7 @@ def test_an_action_that_raised_is_an_exception_event_naming_it_on_the_span_of_it
     assert queued.name == "kv_request queued" and queued.status.status_code == StatusCode.ERROR
     (event,) = queued.events
     attributes = dict(event.attributes or {})
-    assert event.name == "exception" and attributes["exception.type"] == "ConnectionError"
+    assert event.name == "exception" and str(attributes["exception.type"]).endswith("InjectedFault")
     assert attributes["kvfsm.action"] == "start_transfer" and attributes["kvfsm.phase"] == "do"
     assert (bad.attributes or {})["kvfsm.failed_action"] == "start_transfer"
     assert not any(s.events for s in finished if s is not queued)  # recorded once, on its own span only
@@ -121,7 +115,7 @@ def test_an_action_that_raised_is_an_exception_event_naming_it_on_the_span_of_it
 
 def test_child_spans_are_named_by_machine_and_state() -> None:
     tracer, exporter = tracer_and_exporter()
-    tracker = Tracker(SPEC, Driver(), observer=LifecycleSpans(SPEC, tracer))
+    tracker = Tracker(SPEC, driver(), observer=LifecycleSpans(SPEC, tracer))
     tracker.begin("r")
     tracker.fire("r", "enqueue")
     tracker.fire("r", "abort")
@@ -142,7 +136,7 @@ def test_metrics_journal_and_spans_observe_one_tracker_together() -> None:
     spans = LifecycleSpans(SPEC, tracer)
     tracker = Tracker(
         SPEC,
-        Driver(frozenset({"bad"})),
+        driver("bad"),
         params={"transfer_timeout": 45.0},
         observer=[journal, spans],
         on_anomaly=journal.anomaly,
@@ -174,7 +168,7 @@ def test_metrics_journal_and_spans_observe_one_tracker_together() -> None:
 
 
 def test_two_ranks_of_one_machine_behind_one_endpoint_scrape_apart_over_http() -> None:
-    ranks = {"rank0": Tracker(SPEC, Driver()), "rank1": Tracker(SPEC, Driver())}
+    ranks = {"rank0": Tracker(SPEC, driver()), "rank1": Tracker(SPEC, driver())}
     with serve(ranks) as server:  # counting starts here
         ranks["rank0"].begin_many(["a", "b", "c"])
         ranks["rank1"].begin("d")
@@ -204,7 +198,7 @@ def test_two_ranks_of_one_machine_behind_one_endpoint_scrape_apart_over_http() -
 
 def test_build_info_names_the_kvfsm_version_and_a_hash_of_what_the_spec_declares(tmp_path: Path) -> None:
     registry = CollectorRegistry()
-    TrackerMetrics(Tracker(SPEC, Driver()), registry=registry)
+    TrackerMetrics(Tracker(SPEC, driver()), registry=registry)
     ((labels, value),) = [
         (dict(k), v)
         for (name, k), v in parsed(generate_latest(registry).decode()).items()

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
+from drivers import recording_driver
 
 import kvfsm
 from kvfsm import Tracker
@@ -16,19 +17,12 @@ from kvfsm.spec.bundled import SPECS
 SPEC = kvfsm.load(SPECS / "kv_request.yaml")
 
 
-class Driver:
-    def enqueue_job(self, key: Hashable) -> None: ...
-    def start_transfer(self, key: Hashable) -> None: ...
-    def task_done(self, key: Hashable) -> None: ...
-    def free_gpu_blocks(self, key: Hashable) -> None: ...
-
-
 def port_of(server: DebugServer) -> int:
     return int(server.url.rsplit(":", 1)[1])
 
 
 def test_top_once_in_json_prints_only_the_state_document(capsys: pytest.CaptureFixture[str]) -> None:
-    tracker = Tracker(SPEC, Driver())
+    tracker = Tracker(SPEC, recording_driver(SPEC))
     tracker.begin("r")
     with DebugServer([tracker]) as server:
         assert main(["top", server.url, "--once", "--format", "json"]) == 0
@@ -40,11 +34,11 @@ def test_top_keeps_reading_across_a_restart_of_the_process_and_says_so(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Between reads (top's pause) the process goes away, then a new one serves on the same port."""
-    before = Tracker(SPEC, Driver())
+    before = Tracker(SPEC, recording_driver(SPEC))
     before.begin("old")
     first = serve([before])
     port = port_of(first)
-    after = Tracker(SPEC, Driver())
+    after = Tracker(SPEC, recording_driver(SPEC))
     after.begin_many(["new-1", "new-2"])
     servers = [first]
     steps: Iterator[Callable[[], object]] = iter(
@@ -70,7 +64,7 @@ def test_top_shows_a_state_s_stuck_threshold_and_marks_the_stuck(capsys: pytest.
     from kvfsm.testing import VirtualClock
 
     clock = VirtualClock()
-    tracker = Tracker(SPEC, Driver(), clock=clock)
+    tracker = Tracker(SPEC, recording_driver(SPEC), clock=clock)
     for key in ("slow", "stuck"):
         tracker.begin(key)
         tracker.fire(key, "enqueue")

@@ -8,6 +8,7 @@ from collections.abc import Hashable
 from pathlib import Path
 
 import pytest
+from drivers import recording_driver
 
 import kvfsm
 from kvfsm import Tracker
@@ -22,18 +23,13 @@ CANONICAL = SPECS / "kv_request.yaml"
 SPEC = kvfsm.load(CANONICAL)
 
 
-class Driver:
-    def enqueue_job(self, key: Hashable) -> None: ...
-    def start_transfer(self, key: Hashable) -> None: ...
-    def task_done(self, key: Hashable) -> None: ...
-    def free_gpu_blocks(self, key: Hashable) -> None: ...
-
-
 def slow_transfer(path: Path, *, attach: bool, transfer_timeout: float = 50.0, seconds: float = 40.0) -> None:
     """One transfer that takes ``seconds`` on a tracker whose transfer_timeout is raised to ``transfer_timeout``."""
     clock = VirtualClock(1000.0)
     with JsonlJournal(path, append=False) as journal:
-        tracker = Tracker(SPEC, Driver(), clock=clock, params={"transfer_timeout": transfer_timeout}, observer=journal)
+        tracker = Tracker(
+            SPEC, recording_driver(SPEC), clock=clock, params={"transfer_timeout": transfer_timeout}, observer=journal
+        )
         if attach:
             journal.attach(tracker)
         tracker.begin("r")
@@ -52,7 +48,7 @@ def replay(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, st
 
 def lifecycles(journal: JsonlJournal, keys: list[Hashable]) -> None:
     """Each key through a whole lifecycle (begin, enqueue, start, complete) on a tracker the journal observes."""
-    tracker = Tracker(SPEC, Driver(), observer=journal, on_anomaly=journal.anomaly)
+    tracker = Tracker(SPEC, recording_driver(SPEC), observer=journal, on_anomaly=journal.anomaly)
     journal.attach(tracker)
     for key in keys:
         tracker.begin(key)
@@ -120,9 +116,9 @@ def test_a_later_session_run_with_other_params_is_named_on_stderr(
 def test_attach_refuses_another_machine_and_a_header_already_written(tmp_path: Path) -> None:
     journal = JsonlJournal(io.BytesIO(), machine="nixl_prefill")
     with pytest.raises(ValueError, match="one journal serves one tracker"):
-        journal.attach(Tracker(SPEC, Driver()))
+        journal.attach(Tracker(SPEC, recording_driver(SPEC)))
     late = JsonlJournal(io.BytesIO())
-    tracker = Tracker(SPEC, Driver(), observer=late)
+    tracker = Tracker(SPEC, recording_driver(SPEC), observer=late)
     tracker.begin("r")
     with pytest.raises(ValueError, match="before the first transition"):
         late.attach(tracker)
