@@ -35,7 +35,7 @@ def register(sub: Subparsers) -> None:
     p.add_argument("--limit", type=_count, default=3, metavar="N", help="oldest instances shown per state (default 3)")
     p.add_argument("--once", action="store_true", help="print one view and exit")
     p.add_argument(
-        "--count", type=_count, default=None, metavar="N", help="stop after N reads (default: until interrupted)"
+        "--count", type=_reads, default=None, metavar="N", help="stop after N reads (default: until interrupted)"
     )
     p.add_argument(
         "--format",
@@ -63,6 +63,16 @@ def _count(text: str) -> int:
         value = 0
     if not 1 <= value <= 1000:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number from 1 to 1000")
+    return value
+
+
+def _reads(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of reads from 1 up")
     return value
 
 
