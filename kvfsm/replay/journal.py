@@ -144,7 +144,7 @@ class JsonlJournal:
         self._lock = threading.Lock()
         self._closed = False
         self.lines = 1
-        """Lines offered (the header included); ``dropped`` of them never reached the file."""
+        """Lines offered (the header included; a key outside the ``sample`` offers none); ``dropped`` never reached the file."""
         self.dropped = 0
         """Lines lost: to a failed write, an unencodable line, or a transition after :meth:`close`."""
         self.error: BaseException | None = None
