@@ -36,18 +36,18 @@ class LedgerDriver:
         self.calls: list[tuple[str, Hashable]] = []
         """(action, key) per call, in order."""
         self._held: dict[Hashable, Counter[str]] = {}
-        self._most = {r: max((st.holds.count(r) for st in spec.states.values()), default=1) for r in spec.resources}
+        self._most = {r: max(1, *(st.holds.count(r) for st in spec.states.values())) for r in spec.resources}
         """How many units of each resource one instance can hold at once (more than 1: a counted holding)."""
         self._acquires: dict[str, list[str]] = {}
         self._releases: dict[str, list[str]] = {}
         for r in spec.resources.values():
             self._releases.setdefault(r.release, []).append(r.name)
-        for t in spec.transitions:
+            if r.acquire:
+                self._acquires.setdefault(r.acquire, []).append(r.name)
+        for t in spec.transitions:  # a transition's own release gives its resource back too
             for resource, action in t.release:
                 if resource not in self._releases.setdefault(action, []):
                     self._releases[action].append(resource)
-            if r.acquire:
-                self._acquires.setdefault(r.acquire, []).append(r.name)
         clash = sorted(set(spec.actions()) & set(dir(LedgerDriver)))
         if clash:
             raise ValueError(f"actions {clash} of {spec.name!r} clash with LedgerDriver's own methods")
