@@ -241,3 +241,9 @@ def test_the_moriio_demo_on_the_real_transfer_engine_across_processes() -> None:
                       "--format", "json")  # fmt: skip
     doc = json.loads(text)
     assert code == 0 and doc["backend"] == "real" and doc["clean"] is True, text[-2000:]
+
+
+def test_metrics_takes_a_port_pair_and_refuses_one_that_cannot_be_served(tmp_path: Path) -> None:
+    """--metrics PORT: prefill there, decode on the next, the same across a restart; a bad one is a usage error."""
+    result = console(tmp_path, "demo", "--metrics", "80")
+    assert result.returncode == 2 and "not a port from 1024 to 65534" in result.stderr

@@ -101,8 +101,13 @@ def register(sub: Subparsers) -> None:
     )
     p.add_argument(
         "--metrics",
-        action="store_true",
-        help="each process serves its trackers' state and Prometheus metrics on 127.0.0.1 (watch with kvfsm top URL)",
+        nargs="?",
+        type=_port,
+        const=METRICS_PORT,
+        default=None,
+        metavar="PORT",
+        help=f"prefill serves its trackers' state and Prometheus metrics on 127.0.0.1:PORT, decode on PORT+1, the "
+        f"same after a restart (default {METRICS_PORT}; watch with kvfsm top URL)",
     )
     p.add_argument("--format", choices=("text", "json"), default="text")
     tour = p.add_argument_group("tour options (with --tour)")
@@ -115,6 +120,20 @@ def register(sub: Subparsers) -> None:
         "--only", action="append", default=[], metavar="PART", help=f"run only this part (repeatable): {PART_NAMES}"
     )
     p.set_defaults(run=run)
+
+
+METRICS_PORT = 9400
+"""Where ``kvfsm demo --metrics`` serves prefill's endpoint (decode's on the next port)."""
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1024 <= value <= 65534:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port from 1024 to 65534 (decode takes the next one)")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
@@ -310,7 +329,8 @@ def run_pd(args: argparse.Namespace) -> int:
             seed=args.seed,
             protocol=args.protocol,
             backend=args.backend,
-            metrics=args.metrics,
+            metrics=args.metrics is not None,
+            metrics_port=args.metrics or 0,
         )
     except ValueError as exc:
         err.print(f"[red]kvfsm demo: {escape(str(exc))}[/]")

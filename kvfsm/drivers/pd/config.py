@@ -42,6 +42,9 @@ class JobConfig:
     any number of requests runs); whatever is still live then is counted as hung."""
     metrics: bool = False
     """Each process serves its trackers' state and metrics on 127.0.0.1 (kvfsm.observe); URLs in the ledger."""
+    metrics_port: int = 0
+    """With ``metrics``: prefill serves on this port and decode on the next, the same across a restart of either
+    (0: any free port, a new one at each start)."""
 
     def __post_init__(self) -> None:
         if self.protocol not in PROTOCOLS:

@@ -138,6 +138,7 @@ def expose(tracker: Tracker, config: JobConfig, report: Any, role: str) -> Any:
         return None
     from ...observe import serve
 
-    server = serve([tracker])
+    port = config.metrics_port + (role == "decode") if config.metrics_port else 0
+    server = serve([tracker], port=port)
     report.put(("metrics", role, server.url))
     return server
