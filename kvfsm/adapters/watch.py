@@ -226,7 +226,7 @@ class Watch:
             journal = JsonlJournal(folder / f"{spec.name}-{os.getpid()}.jsonl", machine=spec.name)
             self.journals.append(journal)
             observer, on_anomaly = journal, journal.anomaly
-        return Tracker(
+        tracker = Tracker(
             spec,
             holds,
             clock=self.clock,
@@ -235,6 +235,9 @@ class Watch:
             on_anomaly=on_anomaly,
             threadsafe=threadsafe,
         )
+        if observer is not None:
+            observer.attach(tracker)  # the header records the params the watch runs with, for kvfsm replay
+        return tracker
 
     @staticmethod
     def _dead_states(spec: Spec) -> frozenset[str]:
