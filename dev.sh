@@ -116,6 +116,7 @@ case "${1:-demo}" in
     test)
         echo "==> ruff"; ruff check kvfsm tests benchmarks
         echo "==> mypy"; mypy
+        echo "==> import layers"; lint-imports    # .importlinter: each layer imports only those listed before it
         # The real-engine tests may not skip here: CI must run them all (tests/engine/conftest.py).
         if [ -z "${KVFSM_NO_VLLM:-}" ]; then export KVFSM_REQUIRE_ENGINES=1; fi
         echo "==> pytest"; pytest -q "${@:2}"
@@ -128,11 +129,16 @@ case "${1:-demo}" in
     bench) kvfsm bench "${@:2}" ;;
     diagrams)
         for spec in specs/*.yaml specs/*/*.yaml; do
-            grep -q '^system:' "$spec" && continue    # compositions: their roles are drawn
+            grep -q '^system:' "$spec" && continue    # compositions: drawn as PNG below
             name=$(sed -n 's/^machine: *\([A-Za-z0-9_]*\).*/\1/p' "$spec")    # drawn by machine name: unique
-            kvfsm diagram "$spec" -f svg -o "docs/diagrams/$name.svg"
-            kvfsm diagram "$spec" -f mermaid -o "docs/diagrams/$name.mmd"
+            kvfsm diagram "$spec" -o "docs/diagrams/$name.svg"
+            kvfsm diagram "$spec" -o "docs/diagrams/$name.mmd"
         done
+        # PNGs: three machines and one composition (tests/test_diagrams.py PNGS)
+        kvfsm diagram specs/kv_request.yaml -o docs/diagrams/kv_request.png
+        kvfsm diagram specs/nixl_decode.yaml -o docs/diagrams/nixl_decode.png
+        kvfsm diagram specs/moriio/write_producer.yaml -o docs/diagrams/moriio_write_producer.png
+        kvfsm diagram specs/pd_abort/corrected.yaml -o docs/diagrams/pd_abort_corrected.png
         ;;
     *) echo "usage: ./dev.sh [setup|demo|test|bench|diagrams]" >&2; exit 2 ;;
 esac
