@@ -142,7 +142,7 @@ def run_job(
         config = replace(config, decode_port=free_port(), prefill_port=free_port(), shared_path=shared)
         ledger.config = config
         report: Any = procs.ctx.Queue()
-        stop = procs.ctx.Event()
+        stop = procs.ctx.RawValue("b", 0)  # lock-free: a SIGKILLed prefill cannot leave it locked (prefill.serve)
         latencies: list[float] = []
         outcomes: Counter[str] = Counter()
         reports: dict[str, dict[str, Any]] = {}
@@ -187,7 +187,7 @@ def run_job(
                         on_endpoint(item[1], item[2])
                 else:
                     reports[kind] = item[1]
-            stop.set()
+            stop.value = 1
             wait_until = time.monotonic() + config.prefill_bootstrap_timeout + config.transfer_timeout + 15
             while not prefill_reports and time.monotonic() < wait_until:
                 try:
@@ -200,7 +200,7 @@ def run_job(
                     ledger.errors.append(f"{item[1]}: {item[2]}")
                     break
         finally:
-            stop.set()
+            stop.value = 1
             procs.stop_all()
         ledger.prefill_incarnations = incarnation
         faults: Counter[str] = Counter()

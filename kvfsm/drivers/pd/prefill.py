@@ -14,8 +14,8 @@ from __future__ import annotations
 import heapq
 import time
 from collections.abc import Hashable
+from ctypes import c_byte
 from multiprocessing.queues import Queue
-from multiprocessing.synchronize import Event
 from typing import Any
 
 from ...wire import AbortAck, Failure, Hello, Message, Metadata, Request, Success
@@ -110,7 +110,8 @@ class Prefill(Role):
             raise ValueError(f"prefill's spec sends {name!r}, which this driver cannot compose")
         return kinds[name](peer=PREFILL, room=room)
 
-    def run(self, stop: Event) -> dict[str, Any]:
+    def run(self, stop: c_byte) -> dict[str, Any]:
+        """Serve until ``stop.value`` is set, then drain; ``stop`` is a raw shared byte (see :func:`serve`)."""
         drain_until: float | None = None
         while True:
             now = time.monotonic()
@@ -122,7 +123,7 @@ class Prefill(Role):
             self.tracker.poll()
             self.flush(now)
             self.tracker.finished()
-            if stop.is_set():
+            if stop.value:
                 if drain_until is None:
                     drain_until = now + self.config.prefill_bootstrap_timeout + self.config.transfer_timeout
                 if (self.tracker.live() == 0 and not self.transport.in_flight()) or now > drain_until:
@@ -192,8 +193,12 @@ class Prefill(Role):
             self.fire(room, "drained")
 
 
-def serve(config: JobConfig, incarnation: int, report: Queue[Any], stop: Event) -> None:
-    """The prefill process's entry point: serve until ``stop``, drain, then report (or the error that stopped it)."""
+def serve(config: JobConfig, incarnation: int, report: Queue[Any], stop: c_byte) -> None:
+    """The prefill process's entry point: serve until ``stop``, drain, then report (or the error that stopped it).
+
+    ``stop`` is a lock-free shared byte, not a ``multiprocessing.Event``: the job SIGKILLs a prefill mid-run, and
+    one killed while it held an Event's lock (polling ``is_set``) would leave every later ``set`` waiting forever.
+    """
     try:
         prefill = Prefill(config, incarnation)
     except Exception as exc:
