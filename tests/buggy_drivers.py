@@ -456,6 +456,7 @@ class PoolPerResource(Faults):
 def pool_driver(spec: kvfsm.Spec) -> type[PoolPerResource]:
     """A :class:`PoolPerResource` class with one method per action of ``spec``."""
     releases = {r.release: r.name for r in spec.resources.values()}
+    releases |= {action: r for t in spec.transitions for r, action in t.release}  # a transition's own release
     namespace: dict[str, Any] = {"spec": spec}
     for action in spec.actions():
         if action in releases:
