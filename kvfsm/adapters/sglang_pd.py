@@ -171,6 +171,8 @@ class Rooms:
             observers.insert(0, self.journal)
         params = {k: v for k, v in config.params.items() if k in self.spec.params}
         self.tracker = Tracker(self.spec, driver, params=params, observer=observers)
+        if self.journal is not None:
+            self.journal.attach(self.tracker)  # the header records the params, for kvfsm replay
         self.refused: list[tuple[int, str, str | None]] = []
         """Events SGLang's code produced that the room's spec does not accept where it is: divergences."""
         self.on_transition: Callable[[int, str], None] | None = None
@@ -194,6 +196,15 @@ class Rooms:
         return True
 
     def state(self, room: int) -> str | None:
+        return self.tracker.state(room)
+
+    def abort(self, room: int, party: Any) -> str | None:
+        """The scheduler aborts the request: SGLang's ``abort()`` on its sender or receiver (if it has one), then
+        the room's ``abort``; returns the room's state."""
+        if party is not None:
+            party.abort()
+        if self.tracker.accepts(room, "abort"):
+            self.tracker.fire(room, "abort")
         return self.tracker.state(room)
 
     def wait(self, room: int, states: set[str], limit: float) -> str | None:
@@ -394,12 +405,7 @@ class PrefillServer:
 
     def abort(self, room: int) -> str | None:
         """The prefill scheduler aborts the request (``sender.abort()``)."""
-        sender = self.senders.get(room)
-        if sender is not None:
-            sender.abort()
-        if self.rooms.tracker.accepts(room, "abort"):
-            self.rooms.tracker.fire(room, "abort")
-        return self.rooms.state(room)
+        return self.rooms.abort(room, self.senders.get(room))
 
     def gate(self, which: str, closed: bool) -> None:
         gate = self.chunk_gate if which == "chunk" else self.abort_gate
@@ -489,12 +495,7 @@ class DecodeServer:
 
     def abort(self, room: int) -> str | None:
         """The decode scheduler aborts the request: SGLang's ``receiver.abort()`` (Failed, ABORT sent), then ``abort``."""
-        receiver = self.receivers.get(room)
-        if receiver is not None:
-            receiver.abort()
-        if self.rooms.tracker.accepts(room, "abort"):
-            self.rooms.tracker.fire(room, "abort")
-        return self.rooms.state(room)
+        return self.rooms.abort(room, self.receivers.get(room))
 
     def deliver(self, room: int, event: str) -> None:
         """A status from prefill: on success the room's decode request takes its pages before the room lets them go."""
