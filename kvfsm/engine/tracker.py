@@ -144,7 +144,7 @@ class Tracker:
     """
 
     __slots__ = (
-        "spec", "driver", "counts", "_program", "_begin_edge", "_payloads", "_clock", "_observer", "_observers", "_owner", "_children", "_mutex", "_guard",
+        "spec", "driver", "counts", "_program", "_begin_edge", "_payloads", "_clock", "_observers", "_owner", "_children", "_mutex", "_guard",
         "_live", "_gens", "_links", "_linked", "_deadlines", "_finished", "_queue", "_busy", "_closed", "_failures",
         "_anomalies", "_armed", "_phase_rules", "_phase_deadlines", "_serial", "_begin_taps", "params", "_retired", "_on_anomaly", "_plain_begin", "_inner",
         "_epoch", "_heard", "_need", "_early_rules", "_early", "_early_order", "_early_held",
@@ -229,8 +229,6 @@ class Tracker:
         for each in self._observers:
             if not callable(each):
                 raise TypeError(f"observer {each!r} is not callable; pass a callable or a list of callables")
-        self._observer = self._observers[0] if self._observers else None
-        """The first observer, or None: what the paths test to know whether any must be told."""
         self._mutex: Mutex | None = parent._mutex if parent is not None else Mutex() if threadsafe else None
         self._guard: AbstractContextManager[Any] = (
             parent._guard if parent is not None else (self._mutex if self._mutex is not None else nullcontext())
@@ -344,7 +342,7 @@ class Tracker:
     def _settle_begin(self) -> None:
         """Decide, once per change of what begin runs, whether it can take the plain path (nothing that calls back)."""
         edge = self._begin_edge
-        plain = not (edge.acquire_fns or edge.links or self._observer is not None or self._closed)
+        plain = not (edge.acquire_fns or edge.links or self._observers or self._closed)
         plain = plain and edge.target.name not in self._program.entry_counts
         plain = plain and not any(self.spec.routed_by(e) == self.spec.key for e in self._early_rules)
         self._plain_begin = edge.target if plain else None
@@ -514,8 +512,8 @@ class Tracker:
             assert self._owner is not None
             for key in fresh:
                 self._owner.adopt(key, parents[key])
-        if regen or self._observer is not None:
-            for key in regen if self._observer is None else fresh:
+        if regen or self._observers:
+            for key in fresh if self._observers else regen:
                 self._gens[key] = self._serial = self._serial + 1
         if target.after is not None:
             self._deadlines.arm_many(fresh, target.index, self._clock() + target.after)
@@ -525,7 +523,7 @@ class Tracker:
         for tap in self._begin_taps:
             for key in fresh:
                 tap(key)
-        if self._observer is not None:
+        if self._observers:
             for key in fresh:
                 self._notify(key, "begin", "", target.name)
         if self._early:
@@ -1169,7 +1167,7 @@ class Tracker:
             self._need[key] = need
         if self._owner is not None:
             self._owner.adopt(key, parent)
-        if old is not None or self._observer is not None:  # begun again before the drain: see _retire
+        if old is not None or self._observers:  # begun again before the drain: see _retire
             self._gens[key] = self._serial = self._serial + 1
         if target.after is not None:
             self._deadlines.arm(key, target.index, self._clock() + target.after)
@@ -1177,7 +1175,7 @@ class Tracker:
             self._link_carried(key, edge, payload)
         for tap in self._begin_taps:
             tap(key)
-        if self._observer is not None:
+        if self._observers:
             self._notify(key, "begin", "", target.name)
         if self._early and (self.spec.key, key) in self._early:
             self._release_early(self.spec.key, key, key)
