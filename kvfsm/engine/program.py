@@ -415,9 +415,7 @@ def compile_program(spec: Spec, driver: object, params: Mapping[str, float] | No
             if r in acquire
         )
         if spec_edge is not None:
-            rel = tuple((name, own[name] if name in own else release[r]) for r, name in spec.release_actions(spec_edge))
-        elif source is not None:
-            rel = tuple((spec.resources[r].release, release[r]) for r in spec.releases(source, target))
+            rel = tuple((name, own.get(name) or release[r]) for r, name in spec.release_actions(spec_edge))
         else:  # begin: what is held without an acquire action, released only if begin fails
             rel = tuple((spec.resources[r].release, release[r]) for r in spec.holds(target) if r not in acquire)
         return CEdge(
