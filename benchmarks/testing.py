@@ -52,9 +52,9 @@ def pool_driver(spec: kvfsm.Spec) -> type[b.PoolPerResource]:
 
 def broken_on(spec: kvfsm.Spec, driver: type[b.PoolPerResource], edge: Edge, action: str) -> Case | None:
     """The pool driver with ``action`` (run on ``edge`` alone) broken; ``None`` if it cannot leave a trace."""
-    release = {r.release: r.name for r in spec.resources.values()}
+    releases = {r.release for r in spec.resources.values()} | {a for t in spec.transitions for _r, a in t.release}
     original = getattr(driver, action)
-    if action in release:
+    if action in releases:
         bug = f"{action}() skips its release"
 
         def broken(self: b.PoolPerResource, key: Hashable, **_: Any) -> None:

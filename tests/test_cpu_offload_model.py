@@ -154,10 +154,6 @@ class SeededLoadDriver(Faults, LoadDriver):
             if mine:
                 self.gpu_pool.release(("scheduler", key))
 
-    def accept_load(self, key: Hashable, /) -> None:
-        self._fault("accept_load")
-        super().accept_load(key)
-
     def start_copy(self, key: Hashable) -> None:
         """The load left with this step's metadata: the worker copies the planned CPU blocks into the GPU ones."""
         cpu_blocks, gpu_blocks = self.transfer(key)

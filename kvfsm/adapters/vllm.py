@@ -337,9 +337,8 @@ class CpuOffloadScheduler:
 
         The set is fired with :meth:`~kvfsm.Tracker.fire_many_by` (one lock,
         batch actions called once). An unknown or late job id is counted by
-        the tracker, not applied. An action that raises (``accept_load``,
-        ``publish``) ends its copy the way the spec's ``on_error`` says, and
-        counts as a failure.
+        the tracker, not applied. An action that raises (``publish``) ends
+        its copy the way the spec's ``on_error`` says, and counts as a failure.
         """
         jobs = list(jobs)
         if not jobs:

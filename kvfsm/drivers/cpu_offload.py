@@ -39,7 +39,8 @@ class LoadDriver:
     where they start in the request (both the ``cpu_hit`` record, gone with
     it), and ``_dst[key]`` the GPU blocks in the same order (the copy pairs
     them up); ``_owed[key]``
-    lists the GPU blocks vLLM must recompute unless the copy completes.
+    lists the GPU blocks vLLM must recompute unless the copy completes
+    (``complete`` releases the report with ``report_loaded``).
     Releases record the report in :attr:`report`.
     """
 
@@ -81,13 +82,14 @@ class LoadDriver:
         """Phase B: vLLM parks the request until it hears of the load; its GPU blocks are unverified."""
         self._owed[key] = list(gpu_blocks)
 
-    def accept_load(self, key: Hashable, /) -> None:
-        """The worker copied every block: the GPU blocks hold the hit, nothing to recompute."""
-        self._owed[key] = []
-
     def report_recv(self, key: Hashable, /) -> None:
-        """Record the request for the next finished_recving, with the blocks to recompute."""
+        """Record the request for the next finished_recving, every GPU block to recompute (no copy completed)."""
         self.report.recv(key, self._owed.pop(key))
+
+    def report_loaded(self, key: Hashable, /) -> None:
+        """``complete``'s own release of the report: the copy filled every GPU block, nothing to recompute."""
+        del self._owed[key]
+        self.report.recv(key, [])
 
     # -- gpu_dst ---------------------------------------------------------------------
 

@@ -117,13 +117,14 @@ def edge_actions(spec: Spec) -> dict[Edge, str]:
 
     An edge's actions are its ``do``, the acquire actions of what its target
     holds that its source does not, and the release actions of what its
-    source holds that its target does not. A driver only sees its actions
+    source holds that its target does not (a transition's own ``release:``
+    included). A driver only sees its actions
     called, so an edge with no action of its own cannot carry a bug of its own.
     """
     runs: dict[Edge, set[str]] = {}
     for e in spec.edges():
         acts = set(spec.raising_actions(e))
-        acts.update(spec.resources[r].release for r in spec.releases(e.source, e.target) if r in spec.resources)
+        acts.update(action for r, action in spec.release_actions(e) if r in spec.resources)
         runs[e] = acts
     at_begin = {spec.resources[r].acquire for r in spec.initial.holds if r in spec.resources}
     out: dict[Edge, str] = {}
