@@ -129,6 +129,36 @@ def test_a_lookup_that_finds_nothing_is_a_miss(worker: MooncakeStoreWorker, buff
     assert_everything_released(worker, buffer)
 
 
+@pytest.mark.parametrize("cause", ["evicted", "lookup raises", "hit"])
+def test_a_load_the_scheduler_ordered_is_reported_once_whatever_the_worker_finds(
+    worker: MooncakeStoreWorker, faulty: FaultyStore, buffer: BlockBuffer, cause: str
+) -> None:
+    """vLLM's scheduler looked the prefix up in its own process and waits from the order on: the worker's
+    lookup finding less (an eviction since) or raising still reports the request once, every block invalid."""
+    blocks, hashes = new_request(buffer, "writer", 3, seed=21)
+    worker.save("writer", blocks, hashes)
+    worker.request_finished("writer")
+    settle(worker)
+    if cause == "evicted":
+        hashes = [b"evicted-since", *hashes[1:]]
+    elif cause == "lookup raises":
+        faulty.fail_next("batch_is_exist", raising("mooncake down"))
+    dst = buffer.pool.allocate("reader", 3)
+    worker.load_order("reader", hashes, dst)
+    reports = settle(worker)
+    assert [r for f in reports for r in f.recving] == ["reader"], "finished_recving exactly once"
+    invalid = {b for f in reports for b in f.invalid_blocks}
+    if cause == "hit":
+        assert not invalid and all(torch.equal(buffer.kv[a], buffer.kv[b]) for a, b in zip(blocks, dst, strict=True))
+        assert worker.outcomes["load:loaded"] == 1
+    else:
+        assert invalid == set(dst), "every block the scheduler allocated is recomputed"
+        assert worker.outcomes["load:failed"] == 1
+    buffer.pool.release("writer")
+    buffer.pool.release("reader")
+    assert_everything_released(worker, buffer)
+
+
 # -- faults -------------------------------------------------------------------------
 
 

@@ -125,7 +125,8 @@ def load_machine(factory: Callable[[], ModelLoader]) -> type[SpecMachine]:
             d: ModelLoader = self.driver
             queued = in_states(self, "queued")
             holders = {h for b in range(d.pool.num_blocks) for h in d.pool.holders(b)}
-            assert holders == {d.holder(k) for k in queued}
+            ordered = {d.scheduler_holder(k) for k in in_states(self, "ordered", "checked")}  # the request's own
+            assert holders == {d.holder(k) for k in queued} | ordered
             assert d.queue.unfinished_tasks == len(queued)
             assert d.pool.refused_releases == 0
 

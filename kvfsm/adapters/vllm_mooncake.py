@@ -139,7 +139,9 @@ class MooncakeStoreConnector(AsyncConnector, SupportsHMA):  # type: ignore[misc]
         self.block_size = self.layout.block_size
         # scheduler side: this step's plan
         self._hits: dict[str, tuple[int, list[Any]]] = {}
-        """Phase A's answer per request: (first block, hashes of the hit); side-effect free, re-asked each step."""
+        """Phase A's answer per request: (first block, hashes of the hit), re-asked each step. Nothing is pinned
+        here (the scheduler's process holds no store lease): the worker's ``load_order`` looks up again under the
+        load spec, which reports a hit evicted since with every block invalid."""
         self._meta = MooncakeStoreMetadata()
         self.scheduler_stats = StoreConnectorStats()
         # worker side
@@ -284,15 +286,8 @@ class MooncakeStoreConnector(AsyncConnector, SupportsHMA):  # type: ignore[misc]
         for rid in meta.finished:
             if w.load.route("request_id", rid) is not None:
                 w.abort(rid)  # vLLM aborted it mid-load: the load reports it, the store calls stop
-        for order in meta.loads:
-            hits = w.lookup(order.request_id, order.block_hashes)
-            if hits == 0:
-                # Evicted since the scheduler looked: no load exists to owe the report, so this one
-                # is made by hand, with every block to recompute.
-                w.report.recv(order.request_id, order.block_ids)
-            else:
-                # A hit shorter than the order fails the pin, and the spec reports every block invalid.
-                w.start_load(order.request_id, order.block_ids)
+        for order in meta.loads:  # the spec reports each once, a hit evicted since phase A with every block invalid
+            w.load_order(order.request_id, order.block_hashes, order.block_ids)
         for save in meta.saves:
             w.save(save.request_id, save.block_ids, save.block_hashes)
             w.request_finished(save.request_id)

@@ -145,14 +145,31 @@ class ModelLoader(StoreLoader):
             request_id, block_hashes = ("request", load, next(self._plans)), [*self.cached, "absent"]
         super().lookup_keys(load, request_id, block_hashes)
 
-    def owe_recv_report(self, load: Hashable, /, block_ids: Sequence[int] | None = None) -> None:
-        """Owe the report for the given blocks, or (fired without them) for blocks allocated for the hit."""
+    def owe_recv_report(
+        self, load: Hashable, /, block_ids: Sequence[int] | None = None, request_id: Hashable = None
+    ) -> None:
+        """Owe the report for the given blocks, or (fired without them) for blocks allocated for the hit: the
+        lookup's, or on ``order`` (no lookup yet) the cached prefix's, as a scheduler in another process found it."""
         self.faults.trip("owe_recv_report")
         if block_ids is None:
             request = ("request", load, next(self._plans))
-            block_ids = self._allocated[load] = self.pool.allocate(request, self.hits(load))
+            block_ids = self._allocated[load] = self.pool.allocate(request, self.hits(load) or self.HIT)
             self._requests[load] = request
-        super().owe_recv_report(load, block_ids)
+            if not self.hits(load):
+                request_id = request
+        super().owe_recv_report(load, block_ids, request_id)
+
+    def scheduler_holder(self, load: Hashable) -> Hashable:
+        """The request that holds the blocks allocated for ``load`` until a pin takes them over (None if none)."""
+        return self._requests.get(load)
+
+    def report_recv(self, load: Hashable, /) -> None:
+        """Report; a request whose blocks no pin took over (its load ended before ``allocate``) lets them go."""
+        super().report_recv(load)
+        self._allocated.pop(load, None)
+        request = self._requests.pop(load, None)
+        if request is not None:
+            self.pool.release(request)
 
     def pin_load_blocks(self, load: Hashable, /, block_ids: Sequence[int] | None = None) -> None:
         """Pin the given blocks, or the ones :meth:`owe_recv_report` allocated, which their request then hands over."""

@@ -307,13 +307,18 @@ class StoreLoader:
 
     # -- recv_report ----------------------------------------------------------------
 
-    def owe_recv_report(self, load: Hashable, /, block_ids: Sequence[int]) -> None:
-        """The scheduler gave blocks for the hit: vLLM now waits for this load, its blocks unfilled."""
+    def owe_recv_report(self, load: Hashable, /, block_ids: Sequence[int], request_id: Hashable = None) -> None:
+        """The scheduler gave blocks for the hit: vLLM now waits for this load, its blocks unfilled.
+
+        ``request_id`` comes with ``order`` (the worker has not looked up yet); on ``allocate`` it is the lookup's.
+        """
         with self._lock:
-            hit = self._hits.get(load)
-            if hit is None:
-                raise NotHeld(f"load {load!r} has no lookup result to allocate for")
-            self._owed[load] = _Owed(hit.request_id, tuple(block_ids))
+            if request_id is None:
+                hit = self._hits.get(load)
+                if hit is None:
+                    raise NotHeld(f"load {load!r} has no lookup result to allocate for")
+                request_id = hit.request_id
+            self._owed[load] = _Owed(request_id, tuple(block_ids))
 
     def report_recv(self, load: Hashable, /) -> None:
         """Record the request for the next finished_recving, with the blocks no read filled as invalid."""

@@ -1,7 +1,8 @@
 """A Mooncake store connector worker shaped like vLLM's: a sending thread, load threads, one step call.
 
 The scheduler side calls :meth:`MooncakeStoreWorker.save` for blocks to
-store, :meth:`lookup` / :meth:`start_load` for a prefix to load, and
+store, :meth:`lookup` / :meth:`start_load` for a prefix to load (or
+:meth:`load_order` when the scheduler looked it up in its own process), and
 :meth:`get_finished` once per step, which fires due deadlines and reports
 ``finished_sending``, ``finished_recving`` and invalid block ids (vLLM's
 ``get_finished`` and ``get_block_ids_with_load_errors``). The threads only
@@ -177,13 +178,8 @@ class MooncakeStoreWorker:
         (with the allocated blocks, or ``[]`` to give it up), :meth:`abort`,
         or the request's next lookup, which replaces it.
         """
-        load_id = (request_id, "load", next(self._seq))
-        earlier = self.load.route("request_id", request_id)
         try:
-            if earlier is not None:  # vLLM asks again each step a request waits: the new lookup replaces it
-                self.load.fire(earlier, "abort")
-            self.load.begin(load_id)
-            self.load.link(load_id, "request_id", request_id)
+            load_id = self._new_load(request_id)
             self.load.fire(load_id, "lookup", request_id=request_id, block_hashes=list(block_hashes))
         except ActionError as exc:
             self._failed(exc)
@@ -192,6 +188,34 @@ class MooncakeStoreWorker:
         if not hits:
             self.load.fire(load_id, "miss")
         return hits
+
+    def load_order(self, request_id: Hashable, block_hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> None:
+        """Fill ``block_ids`` with the prefix a scheduler in another process found and allocated blocks for.
+
+        vLLM waits for this load from the call on (the spec's ``order`` owes
+        the report first). The worker looks the prefix up again, taking read
+        leases, and loads on a load thread; whatever happens, ``Finished.recving``
+        reports the request once, with every block not filled invalid: a
+        lookup that fails, or a hit evicted since the scheduler's, reports
+        them all.
+        """
+        try:
+            load_id = self._new_load(request_id)
+            self.load.fire(load_id, "order", request_id=request_id, block_ids=list(block_ids))
+            self.load.fire(load_id, "lookup", request_id=request_id, block_hashes=list(block_hashes))
+            self.load.fire(load_id, "allocate", block_ids=list(block_ids))
+        except ActionError as exc:
+            self._failed(exc)
+
+    def _new_load(self, request_id: Hashable) -> Hashable:
+        """Begin a load of ``request_id``, linked by its id; the request's earlier load, if any, is aborted."""
+        load_id = (request_id, "load", next(self._seq))
+        earlier = self.load.route("request_id", request_id)
+        if earlier is not None:  # vLLM asks again each step a request waits: the new lookup replaces it
+            self.load.fire(earlier, "abort")
+        self.load.begin(load_id)
+        self.load.link(load_id, "request_id", request_id)
+        return load_id
 
     def start_load(self, request_id: Hashable, block_ids: Sequence[int]) -> None:
         """Fill ``block_ids`` (allocated by the scheduler for the hit) from the store, on a load thread.
