@@ -147,8 +147,8 @@ def test_a_hit_gone_when_the_worker_looks_is_recomputed_not_read(mooncake: Moonc
     assert mooncake.scheduler.requests["b"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
     mooncake.drain()
     w = mooncake.worker.worker
-    # The missed load filled nothing; vLLM was told its blocks are invalid, asked again, and loaded them then.
-    assert (w.outcomes["load:missed"], w.outcomes["load:loaded"], w.loader.stats["blocks_loaded"]) == (1, 1, 3)
+    # The failed load filled nothing; vLLM was told its blocks are invalid, asked again, and loaded them then.
+    assert (w.outcomes["load:failed"], w.outcomes["load:loaded"], w.loader.stats["blocks_loaded"]) == (1, 1, 3)
     assert mooncake.report.finished == 2
     assert mooncake.finish().clean
 
