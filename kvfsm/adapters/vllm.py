@@ -131,6 +131,13 @@ class ConnectorStats:
     """Final states reached, as 'machine.state' -> count."""
 
 
+def _to_dispatch(tracker: Tracker) -> list[Any]:
+    """What this step's metadata carries: every instance the spec lets take ``dispatch`` now (a load after phase
+    B, a store planned at request_finished), in the order they began. The tracker is the list, so a request
+    that ended since it was planned is simply not in it."""
+    return [key for key, _state in tracker.snapshot() if tracker.accepts(key, "dispatch")]
+
+
 class CpuOffloadScheduler:
     """The scheduler-side half: vLLM's five scheduler-side connector calls, on two Trackers."""
 
@@ -165,8 +172,6 @@ class CpuOffloadScheduler:
         """What the load spec's ``recv_report`` releases recorded for vLLM; drained each step."""
         self.stats = ConnectorStats()
         self._job_ids = itertools.count(1)
-        self._loads_to_send: list[str] = []
-        self._stores_to_send: list[str] = []
 
     @staticmethod
     def _live(tracker: Tracker, rid: Hashable) -> bool:
@@ -239,8 +244,6 @@ class CpuOffloadScheduler:
             # recv_report reported the load with every block to recompute.
             self.stats.action_errors += 1
             self.stats.loads_refused += 1
-            return
-        self._loads_to_send.append(rid)
 
     # -- once per step ------------------------------------------------------------
 
@@ -252,15 +255,11 @@ class CpuOffloadScheduler:
                 self.loads.fire(rid, "preempt")
         self.stats.expired += len(self.loads.poll()) + len(self.stores.poll())
         meta = CpuOffloadMetadata()
-        for rid in self._loads_to_send:
-            if self.loads.accepts(rid, "dispatch"):  # else the request ended since phase B
-                meta.loads.append(self._dispatch(self.loads, "load_job", rid, self.offload.load.transfer))
-        for rid in self._stores_to_send:
-            if self.stores.accepts(rid, "dispatch"):
-                meta.stores.append(self._dispatch(self.stores, "store_job", rid, self.offload.store.transfer))
+        for rid in _to_dispatch(self.loads):
+            meta.loads.append(self._dispatch(self.loads, "load_job", rid, self.offload.load.transfer))
+        for rid in _to_dispatch(self.stores):
+            meta.stores.append(self._dispatch(self.stores, "store_job", rid, self.offload.store.transfer))
         meta.load_errors = self.report.take_invalid()
-        self._loads_to_send.clear()
-        self._stores_to_send.clear()
         self.stats.loads_sent += len(meta.loads)
         self.stats.stores_sent += len(meta.stores)
         self._retire()
@@ -401,8 +400,6 @@ class CpuOffloadScheduler:
             self.stores.begin(rid, gpu_blocks=[b for b, _ in todo], hashes=[h for _, h in todo])
         except ActionError:
             self.stats.action_errors += 1  # nothing is held: the tracker undid the acquires
-            return
-        self._stores_to_send.append(rid)
 
     # -- housekeeping --------------------------------------------------------------
 
