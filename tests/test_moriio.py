@@ -544,6 +544,20 @@ def test_a_hold_or_a_load_that_cannot_begin_is_still_reported_so_vllm_never_wait
     assert done.recving == {"d-1"} and done.invalid_blocks == {5}
 
 
+def test_a_read_that_cannot_begin_is_reported_and_its_blocks_freed() -> None:
+    """READ mode: the prefill computed fewer blocks than decode allocated, so pin_dst refuses at begin. The
+    report is owed before the pin (the spec's first acquire), so undoing it reports the load, and the blocks
+    :meth:`start` allocated go back once it is reported."""
+    fabric = Fabric()
+    d = DecodeEngine(fabric.endpoint("decode"), 8, 256, "prefill", mode="read")
+    source = Source("prefill", 0, 256, (1,))  # one remote block for two local ones
+    blocks = d.start("d-1", "t-1", 2, source)
+    assert d.errors and d.tracker.state("d-1") is None
+    done = d.step()
+    assert done.recving == {"d-1"} and done.invalid_blocks == set(blocks)
+    assert d.blocks.pool.num_free == 8 and d.step().recving == set()
+
+
 def test_the_runner_plug_gives_both_requests_of_a_prompt_one_transfer_id_in_either_order(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

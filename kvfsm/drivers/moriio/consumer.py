@@ -55,10 +55,12 @@ class Load:
 
 
 class BlockLoader:
-    """Actions both consumer specs share: pin the allocated blocks, byte-check them, unpin and report.
+    """Actions both consumer specs share: owe vLLM the load's report, pin the allocated blocks, byte-check them.
 
-    ``_loads[key]`` is the ``dst_blocks`` record (:meth:`pin_dst`, :meth:`unpin_dst`). Who has written the
-    blocks is the spec's to count (``count: writers``), not this driver's.
+    ``_owed[key]`` is the ``recv_report`` record (:meth:`owe_recv_report`; :meth:`report_recv`, or
+    :meth:`report_loaded` on the edge that byte-checked the blocks), ``_loads[key]`` the ``dst_blocks`` one
+    (:meth:`pin_dst`, :meth:`unpin_dst`). Who has written the blocks is the spec's to count
+    (``count: writers``), not this driver's.
     """
 
     def __init__(self, blocks: BlockMemory, transport: Transport, peer: str, rank: int = 0) -> None:
@@ -69,6 +71,7 @@ class BlockLoader:
         self.rank = rank
         self.report = Report()
         self.stats: Counter[str] = Counter()
+        self._owed: dict[Hashable, tuple[int, ...]] = {}
         self._loads: dict[Hashable, Load] = {}
 
     @staticmethod
@@ -79,17 +82,22 @@ class BlockLoader:
         self.pool.pin(self.holder(key), block_ids)
         self._loads[key] = Load(transfer_id, tuple(block_ids))
 
-    def unpin_dst(self, key: Hashable, /) -> None:
-        """Let go of the blocks and report the load with every block invalid: vLLM recomputes them."""
-        load = self._loads.pop(key)
-        self.pool.release(self.holder(key))
-        self.report.recv(key, load.blocks)
+    def owe_recv_report(self, key: Hashable, /, block_ids: Sequence[int], **_begin: object) -> None:
+        """vLLM parked the request until it hears of the load; its blocks are unfilled until checked."""
+        self._owed[key] = tuple(block_ids)
 
-    def unpin_loaded(self, key: Hashable, /) -> None:
-        """The release of the edge that byte-checked the blocks: reported with none invalid."""
+    def report_recv(self, key: Hashable, /) -> None:
+        """Record the load for finished_recving with every block invalid: vLLM recomputes them."""
+        self.report.recv(key, self._owed.pop(key))
+
+    def report_loaded(self, key: Hashable, /) -> None:
+        """The report's release on the edge that byte-checked the blocks: none invalid."""
+        del self._owed[key]
+        self.report.recv(key, ())
+
+    def unpin_dst(self, key: Hashable, /) -> None:
         self._loads.pop(key)
         self.pool.release(self.holder(key))
-        self.report.recv(key, ())
 
     def verify_blocks(self, key: Hashable, /) -> None:
         """Byte-check the blocks against the prefill's KV; on vLLM's cache (which cannot tell) count them unchecked."""
@@ -101,7 +109,10 @@ class BlockLoader:
         self.stats["blocks_verified" if wrong is not None else "blocks_unchecked"] += len(load.blocks)
 
     def observe(self, key: Hashable) -> set[str]:
-        return {"dst_blocks"} if self.pool.held_by(self.holder(key)) else set()
+        held = {"dst_blocks"} if self.pool.held_by(self.holder(key)) else set()
+        if key in self._owed:
+            held.add("recv_report")
+        return held
 
 
 class WriteReceiver(BlockLoader):
@@ -149,7 +160,7 @@ class BlockReader(BlockLoader):
     """Actions of ``moriio_read_consumer``: read the prefill's blocks, and send ``release`` however the load ends.
 
     ``_sources[key]`` is kept with the ``dst_blocks`` record, ``_batches[key]``
-    is the ``xfer`` one (:meth:`post_reads`, :meth:`release_reads`), ``_owed[key]``
+    is the ``xfer`` one (:meth:`post_reads`, :meth:`release_reads`), ``_releases[key]``
     the ``peer_release`` one (:meth:`owe_release`, :meth:`send_release`).
     """
 
@@ -157,7 +168,7 @@ class BlockReader(BlockLoader):
         super().__init__(blocks, transport, peer, rank)
         self._sources: dict[Hashable, Source] = {}
         self._batches: dict[Hashable, object] = {}
-        self._owed: dict[Hashable, tuple[str, str]] = {}
+        self._releases: dict[Hashable, tuple[str, str]] = {}
 
     def pin_dst(self, key: Hashable, /, transfer_id: str, block_ids: Sequence[int], remote_blocks: Source) -> None:
         if len(remote_blocks.blocks) < len(block_ids):
@@ -168,11 +179,11 @@ class BlockReader(BlockLoader):
         self._sources[key] = remote_blocks
 
     def owe_release(self, key: Hashable, /, transfer_id: str, block_ids: Sequence[int], remote_blocks: Source) -> None:
-        self._owed[key] = (remote_blocks.peer, transfer_id)
+        self._releases[key] = (remote_blocks.peer, transfer_id)
 
     def send_release(self, key: Hashable, /) -> None:
         """Tell the prefill side its blocks are free to go: on success and on failure alike."""
-        peer, transfer_id = self._owed.pop(key)
+        peer, transfer_id = self._releases.pop(key)
         self.transport.notify(peer, Release(transfer_id, self.rank))
 
     def post_reads(self, key: Hashable, /) -> None:
@@ -202,7 +213,7 @@ class BlockReader(BlockLoader):
         held = super().observe(key)
         if key in self._batches:
             held.add("xfer")
-        if key in self._owed:
+        if key in self._releases:
             held.add("peer_release")
         return held
 
@@ -279,10 +290,8 @@ class DecodeEngine(Side):
             self._call(self.tracker.begin, request_id, transfer_id=transfer_id, block_ids=list(block_ids))
         finally:
             self.driver.announce_to.pop(request_id, None)
-        if self.tracker.state(request_id) is None:  # begin refused (pin_dst raised): no load owes the answer
-            self.driver.report.recv(request_id, block_ids)  # so report it here, every block unfilled
-            return
-        self._fire(request_id, "announce")
+        if self.tracker.state(request_id) is not None:  # else pin_dst raised: undoing recv_report reported it
+            self._fire(request_id, "announce")
 
     def abort(self, request_id: str) -> None:
         """Abort ``request_id``'s load; in WRITE mode tell its prefill rank too (``release``), so that a prefill that

@@ -77,6 +77,15 @@ class Planned:
 
     rig: ModelRig
 
+    def owe_recv_report(self, key: Hashable, /, block_ids: Sequence[int], **begin: object) -> None:
+        """A consumer's first acquire: if it raises nothing else runs, so the scheduler lets go of its blocks."""
+        try:
+            self.rig.trip("owe_recv_report")
+        except RuntimeError:
+            self.rig.let_go(key)
+            raise
+        super().owe_recv_report(key, block_ids, **begin)  # type: ignore[misc]
+
     def before_begin(self, key: Hashable, resources: Collection[str]) -> Mapping[str, Any]:
         tid = self.rig.transfer_id(key)
         return {"transfer_id": tid, "block_ids": self.rig.allocate(key, tid)}
