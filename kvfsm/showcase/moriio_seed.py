@@ -50,7 +50,8 @@ def pre_fix_spec(name: str) -> Spec:
 
 
 class FreesOnSuccessOnly:
-    """The pre-fix release: blocks are freed (finished_sending) only for a transfer whose writes all succeeded."""
+    """The pre-fix release: blocks are freed and reported (finished_sending) only for a transfer whose writes all
+    succeeded."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -60,11 +61,15 @@ class FreesOnSuccessOnly:
         super().notify_write_done(key)  # type: ignore[misc]
         self.written.add(key)
 
+    def report_sent(self, key: Hashable, /) -> None:
+        if key in self.written:  # released before free_blocks (holds order)
+            super().report_sent(key)  # type: ignore[misc]
+
     def free_blocks(self, key: Hashable, /) -> None:
         if key in self.written:
             self.written.discard(key)
             super().free_blocks(key)  # type: ignore[misc]
-        # else: no Succeeded() status, so the transfer id never reaches done_req_ids: the hold stays
+        # else: no Succeeded() status, so the transfer id never reaches done_req_ids: the hold stays, unreported
 
 
 class ReleasesOnSuccessOnly:

@@ -77,14 +77,13 @@ class Planned:
 
     rig: ModelRig
 
-    def owe_recv_report(self, key: Hashable, /, block_ids: Sequence[int], **begin: object) -> None:
-        """A consumer's first acquire: if it raises nothing else runs, so the scheduler lets go of its blocks."""
+    def trip_first(self, action: str, key: Hashable) -> None:
+        """Trip the spec's first acquire: if it raises nothing else runs, so the scheduler lets go of its blocks."""
         try:
-            self.rig.trip("owe_recv_report")
+            self.rig.trip(action)
         except RuntimeError:
             self.rig.let_go(key)
             raise
-        super().owe_recv_report(key, block_ids, **begin)  # type: ignore[misc]
 
     def before_begin(self, key: Hashable, resources: Collection[str]) -> Mapping[str, Any]:
         tid = self.rig.transfer_id(key)
@@ -97,6 +96,10 @@ class Planned:
 
 class HandsOver(Planned):
     """The scheduler hands its blocks to the connector at begin (delay_free), and lets go of them either way."""
+
+    def owe_send_report(self, key: Hashable, /, transfer_id: str, block_ids: Sequence[int]) -> None:
+        self.trip_first("owe_send_report", key)
+        super().owe_send_report(key, transfer_id, block_ids)  # type: ignore[misc]
 
     def hold_blocks(self, key: Hashable, /, transfer_id: str, block_ids: Sequence[int]) -> None:
         try:
@@ -137,7 +140,15 @@ class ModelLender(HandsOver, BlockLender):
         super().__init__(self.rig.blocks, self.rig.local)
 
 
-class ModelReceiver(Planned, WriteReceiver):
+class Receives(Planned):
+    """A consumer's report is owed before its blocks are pinned."""
+
+    def owe_recv_report(self, key: Hashable, /, block_ids: Sequence[int], **begin: object) -> None:
+        self.trip_first("owe_recv_report", key)
+        super().owe_recv_report(key, block_ids, **begin)  # type: ignore[misc]
+
+
+class ModelReceiver(Receives, WriteReceiver):
     """:class:`WriteReceiver` for ``write_consumer.yaml``: the peer's writes land as soon as the blocks are announced."""
 
     def __init__(self) -> None:
@@ -160,7 +171,7 @@ class ModelReceiver(Planned, WriteReceiver):
         super().verify_blocks(key)
 
 
-class ModelReader(Planned, BlockReader):
+class ModelReader(Receives, BlockReader):
     """:class:`BlockReader` for ``read_consumer.yaml``, reading from a peer endpoint that holds the KV."""
 
     def __init__(self) -> None:

@@ -55,10 +55,12 @@ class Job:
 
 
 class BlockHolder:
-    """Actions both producer specs share: hold the computed blocks, free them and report finished_sending.
+    """Actions both producer specs share: owe vLLM finished_sending, hold the computed blocks, free them.
 
-    ``_jobs[key]`` is the ``src_blocks`` record: taken by :meth:`hold_blocks`,
-    dropped by :meth:`free_blocks`, so it lives exactly as long as the hold.
+    ``_owed`` is the ``send_report`` record (:meth:`owe_send_report`,
+    :meth:`report_sent`); ``_jobs[key]`` the ``src_blocks`` one: taken by
+    :meth:`hold_blocks`, dropped by :meth:`free_blocks`, so it lives exactly
+    as long as the hold.
     """
 
     def __init__(self, blocks: BlockMemory, transport: Transport, rank: int = 0) -> None:
@@ -68,24 +70,35 @@ class BlockHolder:
         self.rank = rank
         self.report = Report()
         self.stats: Counter[str] = Counter()
+        self._owed: set[Hashable] = set()
         self._jobs: dict[Hashable, Job] = {}
 
     @staticmethod
     def holder(key: Hashable) -> tuple[str, Hashable]:
         return ("moriio_send", key)
 
+    def owe_send_report(self, key: Hashable, /, transfer_id: str, block_ids: Sequence[int]) -> None:
+        """vLLM handed the blocks over (delay_free) and keeps them until finished_sending names the request."""
+        self._owed.add(key)
+
+    def report_sent(self, key: Hashable, /) -> None:
+        """vLLM's ``_mark_request_done``: whatever the outcome, record the request for finished_sending."""
+        self._owed.remove(key)
+        self.report.send(key)
+
     def hold_blocks(self, key: Hashable, /, transfer_id: str, block_ids: Sequence[int]) -> None:
         self.pool.pin(self.holder(key), block_ids)
         self._jobs[key] = Job(transfer_id, tuple(block_ids))
 
     def free_blocks(self, key: Hashable, /) -> None:
-        """vLLM's ``_mark_request_done``: whatever the outcome, drop the hold and report finished_sending."""
         del self._jobs[key]
         self.pool.release(self.holder(key))
-        self.report.send(key)
 
     def observe(self, key: Hashable) -> set[str]:
-        return {"src_blocks"} if self.pool.held_by(self.holder(key)) else set()
+        held = {"src_blocks"} if self.pool.held_by(self.holder(key)) else set()
+        if key in self._owed:
+            held.add("send_report")
+        return held
 
 
 class BlockWriter(BlockHolder):
@@ -265,7 +278,8 @@ class PrefillEngine(Side):
         The messages the tracker kept for ``transfer_id`` (``early:``) are applied as the hold begins, oldest
         first; writes they start are posted only once all of them have been applied, so a ``release`` kept after
         its ``remote_blocks`` still means nothing is written. If the hold cannot even begin, the request is
-        reported finished_sending at once: its owner must not keep the blocks for a hold that does not exist.
+        reported finished_sending all the same (undoing ``send_report``, the spec's first acquire): its owner must
+        not keep the blocks for a hold that does not exist.
         """
         writer = self.driver if isinstance(self.driver, BlockWriter) else None
         if writer is not None:
@@ -274,8 +288,6 @@ class PrefillEngine(Side):
             self._call(self.tracker.begin, request_id, transfer_id=transfer_id, block_ids=list(block_ids))
         finally:
             raised = writer.post_held_back() if writer is not None else {}
-        if self.tracker.state(request_id) is None:  # begin refused (hold_blocks raised): nothing holds them
-            self.driver.report.send(request_id)  # vLLM still keeps them for us (delay_free) until it hears
         for key, exc in raised.items():  # as if post_writes had raised: the spec's on_error
             self._fire(key, "fail")
             state = self.tracker.state(key) or "failed"
