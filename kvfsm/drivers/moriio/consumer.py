@@ -256,8 +256,9 @@ class DecodeEngine(Side):
         self.counted = counted_events(spec)
         if bound_writes and isinstance(self.driver, WriteReceiver) and "waiting" in spec.states:
             self.driver.recv_timeout = self.tracker.timeout("waiting") or 0.0
-        self.sources: dict[str, Source] = {}
-        """READ mode: where the prefill computed each transfer's blocks (its ``computed`` answers)."""
+        self.on_computed: Callable[[str, Source], object] | None = None
+        """READ mode: told where the prefill computed a transfer's blocks (its ``computed`` answer to a
+        ``prefill``), by whoever sent the ``prefill`` and starts the load with it (a load runner)."""
         self.replies: list[Stats] = []
         self._allocated: set[Hashable] = set()
         """Requests whose blocks :meth:`start` allocated (the scheduler's part): freed when their load ends."""
@@ -328,9 +329,9 @@ class DecodeEngine(Side):
         if isinstance(message, WriteDone):
             self.counts["write_done"] += 1
             self._heard("write_done", message.transfer_id, message.rank)  # an unknown or finished id: an anomaly
-        elif isinstance(message, Computed):
-            self.sources[message.transfer_id] = Source(
-                message.peer, message.base, message.block_bytes, tuple(message.blocks)
+        elif isinstance(message, Computed) and self.on_computed is not None:
+            self.on_computed(
+                message.transfer_id, Source(message.peer, message.base, message.block_bytes, tuple(message.blocks))
             )
         elif isinstance(message, Stats):
             self.replies.append(message)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..block_pool import NoFreeBlocks
-from .consumer import DecodeEngine
+from .consumer import DecodeEngine, Source
 from .messages import Prefill, StatsQuery
 
 STARTS_PER_STEP = 64
@@ -110,6 +110,8 @@ def run_load(
         raise ValueError("requests, concurrency and blocks_per_request must be positive")
     begun: dict[str, float] = {}
     pending: dict[str, tuple[str, float]] = {}  # READ mode: sent to prefill, waiting for where its blocks are
+    sources: dict[str, Source] = {}  # READ mode: where prefill computed them (its `computed` answers)
+    decode.on_computed = sources.__setitem__
     latencies: list[float] = []
     n_started = n_finished = 0
     t0 = time.monotonic()
@@ -136,10 +138,10 @@ def run_load(
             n_started += 1
             busy = True
         for tid, (rid, t) in list(pending.items()):
-            if decode.mode == "read" and tid not in decode.sources:
+            if decode.mode == "read" and tid not in sources:
                 continue
             try:
-                decode.start(rid, tid, blocks_per_request, decode.sources.pop(tid, None))
+                decode.start(rid, tid, blocks_per_request, sources.pop(tid, None))
             except NoFreeBlocks:
                 break
             begun[rid] = t
