@@ -86,6 +86,20 @@ def test_mla_read_of_one_rank_frees_every_prefill_rank_at_once() -> None:
     assert c.leaked() == 0
 
 
+def test_a_load_whose_pin_refuses_is_reported_once_and_holds_nothing() -> None:
+    """More local blocks than the prefill computed: pin_dst refuses at begin. vLLM's start_load_kv must not
+    raise, and the load it waits for is reported all the same (undoing recv_report, acquired before the pin)."""
+    fabric = Fabric()
+    topology = Topology(prefill_tp=1, decode_tp=1, mla=False, kv_bytes=256)
+    decode = DecodeRank(0, topology, fabric.agent("d"), 8)
+    local = decode.blocks.pool.allocate("d-1", 3)
+    decode.start_load("d-1", "p-1", "E", local, [4, 5])
+    assert decode.errors and decode.tracker.state("d-1") is None
+    done = decode.step()
+    assert done.recving == {"d-1"} and done.invalid_blocks == set(local)
+    assert decode.leaked() == {} and decode.step().recving == set()
+
+
 def test_seed_004_local_id_holds_the_skipped_ranks_until_expiry() -> None:
     c = Cluster(Topology(prefill_tp=4, decode_tp=1, mla=True, kv_bytes=256), reader=LocalIdReader)
     c.request("p-1")

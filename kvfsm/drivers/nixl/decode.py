@@ -115,11 +115,12 @@ class Load:
 
 
 class BlockReader:
-    """Actions of ``nixl_decode``: pin the allocated blocks, post the READs, byte-check, release, report.
+    """Actions of ``nixl_decode``: owe the report, pin the allocated blocks, post the READs, byte-check, release.
 
-    ``_loads`` is the ``dst_blocks`` record (taken by :meth:`pin_dst`, dropped
-    by :meth:`unpin_dst`) and ``_handles`` the ``xfer`` one (:meth:`post_read`,
-    :meth:`release_reads`): each lives exactly as long as its resource.
+    ``_owed`` is the ``recv_report`` record (:meth:`owe_recv_report`; :meth:`report_recv`, or
+    :meth:`report_loaded` on the checked edge), ``_loads`` the ``dst_blocks`` one (taken by
+    :meth:`pin_dst`, dropped by :meth:`unpin_dst`) and ``_handles`` the ``xfer`` one
+    (:meth:`post_read`, :meth:`release_reads`): each lives exactly as long as its resource.
     """
 
     def __init__(self, rank: int, topology: Topology, agent: Transport, blocks: BlockMemory) -> None:
@@ -131,6 +132,7 @@ class BlockReader:
         self.report = Report()
         self.peers: dict[tuple[str, int], PeerInfo] = {}
         self.stats: Counter[str] = Counter()
+        self._owed: dict[Hashable, tuple[int, ...]] = {}
         self._loads: dict[Hashable, Load] = {}
         self._handles: dict[Hashable, list[object]] = {}
         self.outbox = Outbox(decode_spec())
@@ -180,20 +182,23 @@ class BlockReader:
         self._loads[key] = Load(remote_request_id, remote_engine_id, tuple(block_ids), tuple(remote_block_ids))
 
     def unpin_dst(self, key: Hashable, /) -> None:
-        """Let go of the blocks and report finished_recving with every block invalid: vLLM recomputes them."""
-        blocks = self._unpin(key)
-        self.report.recv(key, blocks)
-
-    def unpin_loaded(self, key: Hashable, /) -> None:
-        """The release of the edge that byte-checked the blocks (``complete``): reported with none invalid."""
-        self._unpin(key)
-        self.report.recv(key, ())
-
-    def _unpin(self, key: Hashable) -> tuple[int, ...]:
-        load = self._loads.pop(key)
-        if load.blocks:
+        if self._loads.pop(key).blocks:
             self.pool.release(self.holder(key))
-        return load.blocks
+
+    # -- recv_report ------------------------------------------------------------------
+
+    def owe_recv_report(self, key: Hashable, /, block_ids: Sequence[int], **_begin: object) -> None:
+        """vLLM parked the request until it hears of the load; its blocks are unfilled until checked."""
+        self._owed[key] = tuple(block_ids)
+
+    def report_recv(self, key: Hashable, /) -> None:
+        """Record the load for finished_recving with every block invalid: vLLM recomputes them."""
+        self.report.recv(key, self._owed.pop(key))
+
+    def report_loaded(self, key: Hashable, /) -> None:
+        """The report's release on the edge that byte-checked the blocks (``complete``): none invalid."""
+        del self._owed[key]
+        self.report.recv(key, ())
 
     # -- xfer -------------------------------------------------------------------------
 
@@ -270,6 +275,8 @@ class BlockReader:
 
     def observe(self, key: Hashable) -> set[str]:
         held = set()
+        if key in self._owed:
+            held.add("recv_report")
         if key in self._loads:
             held.add("dst_blocks")
         if key in self._handles:
@@ -334,28 +341,35 @@ class DecodeRank(Generic[M]):
     ) -> None:  # fmt: skip
         """A load that cannot start (no handshake with its prefill engine): it ends ``failed`` at once, and its
         blocks are reported invalid with the next finished_recving, as vLLM does after a failed handshake."""
-        self.tracker.begin(
-            request_id,
-            remote_request_id=remote_request_id,
-            remote_engine_id=remote_engine_id,
-            block_ids=list(block_ids),
-            remote_block_ids=list(remote_block_ids),
-        )  # fmt: skip
-        self._fire(request_id, "fail")
+        if self._begin(request_id, remote_request_id, remote_engine_id, block_ids, remote_block_ids):
+            self._fire(request_id, "fail")
 
     def start_load(
         self, request_id: str, remote_request_id: str, remote_engine_id: str, block_ids: Sequence[int],
         remote_block_ids: Sequence[int],
     ) -> None:  # fmt: skip
         """vLLM's start_load_kv for one request: pin the blocks and post the READs (a failure ends it ``failed``)."""
-        self.tracker.begin(
-            request_id,
-            remote_request_id=remote_request_id,
-            remote_engine_id=remote_engine_id,
-            block_ids=list(block_ids),
-            remote_block_ids=list(remote_block_ids),
-        )  # fmt: skip (the spec links remote_request_id at begin)
-        self._fire(request_id, "read")
+        if self._begin(request_id, remote_request_id, remote_engine_id, block_ids, remote_block_ids):
+            self._fire(request_id, "read")
+
+    def _begin(
+        self, request_id: str, remote_request_id: str, remote_engine_id: str, block_ids: Sequence[int],
+        remote_block_ids: Sequence[int],
+    ) -> bool:  # fmt: skip
+        """Begin the load; False if a pin refused (more local blocks than remote ones, unusable ids): nothing is
+        held, and undoing ``recv_report`` reported the load with every block invalid."""
+        try:
+            self.tracker.begin(
+                request_id,
+                remote_request_id=remote_request_id,
+                remote_engine_id=remote_engine_id,
+                block_ids=list(block_ids),
+                remote_block_ids=list(remote_block_ids),
+            )  # fmt: skip (the spec links remote_request_id at begin)
+        except ActionError as exc:
+            self.errors.append(exc)
+            return False
+        return True
 
     def abort(self, request_id: str) -> None:
         self._fire(request_id, "abort")
