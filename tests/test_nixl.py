@@ -100,6 +100,19 @@ def test_a_load_whose_pin_refuses_is_reported_once_and_holds_nothing() -> None:
     assert decode.leaked() == {} and decode.step().recving == set()
 
 
+def test_a_hold_the_pool_refuses_is_reported_finished_sending_and_not_raised() -> None:
+    """vLLM keeps a request's blocks (delay_free) until finished_sending names it: a hold that cannot begin
+    (a block named twice) is reported all the same, and start_load_kv does not raise."""
+    fabric = Fabric()
+    topology = Topology(prefill_tp=1, decode_tp=1, mla=False, kv_bytes=256)
+    prefill = PrefillRank(0, topology, fabric.agent("p"), 8)
+    prefill.blocks.pool.allocate("vllm", 8)
+    prefill.hold("p-1", [3, 3])
+    assert prefill.errors and prefill.tracker.state("p-1") is None
+    assert prefill.step().sending == {"p-1"} and prefill.step().sending == set()
+    assert prefill.blocks.pool.holdings() == {"vllm": tuple(range(8))}
+
+
 def test_seed_004_local_id_holds_the_skipped_ranks_until_expiry() -> None:
     c = Cluster(Topology(prefill_tp=4, decode_tp=1, mla=True, kv_bytes=256), reader=LocalIdReader)
     c.request("p-1")

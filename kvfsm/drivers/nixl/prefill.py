@@ -24,7 +24,7 @@ from typing import Any, Generic
 
 from ...engine import Tracker
 from ...engine.tracker import Observer
-from ...errors import Anomaly
+from ...errors import ActionError, Anomaly
 from ...observe import drain_outcomes
 from ...spec import Spec, load
 from ...spec.bundled import SPECS
@@ -43,7 +43,7 @@ def prefill_spec() -> Spec:
 
 
 class BlockHolder:
-    """Actions of ``nixl_prefill``: hold a request's blocks for its readers, free them and report finished_sending.
+    """Actions of ``nixl_prefill``: owe finished_sending, hold a request's blocks for its readers, free and report.
 
     Who has read them is the spec's to count (``count: readers``), not this driver's.
     """
@@ -52,20 +52,32 @@ class BlockHolder:
         self.blocks = blocks
         self.pool = blocks.pool
         self.report = report if report is not None else Report()
+        self._owed: set[Hashable] = set()
+        """The ``send_report`` record: requests vLLM keeps blocks for until finished_sending names them."""
 
     @staticmethod
     def holder(key: Hashable) -> tuple[str, Hashable]:
         return ("nixl_send", key)
+
+    def owe_send_report(self, key: Hashable, /, block_ids: Sequence[int]) -> None:
+        """vLLM handed the blocks over (delay_free) and keeps them until finished_sending names the request."""
+        self._owed.add(key)
+
+    def report_sent(self, key: Hashable, /) -> None:
+        self._owed.remove(key)
+        self.report.send(key)
 
     def hold_blocks(self, key: Hashable, /, block_ids: Sequence[int]) -> None:
         self.pool.pin(self.holder(key), block_ids)
 
     def free_blocks(self, key: Hashable, /) -> None:
         self.pool.release(self.holder(key))
-        self.report.send(key)
 
     def observe(self, key: Hashable) -> set[str]:
-        return {"kv_blocks"} if self.pool.held_by(self.holder(key)) else set()
+        held = {"kv_blocks"} if self.pool.held_by(self.holder(key)) else set()
+        if key in self._owed:
+            held.add("send_report")
+        return held
 
 
 class PrefillRank(Generic[M]):
@@ -108,6 +120,8 @@ class PrefillRank(Generic[M]):
         came after the request ended and was drained."""
         self.anomaly_ids: deque[Hashable] = deque(maxlen=64)
         """The latest ids the anomalies named, for a message that shows them."""
+        self.errors: list[ActionError] = []
+        """Holds the pool refused: each is already reported finished_sending, kept here for the story."""
 
     def compute(self, request_id: str, n_blocks: int) -> list[int]:
         """The prefill forward pass: allocate ``n_blocks`` for the request and write its KV into them.
@@ -133,9 +147,13 @@ class PrefillRank(Generic[M]):
         """The connector becomes a holder of ``block_ids`` for the decode side's READ (the owner keeps its own hold).
 
         Notifications for ``request_id`` that came before it (kept by the tracker) are applied here: if every
-        reader has said it is done, the blocks are freed before this returns.
+        reader has said it is done, the blocks are freed before this returns. A hold the pool refuses (unusable
+        block ids) is reported finished_sending all the same (undoing ``send_report``), never raised into vLLM.
         """
-        self.tracker.begin(request_id, block_ids=list(block_ids))
+        try:
+            self.tracker.begin(request_id, block_ids=list(block_ids))
+        except ActionError as exc:
+            self.errors.append(exc)
 
     def abort(self, request_id: str) -> None:
         self.tracker.fire(request_id, "abort")
