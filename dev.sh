@@ -120,6 +120,7 @@ case "${1:-demo}" in
         # The real-engine tests may not skip here: CI must run them all (tests/engine/conftest.py).
         if [ -z "${KVFSM_NO_VLLM:-}" ]; then export KVFSM_REQUIRE_ENGINES=1; fi
         echo "==> pytest"; pytest -q "${@:2}"
+        if [ $# -le 1 ]; then echo "==> docs"; pytest -q -p no:cacheprovider --run-docs tests/docs; fi    # every block of README.md and docs/ (~4 min)
         # The sglang tests run in SGLang's venv, in a pytest run of their own (~1 min), and may not skip here either.
         if [ -z "${KVFSM_NO_SGLANG:-}" ] && [ $# -le 1 ]; then
             echo "==> pytest in $SGLANG_VENV (the sglang tests; KVFSM_NO_SGLANG=1 skips them)"

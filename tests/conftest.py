@@ -27,9 +27,21 @@ if offline_hf_cache is not None and "HF_HUB_OFFLINE" not in os.environ:
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--run-slow", action="store_true", help="also run tests marked slow (soaks, long campaigns)")
+    parser.addoption(
+        "--run-docs", action="store_true", help="also run tests marked docs (every block of README.md and docs/)"
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "docs: runs a block of README.md or docs/ as written; skipped unless --run-docs")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    skip_docs = pytest.mark.skip(reason="docs: run with --run-docs")
+    if not config.getoption("--run-docs"):
+        for item in items:
+            if item.get_closest_marker("docs") is not None:
+                item.add_marker(skip_docs)
     if config.getoption("--run-slow"):
         return
     skip = pytest.mark.skip(reason="slow: run with --run-slow")
