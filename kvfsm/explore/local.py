@@ -22,6 +22,13 @@ Semantics (the same in the Promela export):
 - a transition into a state that counts to 0 on entry (:mod:`.entry`) goes
   on with the counted transition in the same move, as the Tracker fires it
   before the call that entered the state returns (``Move.via``);
+- a role whose spec owns instances of another (``owns:``) is the parent of
+  every instance of the role that runs that machine, each begun with the
+  request. In the move that changes them, as the Tracker does under the
+  family's one lock, the parent's ``forward`` events reach every live child,
+  a child that ends in a failure state fires the parent's ``failed``, and the
+  parent's ``ended`` fires once no child is live, whenever its state takes
+  it (``Move.owner``); the explorer never fires those two events otherwise;
 - sends, deliveries, loss and duplicates follow the channel's rules
   (:mod:`kvfsm.spec.system.channel`). The receiver of a delivered message
   fires it, ignores it, counts it (a counted message before its last sender
@@ -96,6 +103,9 @@ class Move:
     via: tuple[int, ...] = ()
     """States entered and left at once on the way to ``target``: each counts to 0 on entry, so its counted
     transition fires in the same move (empty for a plain transition)."""
+    owner: tuple[tuple[int, str, int, int], ...] = ()
+    """(role, event, source, target) of each transition the engine fired for a family (``owns:``) in the same
+    move, in order: a forwarded event on a child, ``failed`` or ``ended`` on a parent."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +122,21 @@ class _Role:
     """The index of the ``crashed`` state of a role that may crash; -1 for one that may not."""
     restart: bool = True
     """A crashed role's process comes back: its server answers for the lost instance (``reply_if_finished``)."""
+    failure: tuple[bool, ...] = ()
+    """Per state: a failure final state (``crashed`` included)."""
+    edges: dict[tuple[int, str], tuple[int, tuple[int, ...]]] | None = None
+    """(state, event) → (target, sends) of every transition: what the engine fires for a family (``owns:``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Family:
+    """One ``owns:`` entry between roles: the parent role, the roles running the owned machine, its events."""
+
+    parent: int
+    children: tuple[int, ...]
+    ended: str
+    failed: str | None
+    forward: frozenset[str]
 
 
 class LocalSystem:
@@ -134,6 +159,7 @@ class LocalSystem:
         self.receiver = tuple(role_id[system.messages[m].receiver] for m in self.message_names)
         self.reply = tuple(msg_id[r] if (r := system.messages[m].reply_if_finished) else -1 for m in self.message_names)
         self.roles = tuple(self._compile(name, msg_id) for name in role_names)
+        self.families = self._families(role_names)
         self.clocks = Clocks(system, [role.states for role in self.roles])
         self._counting(role_id)
         self.properties = system.names
@@ -149,6 +175,10 @@ class LocalSystem:
         self.passed: set[tuple[str, str]] = set()
         """(role, state) for each state ``begin`` passes through: an initial state that counts to 0 on entry."""
         start = tuple(self._begin(role.name, role.states) for role in self.roles)
+        if self.families:  # a parent whose initial state takes ``ended`` and that has no child fires it at begin
+            moved = list(start)
+            self._owned(start, moved, -1, "", fired=False, begun=True)
+            start = tuple(moved)
         self.initial = self._intern(self._normal((start, (), self.clocks.initial(start))))
         self._build()
 
@@ -196,6 +226,8 @@ class LocalSystem:
             by_event.setdefault(msg.event, []).append(msg_id[msg.name])
         spontaneous: list[list[tuple[str, int, tuple[int, ...], str, tuple[int, ...]]]] = [[] for _ in states]
         on_message: dict[tuple[int, int], tuple[int, tuple[int, ...], tuple[int, ...]] | None] = {}
+        edges: dict[tuple[int, str], tuple[int, tuple[int, ...]]] = {}
+        owned = spec.owned_events
 
         def sent(e: Edge) -> tuple[int, ...]:
             return tuple(msg_id[x] for s in e.transition.sends for x in self.system.outgoing(name, s.message))
@@ -210,6 +242,15 @@ class LocalSystem:
             if chain:
                 sends += tuple(m for then in chain for m in sent(then))
                 via, dst = tuple(sid[then.source] for then in chain), sid[chain[-1].target]
+            if not via:
+                edges[(src, e.event)] = (dst, sends)
+            if e.event in owned:  # the engine fires it, for the role's children: never on its own
+                if via:
+                    raise ExploreError(
+                        f"role {name}: {e.event!r} (fired by the engine for its children) enters {e.target!r}, "
+                        "which counts to 0 on entry; the explorer cannot follow that yet"
+                    )
+                continue
             if e.event in by_event:
                 for mid in by_event[e.event]:
                     on_message.setdefault((src, mid), (dst, sends, via))
@@ -230,6 +271,7 @@ class LocalSystem:
                 for mid in by_event.get(event, ()):
                     on_message.setdefault((sid[state], mid), None)
         final = [spec.states[s].is_final for s in states]
+        failure = [spec.states[s].final == "failure" for s in states]
         holds = [spec.states[s].holds for s in states]
         role = self.system.roles[name]
         crashed = -1
@@ -240,6 +282,7 @@ class LocalSystem:
                     spontaneous[src].append((CRASH, crashed, (), "crash", ()))
             on_message.update({(crashed, msg_id[m]): None for m in inbox})  # by name: every copy
             states, final, holds = (*states, CRASHED), [*final, True], [*holds, ()]
+            failure.append(True)
             spontaneous.append([])
         return _Role(
             name=name,
@@ -250,7 +293,60 @@ class LocalSystem:
             on_message=on_message,
             crashed=crashed,
             restart=role.restart,
+            failure=tuple(failure),
+            edges=edges,
         )
+
+    def _families(self, role_names: tuple[str, ...]) -> tuple[_Family, ...]:
+        """Each ``owns:`` of a role's spec, with the roles (every rank) that run the owned machine."""
+        out = []
+        for p, name in enumerate(role_names):
+            for rule in self.system.roles[name].spec.owns.values():
+                kids = tuple(c for c, other in enumerate(role_names) if self.system.roles[other].spec.name == rule.machine)
+                out.append(_Family(p, kids, rule.ended, rule.failed, frozenset(rule.forward)))
+        return tuple(out)
+
+    def _owned(
+        self, before: tuple[int, ...], after: list[int], mover: int, event: str, *, fired: bool, begun: bool = False
+    ) -> tuple[tuple[tuple[int, str, int, int], ...], tuple[int, ...]]:
+        """What the engine fires for the families when ``mover`` took ``event`` from ``before`` to ``after``
+        (changed in place; ``begun``: every role just began): forwarded events, then ``failed`` for each child
+        that ended in failure, then ``ended`` while no child is live and the parent's state takes it.
+        Returns the transitions fired, in order, and what they sent."""
+        effects: list[tuple[int, str, int, int]] = []
+        sends: list[int] = []
+        roles = self.roles
+
+        def fire(r: int, ev: str) -> bool:
+            edges = roles[r].edges
+            hit = edges.get((after[r], ev)) if edges is not None else None
+            if hit is None:
+                return False  # not taken in this state: the engine drops it
+            effects.append((r, ev, after[r], hit[0]))
+            after[r] = hit[0]
+            sends.extend(hit[1])
+            return True
+
+        for fam in self.families:
+            p = fam.parent
+            if fired and mover == p and event in fam.forward:
+                for c in fam.children:
+                    if not roles[c].final[after[c]]:
+                        fire(c, event)  # each live child's state takes it or ignores it (Owner.attach checks)
+            ended = [c for c in fam.children if not roles[c].final[before[c]] and roles[c].final[after[c]]]
+            if fam.failed is not None:
+                for c in ended:
+                    if roles[p].final[after[p]]:
+                        break  # a parent that has ended no longer hears of its children
+                    if roles[c].failure[after[c]]:
+                        fire(p, fam.failed)
+            changed = begun or bool(ended) or after[p] != before[p]
+            for _ in roles[p].states:  # each ``ended`` may enter a state that takes it again
+                if not changed or roles[p].final[after[p]] or any(not roles[c].final[after[c]] for c in fam.children):
+                    break
+                was = after[p]
+                changed = fire(p, fam.ended) and after[p] != was
+        return tuple(effects), tuple(sends)
 
     # -- local states --------------------------------------------------------------
 
@@ -301,12 +397,25 @@ class LocalSystem:
     # -- moves ---------------------------------------------------------------------
 
     def _sending(
-        self, at: tuple[int, ...], role: int, target: int, flight: Flight, sends: tuple[int, ...]
-    ) -> Iterator[tuple[Placed, tuple[tuple[int, bool], ...]]]:
-        """The local states after ``role`` moves to ``target`` and sends ``sends``, one per fate of each message."""
-        moved = (*at[:role], target, *at[role + 1 :])
+        self, at: tuple[int, ...], role: int, target: int, flight: Flight, sends: tuple[int, ...], event: str = ""
+    ) -> Iterator[tuple[Placed, tuple[tuple[int, bool], ...], tuple[tuple[int, str, int, int], ...]]]:
+        """The local states after ``role`` fires ``event`` into ``target`` (``""``: stays, a reply) and sends
+        ``sends``, one per fate of each message; with what the engine fired for the families in the same move."""
+        moved = [*at[:role], target, *at[role + 1 :]]
+        owner: tuple[tuple[int, str, int, int], ...] = ()
+        if self.families:
+            owner, more = self._owned(at, moved, role, event, fired=bool(event))
+            sends += more
+        placed = tuple(moved)
         for after, sent in self.wire.sends(flight, sends):
-            yield (moved, after), sent
+            yield (placed, after), sent, owner
+
+    def placed(self, at: tuple[int, ...], move: Move) -> tuple[int, ...]:
+        """The role states after ``move`` from ``at``: its role's target, then what the engine fired for it."""
+        out = [*at[: move.role], move.target, *at[move.role + 1 :]]
+        for r, _event, _source, target in move.owner:
+            out[r] = target
+        return tuple(out)
 
     def _successors(self, state: LocalState) -> Iterator[tuple[Placed, Move]]:
         """Every move from ``state`` and where it leaves the roles and the flight (the deadline bits aside)."""
@@ -321,8 +430,10 @@ class LocalSystem:
             for event, target, sends, cause, via in role.spontaneous[s]:
                 if cause == "timeout" and clocks and clocks.blocked(bits, at, r, event):
                     continue  # a shorter deadline armed no later than this one falls due first
-                for nxt, sent in self._sending(at, r, target, flight, sends):
-                    yield nxt, Move(r, cause, "fire", event, s, target, sent, in_flight=len(nxt[1]), via=via)
+                for nxt, sent, owner in self._sending(at, r, target, flight, sends, event):
+                    yield nxt, Move(
+                        r, cause, "fire", event, s, target, sent, in_flight=len(nxt[1]), via=via, owner=owner
+                    )
         for pos in self.wire.deliverable(flight):
             m = flight[pos]
             r = self.receiver[m]
@@ -333,7 +444,7 @@ class LocalSystem:
                 known = (s, m) in role.on_message
                 how = role.on_message.get((s, m))
                 if role.final[s] and self.reply[m] >= 0 and (s != role.crashed or role.restart):
-                    for nxt, sent in self._sending(at, r, s, left, (self.reply[m],)):
+                    for nxt, sent, _owner in self._sending(at, r, s, left, (self.reply[m],)):
                         yield nxt, Move(r, "message", "reply", event, s, s, sent, m, keep, len(nxt[1]))
                 elif known and how is None:
                     yield (at, left), Move(r, "message", "ignore", event, s, s, (), m, keep, len(left))
@@ -341,8 +452,10 @@ class LocalSystem:
                     yield (at, left), Move(r, "message", "count", event, s, s, (), m, keep, len(left))
                 elif how is not None and not role.final[s]:
                     target, sends, via = how
-                    for nxt, sent in self._sending(at, r, target, left, sends):
-                        yield nxt, Move(r, "message", "fire", event, s, target, sent, m, keep, len(nxt[1]), via=via)
+                    for nxt, sent, owner in self._sending(at, r, target, left, sends, event):
+                        yield nxt, Move(
+                            r, "message", "fire", event, s, target, sent, m, keep, len(nxt[1]), via=via, owner=owner
+                        )
                 else:
                     yield (at, left), Move(r, "message", "reject", event, s, s, (), m, keep, len(left))
 
@@ -362,12 +475,17 @@ class LocalSystem:
             return bits
         if move.source != move.target or move.via:
             bits &= ~self.heard_mask[move.role]
+        for r, _event, source, target in move.owner:
+            if source != target:
+                bits &= ~self.heard_mask[r]
         if not self.clocks:
             return bits
         r, source = move.role, move.source
         for state in (*move.via, move.target):
             bits = self.clocks.fired(bits, r, source, (*at[:r], state, *at[r + 1 :]))
             source = state
+        for r, _event, source, target in move.owner:
+            bits = self.clocks.fired(bits, r, source, (*at[:r], target, *at[r + 1 :]))
         return bits
 
     def _build(self) -> None:
@@ -441,4 +559,5 @@ class LocalSystem:
                 if j >= 0:
                     role = self.roles[move.role]
                     out.update((role.name, role.states[s]) for s in (*move.via, move.target))
+                    out.update((self.roles[r].name, self.roles[r].states[t]) for r, _e, _s, t in move.owner)
         return out

@@ -295,12 +295,17 @@ def _concrete(
     return out, at
 
 
+def _freed(before: tuple[str, ...], after: tuple[str, ...]) -> str:
+    """What a move takes and frees, in words."""
+    taken = [x for x in after if x not in before]
+    freed = [x for x in before if x not in after]
+    return "; ".join(([f"takes {', '.join(taken)}"] if taken else []) + ([f"frees {', '.join(freed)}"] if freed else []))
+
+
 def _words(local: LocalSystem, move: Move) -> str:
     role = local.roles[move.role]
-    spec_holds = role.holds
-    taken = [x for x in spec_holds[move.target] if x not in spec_holds[move.source]]
-    freed = [x for x in spec_holds[move.source] if x not in spec_holds[move.target]]
-    parts = ([f"takes {', '.join(taken)}"] if taken else []) + ([f"frees {', '.join(freed)}"] if freed else [])
+    moved = _freed(role.holds[move.source], role.holds[move.target])
+    parts = [moved] if moved else []
     spec = local.system.roles[role.name].spec
     for state in move.via:  # states that count to 0 on entry: their counted transition fired in the same move
         then = at_once(spec, role.states[state])
@@ -315,8 +320,7 @@ def _violation_text(
     """What is wrong at the end of the trace, as the property's evaluator says it."""
     if final is not None and hit.move is not None:
         _r, before, move, _after = final
-        start = local.states[before][0]
-        moved = (*start[: move.role], move.target, *start[move.role + 1 :])
+        moved = local.placed(local.states[before][0], move)
         # Messages in flight once the move is made: the other requests' (from the search state), then this one's.
         load = (hit.state & found.codec.mask) - local.nmsg[before] + move.in_flight
         broken = local.step_violation(moved, move, load)
@@ -359,6 +363,22 @@ def _steps(local: LocalSystem, taken: list[tuple[int, Move, int]]) -> list[Step]
                 note=_words(local, move),
             )
         )
+        for k, event, source, target in move.owner:  # what the engine fired for a family, in the same move
+            kin = local.roles[k]
+            steps.append(
+                Step(
+                    request=f"r{r}",
+                    role=kin.name,
+                    action="fire",
+                    cause="owner",
+                    event=event,
+                    source=kin.states[source],
+                    target=kin.states[target],
+                    holds=kin.holds[target],
+                    in_flight=flight,
+                    note=_freed(kin.holds[source], kin.holds[target]),
+                )
+            )
     return steps
 
 

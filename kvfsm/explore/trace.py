@@ -34,7 +34,7 @@ counted message remembered until the last sender rank's copy fires the transitio
 reply: a finished instance's server answers without moving it; reject: the
 event is neither handled nor ignored (the violating step of a message property)."""
 
-CAUSES = ("begin", "local", "timeout", "abort", "error", "environment", "crash", "message")
+CAUSES = ("begin", "local", "timeout", "abort", "error", "environment", "crash", "message", "owner")
 
 
 class TraceError(KvfsmError, ValueError):
@@ -476,10 +476,17 @@ def _check_move(system: System, step: Step, at: str, begun: set[tuple[str, str]]
         raise TraceError(
             f"{at}.event", f"{step.role} has no event {step.event!r} (its events: {', '.join(sorted(known))})"
         )
+    by_engine = step.event in spec.owned_events or step.event in _forwarded(system, spec.name)
+    if step.cause == "owner" and not by_engine:
+        raise TraceError(
+            f"{at}.cause", f"the engine fires {step.event!r} on {step.role} for no family (owns:) of {system.name}"
+        )
+    if step.cause != "owner" and step.event in spec.owned_events:
+        raise TraceError(f"{at}.cause", f"{step.event!r} is fired by the engine for {step.role}'s children (cause 'owner')")
     if step.cause == "message":
         if step.event not in inbox:
             raise TraceError(f"{at}.event", f"{step.event!r} is not a message {step.role} receives")
-    elif step.event in inbox:
+    elif step.event in inbox and step.cause != "owner":
         raise TraceError(
             f"{at}.cause", f"{step.event!r} is a message: it happens only when delivered (cause 'message')"
         )
@@ -511,6 +518,13 @@ def _check_move(system: System, step: Step, at: str, begun: set[tuple[str, str]]
             )
 
 
+def _forwarded(system: System, machine: str) -> frozenset[str]:
+    """The events a parent's ``owns:`` passes on to instances of ``machine`` in ``system``."""
+    return frozenset(
+        e for r in system.roles.values() for o in r.spec.owns.values() if o.machine == machine for e in o.forward
+    )
+
+
 # -- the message-sequence chart ------------------------------------------------------
 
 LANE = 40
@@ -527,6 +541,7 @@ def describe_step(step: Step) -> str:
             "environment": " (from outside the system)",
             "crash": " (the process died; what it held is lost)",
             "message": " arrives",
+            "owner": " (the engine, for the family)",
         }.get(step.cause, "")
         return f"{step.event}{why}: {moved}"
     if step.action == "ignore":

@@ -299,11 +299,12 @@ def _modelled(system: System) -> None:
         *(f"role {r.name} has {r.ranks} ranks" for r in system.roles.values() if r.ranks > 1),
         *(f"message {m.name} counts senders" for m in system.messages.values() if m.count),
         *(f"the timeout relation {rel.text!r}" for rel in system.relations),
+        *(f"role {r.name} owns instances of another machine" for r in system.roles.values() if r.spec.owns),
     ]
     if unmodelled:
         raise TraceSetError(
-            f"{system.name}: the trace set walks one request without crashes, ranks, counted messages or timeout "
-            f"relations, and this system has {'; '.join(unmodelled)}; replay the explorer's traces of it with "
+            f"{system.name}: the trace set walks one request without crashes, ranks, counted messages, timeout "
+            f"relations or owned machines, and this system has {'; '.join(unmodelled)}; replay the explorer's traces of it with "
             "--trace instead"
         )
 
