@@ -25,6 +25,7 @@ from collections.abc import Hashable, Sequence
 from kvfsm.drivers.moriio import moriio_spec
 from kvfsm.drivers.moriio.cluster import FAST, MOONCAKE, embedded_run, mooncake_run
 from kvfsm.engine import Tracker
+from kvfsm.showcase.moriio_seed import PRE_FIX_PREFILL
 
 
 class Bare:
@@ -83,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"kvfsm_us_per_request_bare": round(overhead(), 1)}))
         return 0
     sizes = {"requests": opts.requests, "concurrency": opts.concurrency, "fault_rate": opts.fault_rate,
-             "seed": opts.seed, "pre_fix": opts.pre_fix, "kill_after": opts.kill_after}  # fmt: skip
+             "seed": opts.seed, "prefill": PRE_FIX_PREFILL if opts.pre_fix else None,
+             "kill_after": opts.kill_after}  # fmt: skip
     if opts.backend == "real":
         if opts.mode != "write":
             ap.error("the real backend (Mooncake TransferEngine) runs WRITE mode")
