@@ -169,6 +169,14 @@ def test_kvfsm_test_runner_passes_the_plain_generated_machines(backend: Backend)
         assert report.passed, "\n".join(report.story) or report.error
 
 
+def test_kvfsm_test_catches_a_sender_that_forgets_a_failed_jobs_release(backend: Backend) -> None:
+    """Seed 000's driver (a failed job keeps its pin) through ``kvfsm test``'s own runner, as a user runs it."""
+    kv = registered_kv(backend.store)
+    report = kvfsm.testing.run(SEND, lambda: PreFixModelSender(backend.store, kv), examples=30, seed=0)
+    assert not report.passed
+    assert any("still held" in line for line in report.story), "\n".join(report.story) or report.error
+
+
 def test_the_pre_fix_sender_diverges_where_batch_is_exist_raises(backend: Backend) -> None:
     """Seed 000 step by step through the generated machine: the check raises, the job fails, the pin stays."""
     kv = registered_kv(backend.store)
