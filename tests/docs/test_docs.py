@@ -47,6 +47,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import time
 import tomllib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -73,6 +74,8 @@ EXEMPT: dict[tuple[str, str], str] = {
     ("docs/vllm.md", "pypi.org/simple"): "downloads vLLM's sdist from PyPI (a network)",
     ("docs/vllm.md", "vllm serve MODEL"): "starts vLLM's OpenAI server, which serves until stopped",
     ("docs/vllm.md", "api_server --model tiny"): "starts vLLM's OpenAI server, which serves until stopped",
+    ("docs/demo.md", "kvfsm demo --engine vllm:"): "seven phases of real vLLM engines: about 100 s alone, past 4 "
+    "minutes on a loaded 2-core machine (tests/engine runs each phase)",
     ("docs/sglang.md", "./dev.sh test"): "./dev.sh test is the CI run this test is a step of; the soak takes hours",
     ("docs/moriio.md", "python benchmarks/moriio_soak.py"): "code defect, reported: moriio_soak.py passes pre_fix= to "
     "the load runners, which no longer take it; and each soak takes minutes",
@@ -307,17 +310,22 @@ class Run:
     command: str
     status: int
     output: str
+    seconds: float = 0.0
+
+
+TIMES: dict[str, float] = {}  # block id -> seconds its job took (conftest.py prints the slowest)
 
 
 def _run(command: str, cwd: Path, extra: dict[str, str] | None = None) -> Run:
+    start = time.monotonic()
     try:
         done = subprocess.run(
             ["bash", "-c", command], cwd=cwd, env=_env(extra), capture_output=True, text=True, timeout=TIMEOUT_S
         )
     except subprocess.TimeoutExpired as e:
         out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        return Run(command, -1, out + f"\n(timed out after {TIMEOUT_S} s)")
-    return Run(command, done.returncode, done.stdout + done.stderr)
+        return Run(command, -1, out + f"\n(timed out after {TIMEOUT_S} s)", TIMEOUT_S)
+    return Run(command, done.returncode, done.stdout + done.stderr, time.monotonic() - start)
 
 
 def _chain(block: Block) -> list[Block]:
@@ -336,6 +344,14 @@ def _chain(block: Block) -> list[Block]:
 
 def execute(block: Block) -> list[Run]:
     """Run the block (after what it continues) in a scratch copy; the runs of the block itself."""
+    start = time.monotonic()
+    try:
+        return _execute(block)
+    finally:
+        TIMES[block.id] = time.monotonic() - start
+
+
+def _execute(block: Block) -> list[Run]:
     where = scratch()
     runs: list[Run] = []
     chain = _chain(block)
