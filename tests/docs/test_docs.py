@@ -70,15 +70,15 @@ EXEMPT: dict[tuple[str, str], str] = {
     ("README.md", "./dev.sh test"): "./dev.sh test is the CI run this test is a step of; ./dev.sh demo is kvfsm demo, "
     "whose ledger docs/demo.md runs",
     ("README.md", "pip install kvfsm"): "installs from PyPI (a network); tests/test_packaging.py installs the wheel",
-    ("docs/vllm.md", "pip install torch"): "installs from PyPI (a network) into the venv",
+    ("docs/vllm.md", "pip install torch"): "./dev.sh setup and pip install into the venv from PyPI (a network)",
     ("docs/vllm.md", "pypi.org/simple"): "downloads vLLM's sdist from PyPI (a network)",
     ("docs/vllm.md", "vllm serve MODEL"): "starts vLLM's OpenAI server, which serves until stopped",
     ("docs/vllm.md", "api_server --model tiny"): "starts vLLM's OpenAI server, which serves until stopped",
     ("docs/demo.md", "kvfsm demo --engine vllm:"): "seven phases of real vLLM engines: about 100 s alone, past 4 "
     "minutes on a loaded 2-core machine (tests/engine runs each phase)",
     ("docs/sglang.md", "./dev.sh test"): "./dev.sh test is the CI run this test is a step of; the soak takes hours",
-    ("docs/moriio.md", "python benchmarks/moriio_soak.py"): "code defect, reported: moriio_soak.py passes pre_fix= to "
-    "the load runners, which no longer take it; and each soak takes minutes",
+    ("docs/moriio.md", "python benchmarks/moriio_soak.py"): "soaks of thousands of requests on real TransferEngines: "
+    "minutes each (tests/test_moriio.py runs the same runners small)",
     ("docs/moriio.md", "python -m kvfsm.showcase.engine.pd MODEL"): "MODEL is yours: two vLLM engines serving it for "
     "minutes (tests/engine runs the pair on a tiny model)",
     ("docs/mooncake.md", 'connect("127.0.0.1:50051")'): "needs a mooncake_master on 127.0.0.1:50051 and an engine's "
