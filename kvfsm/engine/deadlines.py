@@ -5,10 +5,11 @@ Every deadline a state arms is ``clock() + after`` with that state's single
 expiry: a deque per state is already sorted and arming is an append, not a
 heap push.
 
-Invariant: an entry ``(due, key)`` is live iff ``armed[key] is entry``. To arm,
-the tracker's per-event step stores ``armed[key] = entry`` and appends the
-entry to ``queues[state]`` itself (two stores, no call); to disarm it pops
-``armed[key]``. Dead entries are dropped when they reach the front of their
+Invariant: an entry ``(due, key)`` is live iff ``armed[key] is entry``. Only
+:meth:`arm` and :meth:`arm_many` make entries, so only they keep the first
+half; to disarm, a caller pops ``armed[key]`` (``armed.pop(key, None)``: a
+key disarmed already, by ``pop_due`` or a forced release, is no error), which
+leaves the entry dead in its queue. Dead entries are dropped when they reach the front of their
 queue, and :meth:`sweep` (run by ``poll`` and ``finished``) drops them all once
 they outnumber the live ones, so ``pop_due`` costs O(due + dead), never a scan
 of all armed.
@@ -25,22 +26,22 @@ Entry = tuple[float, Hashable]
 class Deadlines:
     __slots__ = ("armed", "queues")
 
-    def __init__(self, queues: list[deque[Entry]]) -> None:
-        """``queues[i]`` is state i's queue (the compiled state holds it too, so the step appends without a lookup)."""
+    def __init__(self, count: int) -> None:
+        """``count`` queues, one per timed thing (a state, by its index; a phase): nothing armed."""
         self.armed: dict[Hashable, Entry] = {}
-        self.queues = queues
+        self.queues: list[deque[Entry]] = [deque() for _ in range(count)]
 
     def __len__(self) -> int:
         return len(self.armed)
 
     def arm(self, key: Hashable, state: int, due: float) -> None:
-        """Arm ``key`` (not armed already) in ``state``'s queue; the step inlines exactly this."""
+        """Arm ``key`` (not armed already) in ``state``'s queue: one step entering a timed state."""
         entry = (due, key)
         self.armed[key] = entry
         self.queues[state].append(entry)
 
     def arm_many(self, keys: list[Hashable], state: int, due: float) -> None:
-        """Arm every key (none armed already) in ``state``'s queue, all due at once: a batch's step."""
+        """Arm every key (none armed already) in ``state``'s queue, all due at once: a group's step."""
         entries = [(due, key) for key in keys]
         self.armed.update(zip(keys, entries, strict=True))
         self.queues[state].extend(entries)

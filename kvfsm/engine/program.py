@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import reprlib
-from collections import deque
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -28,7 +27,7 @@ Action = Callable[..., Any]
 class CState:
     """A state in runtime form. ``row[event]`` is a CEdge, or None for an event the state ignores."""
 
-    __slots__ = ("after", "error_edge", "final", "holds", "index", "name", "queue", "row", "timeout_event")
+    __slots__ = ("after", "error_edge", "final", "holds", "index", "name", "row", "timeout_event")
 
     def __init__(self, name: str, index: int, final: bool, holds: tuple[str, ...]) -> None:
         self.name = name
@@ -39,8 +38,6 @@ class CState:
         self.after: float | None = None
         self.timeout_event: str | None = None
         self.error_edge: CEdge | None = None
-        self.queue: deque[tuple[float, Hashable]] = deque()
-        """This state's deadline entries, in due order: the tracker's own (see ``Deadlines``)."""
 
     def __repr__(self) -> str:
         return f"<state {self.name}>"
@@ -56,7 +53,7 @@ class CEdge:
     """
 
     __slots__ = (
-        "acquire_fns", "acquires", "bare", "batch_acquires", "batch_do", "batch_releases", "before", "count", "do",
+        "acquire_fns", "acquires", "bare", "batch_acquires", "batch_before", "batch_releases", "before", "count", "do",
         "do_name", "event", "links", "release_fns", "releases", "source", "target",
     )  # fmt: skip
 
@@ -79,10 +76,11 @@ class CEdge:
         self.target = target
         self.do = per_key(do) if do is not None else None
         self.do_name = do_name
-        self.batch_do = per_batch(do) if do is not None else None
         self.batch_acquires = tuple(per_batch(acquire[1]) for acquire in acquires)
+        self.batch_before = (per_batch(do), *self.batch_acquires) if do is not None else self.batch_acquires
         self.batch_releases = tuple(per_batch(fn) for _name, fn in releases)
-        """The same actions called once per batch of keys (see :func:`batch`): what ``fire_many`` runs."""
+        """The same actions called once per batch of keys (see :func:`batch`): what ``fire_many`` runs; position
+        i of ``batch_before`` and ``batch_releases`` is position i of ``before`` and ``release_fns``."""
         self.acquires = tuple((a, per_key(fn), r, per_key(undo)) for a, fn, r, undo in acquires)
         self.releases = tuple((name, per_key(fn)) for name, fn in releases)
         self.acquire_fns = tuple(acquire[1] for acquire in self.acquires)

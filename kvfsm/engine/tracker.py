@@ -116,10 +116,19 @@ class Tracker:
     - ``_early[(space, id)]`` holds the messages of ``early:`` events kept for
       an id not yet known in that space, each also in ``_early_order`` until
       it is applied (the id appeared) or dropped (due, bound, close);
-    - the per-key step (do, acquires, state change, deadlines, releases) is
-      written once, in ``fire``: poll, close and the queue run theirs through
-      it (``_fire_inner``, with ``_inner`` set so that the outer call drains
-      and raises), and on_error through the batch step for one key.
+    - every call that begins or fires one key enters through ``fire``
+      (``begin`` as ``_BEGIN``; poll, close and the queue's events through
+      ``_fire_inner``, with ``_inner`` set so that the outer call drains and
+      raises), so the lock's fast path is inlined once; every begin but the
+      plain path in ``fire`` (one that runs nothing that could call back) is
+      ``_begin_batch``, for one key or many;
+    - the step (do and acquires, on_error if one raised; the state change,
+      deadlines, releases and taps) has two forms, per key in ``fire`` and per
+      group in ``_step_many`` (``fire_many``'s groups, and on_error's edge),
+      which differ only in how they store and call: what a failure, a
+      deadline or a tap means is one method both call (``_before_failed``,
+      ``_release_failed``, ``Deadlines``, ``_link_carried``, the edges' taps),
+      and ``tests/test_batch_twin.py`` holds the two forms to each other.
 
     Calls made from inside a driver action or the observer (re-entrant calls):
 
@@ -233,7 +242,7 @@ class Tracker:
         self._guard: AbstractContextManager[Any] = (
             parent._guard if parent is not None else (self._mutex if self._mutex is not None else nullcontext())
         )
-        """What the non-hot methods hold; ``begin`` and ``fire`` inline the mutex's fast path."""
+        """What the non-hot methods hold; ``fire`` (which ``begin`` enters) inlines the mutex's fast path."""
         self._live: dict[Hashable, CState] = {}
         self._gens: dict[Hashable, int] = {}
         self._links: dict[str, dict[Hashable, tuple[Hashable, int]]] = {space: {} for space in (*spec.spaces, *spaces)}
@@ -243,7 +252,7 @@ class Tracker:
         self._plain_begin: CState | None = None
         """The initial state while ``begin`` runs nothing that could call back (its plain path); else None."""
         self._linked: dict[Hashable, list[tuple[str, Hashable]]] = {}
-        self._deadlines = Deadlines([state.queue for state in self._program.states])
+        self._deadlines = Deadlines(len(self._program.states))
         self._armed = self._deadlines.armed
         self._finished: list[tuple[Hashable, str]] = []
         """``(key, final state)`` since the last drain: what :meth:`finished` returns as it is."""
@@ -264,7 +273,7 @@ class Tracker:
         self._install_counts()
         self._phase_rules = tuple((spec.param(p.timeout.after, values), p.timeout.fire) for p in spec.phases.values())
         """Per phase, in declaration order: (seconds its deadline is armed for, the event it fires)."""
-        self._phase_deadlines = Deadlines([deque() for _ in self._phase_rules])
+        self._phase_deadlines = Deadlines(len(self._phase_rules))
         """Phase deadlines, keyed ``(key, phase index)``: armed and disarmed by taps on the edges that enter and
         leave each phase, so a transition that stays inside one pays nothing."""
         self._install_phases()
@@ -306,38 +315,7 @@ class Tracker:
         declare, and :class:`ActionError` if an acquire raised (nothing is
         then held).
         """
-        mutex = self._mutex
-        if mutex is not None:  # Mutex.__enter__, inlined
-            me = get_ident()
-            if mutex.owner == me:
-                mutex = None  # held by this thread already (poll's steps, an action calling back): not ours
-            else:
-                try:
-                    mutex.tokens.pop()
-                except IndexError:
-                    mutex.wait()
-                mutex.owner = me
-        try:
-            if self._busy:
-                self._enqueue(key, _BEGIN, payload)
-                return
-            target = self._plain_begin
-            if target is not None and not payload and key not in self._live:
-                # Nothing runs that could call back (no acquire, link or observer; taps may not call): the plain path.
-                self._live[key] = target
-                if target.after is not None:
-                    self._deadlines.arm(key, target.index, self._clock() + target.after)
-                if self._begin_taps:
-                    for tap in self._begin_taps:
-                        tap(key)
-                return
-            self._run(partial(self._begin, key, payload))  # partial, not a lambda: a closure slows the path above
-        finally:
-            if mutex is not None:  # Mutex.__exit__, inlined
-                mutex.owner = 0
-                mutex.tokens.append(None)
-                if mutex.waiters:
-                    mutex.hand_over()
+        self.fire(key, _BEGIN, **payload) if payload else self.fire(key, _BEGIN)  # one lock path, one entry
 
     def _settle_begin(self) -> None:
         """Decide, once per change of what begin runs, whether it can take the plain path (nothing that calls back)."""
@@ -358,9 +336,13 @@ class Tracker:
         :meth:`anomalies`, and ``None`` is returned; so is an event fired from
         inside an action, which is queued and runs once the current transition
         is complete.
+
+        :meth:`begin` comes in here too (``event`` is ``_BEGIN``), so that the
+        lock's fast path and the frame of a call are written once; no state's
+        row has ``_BEGIN``, so a begin costs the per-event path nothing.
         """
         mutex = self._mutex
-        if mutex is not None:  # Mutex.__enter__, inlined
+        if mutex is not None:  # Mutex.__enter__, inlined (its only copy: a method call costs what the lock saves)
             me = get_ident()
             if mutex.owner == me:
                 mutex = None  # held by this thread already (poll's steps, an action calling back): not ours
@@ -374,17 +356,34 @@ class Tracker:
             if self._busy:
                 self._enqueue(key, event, payload)
                 return None
-            source = self._live.get(key)
+            live = self._live
+            source = live.get(key)
             if source is None:
+                if event is _BEGIN:
+                    target = self._plain_begin
+                    if target is None or payload:
+                        self._run(partial(self._begin, key, payload))  # partial, not a lambda: a closure costs more
+                        return None
+                    # The plain begin: nothing runs that could call back (no acquire, link or observer; taps may not
+                    # call), so it is _begin's work for one fresh key, without the frame a call back would need.
+                    live[key] = target
+                    if target.after is not None:
+                        self._deadlines.arm(key, target.index, self._clock() + target.after)
+                    for tap in self._begin_taps:
+                        tap(key)
+                    return None
                 if self._closed and not self._inner:
                     raise TrackerClosed(f"tracker for {self.spec.name!r} is closed; {event!r} for {key!r} refused")
                 if not (self._early_rules and self._keep_early(self.spec.key, key, event, payload)):
                     self._anomaly("unknown", self.spec.key, key, event)
                 return None
-            if payload and not payload.keys() <= self._payloads.get(event, _EMPTY):
+            if payload and event is not _BEGIN and not payload.keys() <= self._payloads.get(event, _EMPTY):
                 raise self._payload_error(event, payload)
             edge = source.row.get(event)
-            if edge is None:  # ignored, or illegal
+            if edge is None:  # ignored, or illegal; or a begin of a key that has an instance
+                if event is _BEGIN:
+                    self._run(partial(self._begin, key, payload))
+                    return None
                 if self._closed and not self._inner:  # after close() every instance is final: only this path sees it
                     raise TrackerClosed(f"tracker for {self.spec.name!r} is closed; {event!r} for {key!r} refused")
                 return self._refuse(key, source, event)
@@ -393,25 +392,23 @@ class Tracker:
                 if counted is None:  # heard, and the count not complete: the instance stays, its deadline too
                     return source.name
                 payload = counted
-            # The step, written once, here on the per-event path (every other caller comes through
-            # _fire_inner): do and acquires; the state change, deadlines and releases; on_error if an
-            # action before the change raised.
+            # The step for one key (every other caller comes through _fire_inner; fire_many's groups
+            # through _step_many, its form for a group): do and acquires; the state change, deadlines
+            # and releases; on_error if an action before the change raised.
             self._busy = True
             try:
                 for action in edge.before:
                     try:
                         action(key, **payload) if payload else action(key)
                     except BaseException as exc:
-                        target = self._on_error(key, source, edge, self._prepare_failed(key, source, edge, action, exc))
+                        target = self._before_failed(key, source, edge, _position(edge.before, action), exc)
                         break
                 else:
-                    target = self._live[key] = edge.target
+                    target = live[key] = edge.target
                     if source.after is not None:
-                        self._armed.pop(key, None)  # disarm (poll may have already)
-                    if target.after is not None:  # arm, inlined: see Deadlines
-                        entry = (self._clock() + target.after, key)
-                        self._armed[key] = entry
-                        target.queue.append(entry)
+                        self._armed.pop(key, None)  # disarm (poll may have already): see Deadlines
+                    if target.after is not None:
+                        self._deadlines.arm(key, target.index, self._clock() + target.after)
                     if target.final:
                         self._finished.append((key, target.name))
                     if payload and edge.links:  # no payload, no id to link
@@ -420,7 +417,7 @@ class Tracker:
                         try:
                             release(key)
                         except BaseException as exc:
-                            self._release_failed(key, edge, release, exc, target)
+                            self._release_failed(key, edge, _position(edge.release_fns, release), exc, target)
                 if self._queue and not self._inner:
                     self._drain()
                     target = self._live.get(key, target)  # retired meanwhile: it ended where the step left it
@@ -433,7 +430,7 @@ class Tracker:
                 self._raise_failures(target.name)
             return target.name
         finally:
-            if mutex is not None:  # Mutex.__exit__, inlined
+            if mutex is not None:  # Mutex.__exit__, inlined (its only copy)
                 mutex.owner = 0
                 mutex.tokens.append(None)
                 if mutex.waiters:
@@ -482,11 +479,20 @@ class Tracker:
 
         self._run(rounds)
 
-    def _begin_batch(self, keys: list[Hashable], payload: dict[str, Any]) -> None:
+    def _begin_batch(
+        self, keys: list[Hashable], payload: dict[str, Any], parents: dict[Hashable, Hashable] | None = None
+    ) -> None:
+        """The begin step for distinct keys: each acquire once for the batch, the bookkeeping in bulk.
+
+        A key live already, or naming no live parent (unless ``parents`` gives
+        each key's), is a ``refused`` failure; a key an acquire failed for
+        holds nothing and is not begun.
+        """
         live, edge = self._live, self._begin_edge
         need = self._begin_need(payload)
         fresh = keys if live.keys().isdisjoint(keys) else self._beginnable(keys)
-        parents = self._parents(fresh, payload) if self._owner is not None else None
+        if parents is None and self._owner is not None:
+            parents = self._parents(fresh, payload)
         if parents is not None:
             fresh = [key for key in fresh if key in parents]
         for done, acquire in enumerate(edge.batch_acquires):
@@ -548,10 +554,7 @@ class Tracker:
         for key in keys:
             old = self._live.get(key)
             if old is not None and not old.final:
-                error = DuplicateKey(
-                    f"{key!r} is already live in state {old.name!r}; finish it before beginning it again"
-                )
-                self._failures.append(Failure(key, "begin", "<none>", "refused", error, old.name))
+                self._failures.append(Failure(key, "begin", "<none>", "refused", _duplicate(key, old), old.name))
                 continue
             fresh.append(key)
         return fresh
@@ -1062,13 +1065,8 @@ class Tracker:
         Keys an action failed for leave the batch there: their earlier
         acquires are undone and on_error fires for each, as in ``fire``.
         """
-        if edge.before:  # anything that can raise before the state changes
-            if edge.batch_do is not None:
-                keys = self._prepare_many(keys, source, edge, edge.batch_do, edge.do_name or "", "do", -1, payload)
-            for done, acquire in enumerate(edge.batch_acquires):
-                if not keys:
-                    return
-                keys = self._prepare_many(keys, source, edge, acquire, edge.acquires[done][0], "acquire", done, payload)
+        for position, action in enumerate(edge.batch_before):  # what can raise before the state changes
+            keys = self._prepare_many(keys, source, edge, action, position, payload)
             if not keys:
                 return
         target = edge.target
@@ -1093,10 +1091,8 @@ class Tracker:
                 if failed is None:
                     continue
                 failed = checked(failed, keys, _release_name(edge, index))
-            if failed:
-                name = _release_name(edge, index)
-                for key, error in failed.items():
-                    self._release_error(key, edge.event, name, error, target.name)
+            for key, error in failed.items():
+                self._release_failed(key, edge, index, error, target)
 
     def _prepare_many(
         self,
@@ -1104,12 +1100,10 @@ class Tracker:
         source: CState,
         edge: CEdge,
         action: Callable[..., Mapping[Hashable, BaseException] | None],
-        name: str,
-        phase: Phase,
-        done: int,
+        position: int,
         payload: dict[str, Any],
     ) -> list[Hashable]:
-        """Run one before-the-change action for the batch; the keys it failed for take on_error. Returns the rest."""
+        """Run ``edge.batch_before[position]`` for the batch; the keys it failed for take on_error. Returns the rest."""
         try:
             failed = action(keys, **payload) if payload else action(keys)
         except BaseException as exc:
@@ -1117,15 +1111,11 @@ class Tracker:
         else:
             if failed is None:
                 return keys
-            failed = checked(failed, keys, name)
+            failed = checked(failed, keys, _before_name(edge, position))
         if not failed:
             return keys
         for key, error in failed.items():
-            if phase == "do":
-                index = self._record(key, edge.event, name, "do", error, source.name)
-            else:
-                index = self._acquire_failed(key, edge, done, error, source.name)
-            self._on_error(key, source, edge, index)
+            self._before_failed(key, source, edge, position, error)
         return [key for key in keys if key not in failed]
 
     def _refuse_many(self, keys: list[Hashable], state: CState, event: str) -> None:
@@ -1140,45 +1130,23 @@ class Tracker:
             self._failures.append(Failure(key, event, "<none>", "refused", error, state.name))
 
     def _begin(self, key: Hashable, payload: dict[str, Any]) -> None:
-        """Create key's instance in the initial state; the caller has set ``_busy``.
+        """Begin one key (``begin``, or a begin an action queued); the caller has set ``_busy``.
 
-        Raises (nothing changed) for a closed tracker, a live key or undeclared
-        payload; a raising acquire is recorded and leaves no instance.
+        What stops it before anything runs is raised (nothing changed): a
+        closed tracker, a live key, undeclared payload, a count or a parent
+        the payload does not give. The rest is :meth:`_begin_batch` for a
+        batch of one, so a begin is written once.
         """
         if self._closed:
             raise TrackerClosed(f"tracker for {self.spec.name!r} is closed; begin({key!r}) refused")
-        live = self._live
-        old = live.get(key)
+        old = self._live.get(key)
         if old is not None and not old.final:
-            raise DuplicateKey(f"{key!r} is already live in state {old.name!r}; finish it before beginning it again")
+            raise _duplicate(key, old)
         if payload and not payload.keys() <= self._program.begin_payload:
             raise self._payload_error("begin", payload)
-        need = self._begin_need(payload)
-        parent = self._owner.parent_for(key, payload) if self._owner is not None else None
-        edge = self._begin_edge
-        for done, acquire in enumerate(edge.acquire_fns):
-            try:
-                acquire(key, **payload) if payload else acquire(key)
-            except BaseException as exc:
-                self._acquire_failed(key, edge, done, exc, "(not begun)")
-                return
-        target = live[key] = edge.target
-        if need is not None:
-            self._need[key] = need
-        if self._owner is not None:
-            self._owner.adopt(key, parent)
-        if old is not None or self._observers:  # begun again before the drain: see _retire
-            self._gens[key] = self._serial = self._serial + 1
-        if target.after is not None:
-            self._deadlines.arm(key, target.index, self._clock() + target.after)
-        if edge.links:
-            self._link_carried(key, edge, payload)
-        for tap in self._begin_taps:
-            tap(key)
-        if self._observers:
-            self._notify(key, "begin", "", target.name)
-        if self._early and (self.spec.key, key) in self._early:
-            self._release_early(self.spec.key, key, key)
+        self._begin_need(payload)
+        parents = {key: self._owner.parent_for(key, payload)} if self._owner is not None else None
+        self._begin_batch([key], payload, parents)
 
     def _notify(self, key: Hashable, event: str, source: str, target: str) -> None:
         """Tell each observer; one that raises is reported like a failed action and changes nothing."""
@@ -1191,24 +1159,31 @@ class Tracker:
                 name = getattr(observer, "__name__", type(observer).__name__)
                 self._failures.append(Failure(key, event, name, "observer", exc, target))
 
-    def _release_failed(self, key: Hashable, edge: CEdge, release: Action, exc: BaseException, target: CState) -> None:
-        """A release ``fire`` called raised: named by identity (it is one of the edge's, or a tap)."""
-        name = next((n for n, fn in edge.releases if fn is release), "<tap>")
-        self._release_error(key, edge.event, name, exc, target.name)
+    def _release_failed(self, key: Hashable, edge: CEdge, position: int, exc: BaseException, target: CState) -> None:
+        """Release number ``position`` of ``edge`` (one of its own, or a tap after them) raised for ``key``."""
+        self._release_error(key, edge.event, _release_name(edge, position), exc, target.name)
 
     def _release_error(self, key: Hashable, event: str, action: str, exc: BaseException, where: str) -> None:
         """Every raising release is recorded here: counted, and kept for the caller with the state it left."""
         self.counts["release_errors"] += 1
         self._failures.append(Failure(key, event, action, "release", exc, where))
 
-    def _prepare_failed(self, key: Hashable, source: CState, edge: CEdge, action: Action, exc: BaseException) -> int:
-        """``action``, one of ``edge.before`` (the do, then the acquires), raised: record it, undo what it must."""
-        done = next(index for index, fn in enumerate(edge.before) if fn is action)  # each is a distinct object
-        if edge.do is not None:
-            if done == 0:
-                return self._record(key, edge.event, edge.do_name or "", "do", exc, source.name)
-            done -= 1
-        return self._acquire_failed(key, edge, done, exc, source.name)
+    def _release_each(self, key: Hashable, event: str, releases: Iterable[tuple[str, Action]], where: str) -> None:
+        """Call each ``(name, release)`` for ``key`` outside a step (undoing a failed acquire, a forced release)."""
+        for name, release in releases:
+            try:
+                release(key)
+            except BaseException as exc:
+                self._release_error(key, event, name, exc, where)
+
+    def _before_failed(self, key: Hashable, source: CState, edge: CEdge, position: int, exc: BaseException) -> CState:
+        """``edge.before[position]`` (the do, then the acquires) raised for ``key``, in either step: record it,
+        undo the acquires before it and take on_error from ``source``. Returns the state key's instance is in."""
+        if position == 0 and edge.do is not None:
+            index = self._record(key, edge.event, _before_name(edge, position), "do", exc, source.name)
+        else:
+            index = self._acquire_failed(key, edge, position - (edge.do is not None), exc, source.name)
+        return self._on_error(key, source, edge, index)
 
     def _acquire_failed(self, key: Hashable, edge: CEdge, done: int, exc: BaseException, where: str) -> int:
         """Acquire number ``done`` raised: record it, undo the ones before (and, at begin, release
@@ -1217,11 +1192,7 @@ class Tracker:
         undo = [(name, fn) for _a, _fn, name, fn in edge.acquires[:done]]
         if edge.source is None:
             undo.extend(edge.releases)
-        for name, release in undo:
-            try:
-                release(key)
-            except BaseException as uexc:
-                self._release_error(key, edge.event, name, uexc, where)
+        self._release_each(key, edge.event, undo, where)
         return index
 
     def _record(self, key: Hashable, event: str, action: str, phase: Phase, exc: BaseException, where: str) -> int:
@@ -1547,13 +1518,8 @@ class Tracker:
         """Release everything ``key`` holds without a transition (close() of an unfinishable instance)."""
         del self._live[key]
         self._anomaly("forced", self.spec.key, key, ABORT)
-        releases = self._program.releases
-        for r in state.holds:
-            action, release = releases[r]  # as fire calls it: a batch release gets a one-key list
-            try:
-                release(key)
-            except BaseException as exc:
-                self._release_error(key, ABORT, action, exc, state.name)
+        releases = self._program.releases  # as fire calls them: a batch release gets a one-key list
+        self._release_each(key, ABORT, [releases[r] for r in state.holds], state.name)
         if state.after is not None:
             self._armed.pop(key, None)
         if self._phase_rules:
@@ -1716,6 +1682,24 @@ def _rounds(keys: list[Hashable]) -> list[list[Hashable]]:
         else:
             rounds[n].append(key)
     return rounds
+
+
+def _position(actions: tuple[Callable[..., object], ...], action: Callable[..., object]) -> int:
+    """Where ``action`` stands in ``actions`` (each a distinct object): how a step that ran one by one names it."""
+    return next(index for index, fn in enumerate(actions) if fn is action)
+
+
+def _before_name(edge: CEdge, position: int) -> str:
+    """The name of ``edge.before[position]``: its do, then its acquires."""
+    if edge.do is not None:
+        if position == 0:
+            return edge.do_name or ""
+        position -= 1
+    return edge.acquires[position][0]
+
+
+def _duplicate(key: Hashable, old: CState) -> DuplicateKey:
+    return DuplicateKey(f"{key!r} is already live in state {old.name!r}; finish it before beginning it again")
 
 
 def _release_name(edge: CEdge, index: int) -> str:
