@@ -19,7 +19,8 @@ batch's and does, step for step, what it did. A malformed answer fails the
 whole group, so the twin's action, called with one key, answers for that key
 the same kind of wrong thing.
 
-What is compared after every call: every key's state, what each driver
+What is compared after every call: every key's state, its deadline (when
+its state's was armed) and the next one due, what each driver
 holds (and that it equals what the spec says each state holds: nothing
 released twice, nothing leaked, nothing outside a group touched), the
 failures raised (as multisets: key, event, action, phase, end state and
@@ -349,6 +350,9 @@ def run_program(spec: Spec, data: st.DataObject) -> None:
                 f"{what}: the twin driver holds {twin_driver.held[key]}"
             )
         assert batch.counts == twin.counts, f"{what}: counts differ"
+        armed = {k: batch.entered(k) for k in KEYS}
+        assert armed == {k: twin.entered(k) for k in KEYS}, f"{what}: deadlines differ"
+        assert batch.next_deadline() == twin.next_deadline(), f"{what}: next deadlines differ"
         assert not batch._queue and not batch._busy
 
     def batch_failures(run: Callable[[], object]) -> Failures:

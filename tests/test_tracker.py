@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import kvfsm
 from kvfsm import (
@@ -28,6 +30,7 @@ from kvfsm import (
 )
 from kvfsm.spec import read_text
 from kvfsm.testing import VirtualClock
+from kvfsm.testing.strategies import specs
 
 SPEC_TEXT = """
 kvfsm: 1
@@ -418,6 +421,50 @@ def test_key_can_be_begun_after_a_failed_begin(rig: Rig) -> None:
     del rig.driver.faults["alloc_host_buf"]
     rig.tracker.begin("r1")
     assert rig.driver.observe("r1") == {"gpu_blocks", "host_buf"}
+
+
+class _Quiet:
+    """Every action of any spec, doing nothing: what is left to compare is the engine's own bookkeeping."""
+
+    def __getattr__(self, name: str) -> Callable[..., None]:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _nothing
+
+
+def _nothing(key: Hashable, /, **payload: Any) -> None:
+    return None
+
+
+@settings(max_examples=60, deadline=None)
+@given(spec=specs(max_states=4, max_resources=2, max_events=3), data=st.data())
+def test_a_plain_begin_leaves_what_a_begin_through_the_general_path_leaves(
+    spec: kvfsm.Spec, data: st.DataObject
+) -> None:
+    """Begin has a fast path (nothing runs that could call back) beside the general one; a journal (an observer)
+    sends every begin the general way, so the two trackers must agree on states, deadlines and what poll fires."""
+    clocks = VirtualClock(), VirtualClock()
+    plain = Tracker(spec, _Quiet(), clock=clocks[0])
+    general = Tracker(spec, _Quiet(), clock=clocks[1], observer=lambda *line: None)
+    keys = data.draw(st.lists(st.sampled_from(("a", "b", "c")), min_size=1, max_size=4), label="keys")
+    for key in keys:
+        results: list[type[KvfsmError] | None] = []
+        for tracker, clock in zip((plain, general), clocks, strict=True):
+            clock.advance(0.25)
+            try:
+                tracker.begin(key)
+                results.append(None)
+            except KvfsmError as exc:
+                results.append(type(exc))
+        assert results[0] == results[1]
+        assert [plain.entered(k) for k in keys] == [general.entered(k) for k in keys]
+        assert plain.next_deadline() == general.next_deadline()
+        assert plain.census() == general.census()
+    for clock in clocks:
+        clock.advance(1_000.0)
+    fired = [sorted(map(str, tracker.poll())) for tracker in (plain, general)]
+    assert fired[0] == fired[1]
+    assert sorted(plain.finished()) == sorted(general.finished())
 
 
 # -- derived releases and acquires ---------------------------------------------------
