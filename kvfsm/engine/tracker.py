@@ -372,11 +372,7 @@ class Tracker:
                     for tap in self._begin_taps:
                         tap(key)
                     return None
-                if self._closed and not self._inner:
-                    raise TrackerClosed(f"tracker for {self.spec.name!r} is closed; {event!r} for {key!r} refused")
-                if not (self._early_rules and self._keep_early(self.spec.key, key, event, payload)):
-                    self._anomaly("unknown", self.spec.key, key, event)
-                return None
+                return self._refuse(key, None, event, payload)
             if payload and event is not _BEGIN and not payload.keys() <= self._payloads.get(event, _EMPTY):
                 raise self._payload_error(event, payload)
             edge = source.row.get(event)
@@ -384,9 +380,7 @@ class Tracker:
                 if event is _BEGIN:
                     self._run(partial(self._begin, key, payload))
                     return None
-                if self._closed and not self._inner:  # after close() every instance is final: only this path sees it
-                    raise TrackerClosed(f"tracker for {self.spec.name!r} is closed; {event!r} for {key!r} refused")
-                return self._refuse(key, source, event)
+                return self._refuse(key, source, event, payload)
             if edge.count is not None or (payload and SENDER in payload):
                 counted = self._count(key, edge, payload)
                 if counted is None:  # heard, and the count not complete: the instance stays, its deadline too
@@ -545,7 +539,7 @@ class Tracker:
             try:
                 parents[key] = self._owner.parent_for(key, payload)
             except KvfsmError as exc:
-                self._failures.append(Failure(key, "begin", "<none>", "refused", exc, "(not begun)"))
+                self._refused(key, "begin", exc, "(not begun)")
         return parents
 
     def _beginnable(self, keys: list[Hashable]) -> list[Hashable]:
@@ -554,7 +548,7 @@ class Tracker:
         for key in keys:
             old = self._live.get(key)
             if old is not None and not old.final:
-                self._failures.append(Failure(key, "begin", "<none>", "refused", _duplicate(key, old), old.name))
+                self._refused(key, "begin", _duplicate(key, old), old.name)
                 continue
             fresh.append(key)
         return fresh
@@ -614,8 +608,6 @@ class Tracker:
             if group:
                 edge = state.row.get(event)
                 if edge is None:
-                    if self._closed:
-                        raise TrackerClosed(f"tracker for {self.spec.name!r} is closed; {event!r} refused")
                     self._refuse_many(group, state, event)
                 elif edge.count is not None or SENDER in payload:
                     for key in group:  # each arrival is counted on its own: fire's step, key by key
@@ -666,10 +658,7 @@ class Tracker:
             if via is not None or (self._epoch != since and key in self._live):
                 self._fire_moved(key, event, payload, via)
                 continue
-            if self._closed:
-                raise TrackerClosed(f"tracker for {self.spec.name!r} is closed; {event!r} refused")
-            if not (self._early_rules and self._keep_early(self.spec.key, key, event, payload)):
-                self._anomaly("unknown", self.spec.key, key, event)
+            self._refuse(key, None, event, payload)
 
     def _fire_moved(self, item: Hashable, event: str, payload: dict[str, Any], via: _Via | None) -> None:
         """Step one key of a batch that is no longer where it was grouped, as ``fire`` (or ``fire_by``) would now."""
@@ -682,7 +671,7 @@ class Tracker:
         try:
             self._fire_inner(key, event, payload)
         except IllegalTransition as exc:
-            self._failures.append(Failure(key, event, "<none>", "refused", exc, exc.state))
+            self._refused(key, event, exc, exc.state)
         if self._queue:
             self._drain()
 
@@ -1119,15 +1108,17 @@ class Tracker:
         return [key for key in keys if key not in failed]
 
     def _refuse_many(self, keys: list[Hashable], state: CState, event: str) -> None:
-        """An event no key of the group can take: counted as ignored, or one ``refused`` failure per key."""
-        if event in state.row:
-            self.counts["ignored"] += len(keys)
-            return
-        self.counts["illegal"] += len(keys)
-        accepted = list(state.row)
+        """:meth:`_refuse` for each key of a group in ``state``, which has no transition on ``event``; an
+        :class:`IllegalTransition` is that key's ``refused`` failure, not the batch's end."""
         for key in keys:
-            error = IllegalTransition(key, event, state.name, accepted)
-            self._failures.append(Failure(key, event, "<none>", "refused", error, state.name))
+            try:
+                self._refuse(key, state, event, {})
+            except IllegalTransition as exc:
+                self._refused(key, event, exc, state.name)
+
+    def _refused(self, key: Hashable, event: str, exc: KvfsmError, where: str) -> None:
+        """A batch's key that could not be stepped at all (illegal event, live key, no parent): its failure."""
+        self._failures.append(Failure(key, event, "<none>", "refused", exc, where))
 
     def _begin(self, key: Hashable, payload: dict[str, Any]) -> None:
         """Begin one key (``begin``, or a begin an action queued); the caller has set ``_busy``.
@@ -1220,8 +1211,16 @@ class Tracker:
             self._failures[i] = replace(self._failures[i], state=state.name)
         return state
 
-    def _refuse(self, key: Hashable, state: CState, event: str) -> str:
-        """An event with no transition: a legal no-op if ignored (in the row as None), else IllegalTransition."""
+    def _refuse(self, key: Hashable, state: CState | None, event: str, payload: dict[str, Any]) -> str | None:
+        """An event with no transition for ``key`` now (``state``: its instance's; None: it has none), in either
+        step: refused by a closed tracker; for no instance, kept if ``early:``, else an ``unknown`` anomaly;
+        a legal no-op if the state ignores it (in the row as None); else :class:`IllegalTransition`."""
+        if self._closed and not self._inner:  # after close() every instance is final: only this path sees it
+            raise TrackerClosed(f"tracker for {self.spec.name!r} is closed; {event!r} for {key!r} refused")
+        if state is None:
+            if not (self._early_rules and self._keep_early(self.spec.key, key, event, payload)):
+                self._anomaly("unknown", self.spec.key, key, event)
+            return None
         if event not in state.row:
             self.counts["illegal"] += 1
             raise IllegalTransition(key, event, state.name, list(state.row))
