@@ -4,16 +4,17 @@ Run with ``pytest --run-docs tests/docs`` (``./dev.sh test`` does, as its own st
 block, named ``FILE:LINE``. What each kind of block must do:
 
 - **python**: run as a script from a scratch copy of the clone (``specs/`` and the rest are links
-  into it, so files a block writes land in the scratch directory). A block that names something
-  only the prose defines gets a few lines in ``GIVEN`` below, run before it.
+  into it, so files a block writes land in the scratch directory, removed at the end). A block
+  that names something only the prose defines gets a few lines in ``GIVEN`` below, run before it;
+  ``THEN`` checks what a block's comments claim.
 - **commands** (untagged or ``bash`` blocks whose lines start ``kvfsm``, ``python``, ``pytest``,
   ``./dev.sh``, ``spin``, ``$ ``...): each command runs as written under bash, with ``.venv/bin``
   first on PATH, and must exit 0 unless the doc says otherwise (``exit N`` below). Under a ``$ cmd``
   line, the lines up to the next ``$`` are that command's output.
 - **output**: an untagged block right after a command block (nothing but blank lines and
   directives between) is the last command's output. The real output must contain every documented
-  line, in order, after ``normalise``: whitespace collapsed; durations, rates, addresses and
-  scratch paths masked. A doc line may wrap where the command's does not; ``...`` or ``…`` in a doc
+  line, in order, after ``normalise``: whitespace and rich's table rules collapsed; durations,
+  rates, addresses and scratch paths masked. A doc line may wrap where the command's does not; ``...`` or ``…`` in a doc
   line, or a doc line that is only one, skips whatever the command printed there.
 - **synopsis** (``kvfsm SUB [--option ...]`` usage lines): every ``--option`` is in ``kvfsm SUB --help``.
 - **yaml**: parsed; a block with ``kvfsm: 1`` and ``machine:`` is a whole spec and passes
@@ -34,16 +35,20 @@ Directives: an HTML comment on the lines before a fence (invisible when rendered
   ``file NAME``   the block is the text of file NAME, written into the scratch directory for the
                   blocks that continue it.
 
-``EXEMPT`` lists the blocks that cannot run here, each with why; the doc says so too, once.
+A directive's value cannot hold a ``;``. ``EXEMPT`` lists the blocks that cannot run here, each
+with why; the doc says so too, once. Blocks that need vLLM skip where it is not installed
+(``KVFSM_NO_VLLM=1``).
 """
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -76,6 +81,8 @@ EXEMPT: dict[tuple[str, str], str] = {
     ("docs/vllm.md", "api_server --model tiny"): "starts vLLM's OpenAI server, which serves until stopped",
     ("docs/demo.md", "kvfsm demo --engine vllm:"): "seven phases of real vLLM engines: about 100 s alone, past 4 "
     "minutes on a loaded 2-core machine (tests/engine runs each phase)",
+    ("docs/cpu_offload.md", "pytest tests/test_sim.py --run-slow"): "the 30,000-request soak: minutes on two cores "
+    "(./dev.sh test runs tests/test_sim.py without it)",
     ("docs/sglang.md", "./dev.sh test"): "./dev.sh test is the CI run this test is a step of; the soak takes hours",
     ("docs/moriio.md", "python benchmarks/moriio_soak.py"): "soaks of thousands of requests on real TransferEngines: "
     "minutes each (tests/test_moriio.py runs the same runners small)",
@@ -281,14 +288,19 @@ def _given(block: Block, table: dict[tuple[str, str], str] | None = None) -> str
 # ---- running --------------------------------------------------------------------------------------
 
 
+# What a clone has at its top (and the venv): not out/, .hypothesis/ or caches, which commands write.
+CLONE = [n for n in subprocess.run(["git", "ls-tree", "--name-only", "HEAD"], cwd=ROOT, capture_output=True,
+         text=True, check=True).stdout.split() if n != "tests"] + [".venv"]  # fmt: skip
+SCRATCH = Path(tempfile.mkdtemp(prefix="kvfsm-docs-"))
+atexit.register(shutil.rmtree, SCRATCH, True)  # links are unlinked, never followed
+
+
 def scratch() -> Path:
     """A scratch copy of the clone: a link per top-level entry, tests/ a directory of links, so
     whatever a command writes (relative paths, .hypothesis/, t.json) stays out of the repo."""
-    where = Path(tempfile.mkdtemp(prefix="kvfsm-docs-"))
-    for entry in ROOT.iterdir():
-        if entry.name in (".git", "tests"):
-            continue
-        (where / entry.name).symlink_to(entry)
+    where = Path(tempfile.mkdtemp(dir=SCRATCH))
+    for name in CLONE:
+        (where / name).symlink_to(ROOT / name)
     (where / "tests").mkdir()
     for entry in (ROOT / "tests").iterdir():
         if entry.name not in ("__pycache__", ".hypothesis"):
