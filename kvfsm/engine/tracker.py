@@ -116,19 +116,20 @@ class Tracker:
     - ``_early[(space, id)]`` holds the messages of ``early:`` events kept for
       an id not yet known in that space, each also in ``_early_order`` until
       it is applied (the id appeared) or dropped (due, bound, close);
-    - every call that begins or fires one key enters through ``fire``
-      (``begin`` as ``_BEGIN``; poll, close and the queue's events through
+    - ``begin`` and ``fire`` are the only calls that inline the lock's fast
+      path (a ``with`` costs two calls); every other call that fires one key
+      goes through ``fire`` (poll, close and the queue's events through
       ``_fire_inner``, with ``_inner`` set so that the outer call drains and
-      raises), so the lock's fast path is inlined once; every begin but the
-      plain path in ``fire`` (one that runs nothing that could call back) is
-      ``_begin_batch``, for one key or many;
+      raises); every begin but ``begin``'s plain path (one that runs nothing
+      that could call back) is ``_begin_batch``, for one key or many;
     - the step (do and acquires, on_error if one raised; the state change,
       deadlines, releases and taps) has two forms, per key in ``fire`` and per
       group in ``_step_many`` (``fire_many``'s groups, and on_error's edge),
       which differ only in how they store and call: what a failure, a
       deadline or a tap means is one method both call (``_before_failed``,
-      ``_release_failed``, ``Deadlines``, ``_link_carried``, the edges' taps),
-      and ``tests/test_batch_twin.py`` holds the two forms to each other.
+      ``_release_failed``, ``_refuse``, ``Deadlines``, ``_link_carried``, the
+      edges' taps; ``fire`` inlines ``Deadlines.arm``), and
+      ``tests/test_batch_twin.py`` holds the two forms to each other.
 
     Calls made from inside a driver action or the observer (re-entrant calls):
 
@@ -242,7 +243,7 @@ class Tracker:
         self._guard: AbstractContextManager[Any] = (
             parent._guard if parent is not None else (self._mutex if self._mutex is not None else nullcontext())
         )
-        """What the non-hot methods hold; ``fire`` (which ``begin`` enters) inlines the mutex's fast path."""
+        """What the non-hot methods hold; ``begin`` and ``fire`` inline the mutex's fast path."""
         self._live: dict[Hashable, CState] = {}
         self._gens: dict[Hashable, int] = {}
         self._links: dict[str, dict[Hashable, tuple[Hashable, int]]] = {space: {} for space in (*spec.spaces, *spaces)}
@@ -315,7 +316,39 @@ class Tracker:
         declare, and :class:`ActionError` if an acquire raised (nothing is
         then held).
         """
-        self.fire(key, _BEGIN, **payload) if payload else self.fire(key, _BEGIN)  # one lock path, one entry
+        mutex = self._mutex
+        if mutex is not None:  # Mutex.__enter__, inlined, as in fire (entering through fire costs 4-5% a request)
+            me = get_ident()
+            if mutex.owner == me:
+                mutex = None  # held by this thread already (poll's steps, an action calling back): not ours
+            else:
+                try:
+                    mutex.tokens.pop()
+                except IndexError:
+                    mutex.wait()
+                mutex.owner = me
+        try:
+            if self._busy:
+                self._enqueue(key, _BEGIN, payload)
+                return
+            target = self._plain_begin
+            if target is not None and not payload and key not in self._live:
+                # Nothing runs that could call back (no acquire, link or observer; taps may not call): the plain
+                # path, _begin's work for one fresh key without the frame a call back needs.
+                self._live[key] = target
+                if target.after is not None:
+                    self._deadlines.arm(key, target.index, self._clock() + target.after)
+                if self._begin_taps:
+                    for tap in self._begin_taps:
+                        tap(key)
+                return
+            self._run(partial(self._begin, key, payload))  # partial, not a lambda: a closure slows the path above
+        finally:
+            if mutex is not None:  # Mutex.__exit__, inlined, as in fire
+                mutex.owner = 0
+                mutex.tokens.append(None)
+                if mutex.waiters:
+                    mutex.hand_over()
 
     def _settle_begin(self) -> None:
         """Decide, once per change of what begin runs, whether it can take the plain path (nothing that calls back)."""
@@ -336,13 +369,9 @@ class Tracker:
         :meth:`anomalies`, and ``None`` is returned; so is an event fired from
         inside an action, which is queued and runs once the current transition
         is complete.
-
-        :meth:`begin` comes in here too (``event`` is ``_BEGIN``), so that the
-        lock's fast path and the frame of a call are written once; no state's
-        row has ``_BEGIN``, so a begin costs the per-event path nothing.
         """
         mutex = self._mutex
-        if mutex is not None:  # Mutex.__enter__, inlined (its only copy: a method call costs what the lock saves)
+        if mutex is not None:  # Mutex.__enter__, inlined, as in begin: a method call costs what the lock saves
             me = get_ident()
             if mutex.owner == me:
                 mutex = None  # held by this thread already (poll's steps, an action calling back): not ours
@@ -359,27 +388,11 @@ class Tracker:
             live = self._live
             source = live.get(key)
             if source is None:
-                if event is _BEGIN:
-                    target = self._plain_begin
-                    if target is None or payload:
-                        self._run(partial(self._begin, key, payload))  # partial, not a lambda: a closure costs more
-                        return None
-                    # The plain begin: nothing runs that could call back (no acquire, link or observer; taps may not
-                    # call), so it is _begin's work for one fresh key, without the frame a call back would need.
-                    live[key] = target
-                    if target.after is not None:
-                        self._deadlines.arm(key, target.index, self._clock() + target.after)
-                    for tap in self._begin_taps:
-                        tap(key)
-                    return None
                 return self._refuse(key, None, event, payload)
-            if payload and event is not _BEGIN and not payload.keys() <= self._payloads.get(event, _EMPTY):
+            if payload and not payload.keys() <= self._payloads.get(event, _EMPTY):
                 raise self._payload_error(event, payload)
             edge = source.row.get(event)
-            if edge is None:  # ignored, or illegal; or a begin of a key that has an instance
-                if event is _BEGIN:
-                    self._run(partial(self._begin, key, payload))
-                    return None
+            if edge is None:  # ignored, or illegal
                 return self._refuse(key, source, event, payload)
             if edge.count is not None or (payload and SENDER in payload):
                 counted = self._count(key, edge, payload)
@@ -401,8 +414,10 @@ class Tracker:
                     target = live[key] = edge.target
                     if source.after is not None:
                         self._armed.pop(key, None)  # disarm (poll may have already): see Deadlines
-                    if target.after is not None:
-                        self._deadlines.arm(key, target.index, self._clock() + target.after)
+                    if target.after is not None:  # Deadlines.arm, inlined: its one copy (a call costs 2-3% a request)
+                        entry = (self._clock() + target.after, key)
+                        self._armed[key] = entry
+                        self._deadlines.queues[target.index].append(entry)
                     if target.final:
                         self._finished.append((key, target.name))
                     if payload and edge.links:  # no payload, no id to link
@@ -424,7 +439,7 @@ class Tracker:
                 self._raise_failures(target.name)
             return target.name
         finally:
-            if mutex is not None:  # Mutex.__exit__, inlined (its only copy)
+            if mutex is not None:  # Mutex.__exit__, inlined, as in begin
                 mutex.owner = 0
                 mutex.tokens.append(None)
                 if mutex.waiters:
