@@ -9,13 +9,24 @@ from pathlib import Path
 from rich.markup import escape
 
 from ..spec import Finding, check
-from .common import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, Subparsers, findings_json, out, print_finding, unreadable
+from .common import (
+    EXIT_FINDINGS,
+    EXIT_OK,
+    EXIT_USAGE,
+    Subparsers,
+    add_strict,
+    findings_json,
+    out,
+    print_finding,
+    unreadable,
+)
 
 
 def register(sub: Subparsers) -> None:
     p = sub.add_parser("check", help="static checks of spec files (exit 0 clean, 1 findings, 2 unreadable)")
     p.add_argument("specs", nargs="+", type=Path, metavar="SPEC")
     p.add_argument("--format", choices=("text", "json"), default="text")
+    add_strict(p)
     p.set_defaults(run=run)
 
 
@@ -36,4 +47,4 @@ def run(args: argparse.Namespace) -> int:
         out.print(f"[red]{summary}[/]" if errors else f"[green]{summary}[/]")
     if unreadable(findings):  # a file, or a role spec a system names, that cannot be read
         return EXIT_USAGE
-    return EXIT_FINDINGS if errors else EXIT_OK
+    return EXIT_FINDINGS if errors or (args.strict and warnings) else EXIT_OK

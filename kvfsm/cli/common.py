@@ -14,7 +14,20 @@ from rich.markup import escape
 from ..errors import KvfsmError
 from ..spec.findings import READ_ERROR, Finding
 
-EXIT_OK, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_FINDINGS, EXIT_USAGE, EXIT_INCOMPLETE = 0, 1, 2, 3
+"""The one exit-code contract of every command: 0 clean; 1 findings, a violation, a divergence (or, with
+``--strict``, a warning); 2 unusable input or usage (a missing or malformed file, an unknown option, an option
+the chosen mode has no use for); 3 incomplete (nothing found, but the run was cut short before it could say
+so). 130: interrupted (Ctrl-C)."""
+
+EXIT_INTERRUPTED = 130
+"""Ctrl-C stopped the run (128 + SIGINT, as a shell reports it); what was found was printed first."""
+
+EXIT_CODES = (
+    "exit status: 0 clean; 1 findings or violation (with --strict, warnings too); "
+    "2 unusable input or usage; 3 incomplete (cut short, nothing found); 130 interrupted"
+)
+"""The contract in one line, the epilog of ``kvfsm --help`` and of each command's ``--help``."""
 
 UNREADABLE = frozenset({READ_ERROR, "KVF200"})
 """Findings that say a file could not be read at all: the file named (KVF000) or a role spec a system names
@@ -33,6 +46,17 @@ Subparsers = Any
 """argparse's private _SubParsersAction; each command module's ``register(sub)`` adds itself to it."""
 
 Command = Callable[[argparse.Namespace], int]
+
+
+def refuse(command: str, option: str, mode: str) -> int:
+    """Say that ``option`` does not apply to ``mode`` (one line, on stderr) and return the usage exit code."""
+    err.print(f"[red]kvfsm {command}: {escape(option)} does not apply to {escape(mode)}[/]")
+    return EXIT_USAGE
+
+
+def add_strict(p: argparse.ArgumentParser) -> None:
+    """The ``--strict`` option of a command whose findings may be warnings: warnings fail too (exit 1)."""
+    p.add_argument("--strict", action="store_true", help="warnings fail too (exit 1 rather than 0)")
 
 
 class OutputError(KvfsmError):

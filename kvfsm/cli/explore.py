@@ -22,17 +22,25 @@ from typing import TYPE_CHECKING
 from rich.markup import escape
 from rich.table import Table
 
-from .common import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, Subparsers, err, out, print_finding, write_output
+from .common import (
+    EXIT_FINDINGS,
+    EXIT_INCOMPLETE,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_USAGE,
+    Subparsers,
+    add_strict,
+    err,
+    out,
+    print_finding,
+    refuse,
+    write_output,
+)
 
 if TYPE_CHECKING:
     from ..explore import ExploreResult, Progress
     from ..spec.system import System
 
-EXIT_INCOMPLETE = 3
-"""Nothing violated, but the search was cut short (``--max-states``, ``--time-limit``)."""
-
-EXIT_INTERRUPTED = 130
-"""Ctrl-C stopped the search (128 + SIGINT, as a shell reports it); what was found was printed first."""
 
 DEFAULT_MAX_STATES = 5_000_000
 """States a search stops at unless ``--max-states`` says otherwise: about 1.2 GB and a minute or two on
@@ -93,6 +101,7 @@ def register(sub: Subparsers) -> None:
         "their errors are printed first",
     )
     p.add_argument("--format", choices=("text", "json"), default="text")
+    add_strict(p)
     p.add_argument("--trace", type=Path, default=None, metavar="FILE", help="write the shortest counterexample as JSON")
     p.add_argument(
         "--promela",
@@ -130,6 +139,13 @@ def run(args: argparse.Namespace) -> int:
         side = "at least 1" if args.requests < 1 else f"at most {MAX_REQUESTS}"
         err.print(f"[red]kvfsm explore: --requests must be {side}, not {args.requests}[/]")
         return EXIT_USAGE
+    if args.promela is not None:
+        searching = ("first", "no_symmetry", "no_merge", "max_states", "time_limit", "progress", "trace", "strict")
+        for name in searching:
+            if getattr(args, name) not in (None, False):
+                return refuse("explore", f"--{name.replace('_', '-')}", "--promela, which exports and does not search")
+        if args.format != "text":
+            return refuse("explore", "--format json", "--promela, which exports and does not search")
     max_states = _bound(args.max_states, DEFAULT_MAX_STATES, "--max-states", int)
     time_limit = _bound(args.time_limit, DEFAULT_TIME_LIMIT, "--time-limit", float)
     for problem in (max_states, time_limit):
@@ -143,7 +159,10 @@ def run(args: argparse.Namespace) -> int:
         if args.unchecked:
             system, rejected = read_system(args.system)
             for finding in rejected:
-                print_finding(finding)
+                if args.format == "json":  # stdout holds the JSON document alone
+                    err.print(f"[yellow]{escape(str(finding))}[/]")
+                else:
+                    print_finding(finding)
             if rejected:
                 err.print(
                     f"[yellow]kvfsm explore: exploring {len(rejected)} check error(s) as written (--unchecked)[/]"
@@ -230,7 +249,7 @@ def _explore(args: argparse.Namespace, system: System) -> int:
             )
     if result.interrupted:
         return EXIT_INTERRUPTED
-    if result.verdict == "violated":
+    if result.verdict == "violated" or (args.strict and result.unreached):
         return EXIT_FINDINGS
     return EXIT_OK if result.verdict == "verified" else EXIT_INCOMPLETE
 
