@@ -7,7 +7,8 @@ import json
 import math
 import os
 import shlex
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -65,7 +66,10 @@ def register(sub: Subparsers) -> None:
         "Given a system file, replay a small set of traces that together take every reachable role edge and "
         "deliver every reachable message, on one Tracker and driver per role (exit 0 when all match and nothing "
         "reachable went unexercised). With --trace, replay one explorer trace of a system instead "
-        "(exit 0 when the trace's violation is reproduced).",
+        "(exit 0 when the trace's violation is reproduced). Hypothesis runs with no example database (the seed "
+        "repeats a run); its own files go under $XDG_CACHE_HOME/kvfsm/hypothesis (~/.cache/kvfsm/hypothesis), "
+        "never into the working directory. A long run shows its examples as a bar on stderr when stderr is a "
+        "terminal; --examples N runs exactly N examples (the planned path cover among them, never cut short).",
     )
     p.add_argument(
         "spec",
@@ -146,6 +150,17 @@ def _stop_stuck(problem: str) -> None:
     os._exit(EXIT_FINDINGS)
 
 
+def _hypothesis_home() -> None:
+    """Keep Hypothesis' files (its constants cache; kvfsm keeps no example database) out of the working directory:
+    under $HYPOTHESIS_STORAGE_DIRECTORY if set, else $XDG_CACHE_HOME/kvfsm/hypothesis (~/.cache/kvfsm/hypothesis)."""
+    from hypothesis.configuration import set_hypothesis_home_dir
+
+    if os.environ.get("HYPOTHESIS_STORAGE_DIRECTORY"):
+        return
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    set_hypothesis_home_dir(cache / "kvfsm" / "hypothesis")
+
+
 def run(args: argparse.Namespace) -> int:
     from ..testing.calls import DriverError
 
@@ -154,6 +169,7 @@ def run(args: argparse.Namespace) -> int:
         err.print(f"[red]kvfsm test: {escape(timeout)}[/]")
         return EXIT_USAGE
     args.call_timeout_given, args.call_timeout = args.call_timeout is not None, timeout
+    _hypothesis_home()
     try:
         return _run(args)
     except DriverError as exc:  # a factory that raised or hung in a trace replay: the driver's, a finding
@@ -184,16 +200,18 @@ def _run(args: argparse.Namespace) -> int:
     exempt = load_exemptions(args.exempt).get(spec.name, {}) if args.exempt is not None else {}
     factory = load_factory(driver)  # after every file is read: importing a driver may take seconds
     bar = Bar(args.min_coverage if args.min_coverage is not None else 1.0, exempt)
-    report = run_machine(
-        spec,
-        factory,
-        examples=args.examples,
-        seed=args.seed,
-        steps=args.steps or STEPS,
-        bar=bar,
-        call_timeout=args.call_timeout,
-        on_stuck=_stop_stuck,
-    )
+    with _progress(spec.name) as shown:
+        report = run_machine(
+            spec,
+            factory,
+            examples=args.examples,
+            seed=args.seed,
+            steps=args.steps or STEPS,
+            bar=bar,
+            call_timeout=args.call_timeout,
+            on_stuck=_stop_stuck,
+            on_example=shown,
+        )
     svg_note = ""
     if args.coverage_svg is not None:
         data = to_svg(spec, coverage=report.coverage.taken())
@@ -207,6 +225,25 @@ def _run(args: argparse.Namespace) -> int:
         if svg_note:
             out.print(f"coverage diagram: {escape(svg_note)}")
     return EXIT_OK if report.passed else EXIT_FINDINGS
+
+
+@contextmanager
+def _progress(name: str) -> Iterator[Callable[[int, int], None] | None]:
+    """Examples run so far, as a rich bar on stderr when stderr is a terminal (and it clears when done); nothing
+    otherwise, so a log or a pipe gets the verdict alone."""
+    if not err.is_terminal:
+        yield None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=err, transient=True) as progress:
+        task = progress.add_task(f"kvfsm test {name}: examples", total=None)
+
+        def shown(n: int, of: int) -> None:
+            progress.update(task, completed=n - 1, total=of)
+
+        yield shown
 
 
 def _render(args: argparse.Namespace, driver: str, report: Report) -> None:
@@ -299,7 +336,7 @@ def _coverage(report: Report) -> None:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from ..explore import read_trace
+    from ..explore import check_sizes, read_trace
     from ..spec.system import is_system_file
     from ..testing.trace_replay import replay_trace
 
@@ -310,6 +347,19 @@ def _replay(args: argparse.Namespace) -> int:
         err.print(
             f"[red]kvfsm test: --trace replays a composition's trace, so {escape(str(args.spec))} must be a system "
             "file (with 'system:' and 'roles:'), such as the one 'kvfsm explore' wrote the trace from[/]"
+        )
+        return EXIT_USAGE
+    from ..spec.system import load_system
+
+    system = load_system(args.spec)
+    check_sizes(system, None)  # a size too big to build says so first, before anything is expanded
+    ranked = [f"role {r.name} has {r.ranks} ranks" for r in system.roles.values() if r.ranks > 1]
+    ranked += [f"the timeout relation {rel.text!r}" for rel in system.relations]
+    if ranked:  # the replay drives one Tracker per role and has no rank or relation to give a step
+        err.print(
+            f"[red]kvfsm test: --trace replays one Tracker per role, and {escape(system.name)} has "
+            f"{escape('; '.join(ranked))}, which the replay does not model yet; explore it with "
+            "'kvfsm explore' alone[/]"
         )
         return EXIT_USAGE
     trace = read_trace(args.trace)  # before importing drivers, which may take seconds

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 import re
+import unittest
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -110,6 +111,14 @@ def _failure(f: Failure) -> str:
     return f"{f.action}() raised {type(f.error).__name__}: {f.error} ({f.phase} on {f.event} {f.key})"
 
 
+class BudgetSpent(unittest.SkipTest):
+    """Raised by the teardown of the last example :attr:`SpecMachine.limit` allows; ends Hypothesis' run there.
+
+    A ``SkipTest``: the one kind of exception Hypothesis neither takes for a failing example nor replays; it
+    passes it straight up, to the runner, which catches it.
+    """
+
+
 class SpecMachine(RuleBasedStateMachine):
     """Base of the machines :func:`spec_machine` builds: state, checks and the invariant.
 
@@ -130,6 +139,16 @@ class SpecMachine(RuleBasedStateMachine):
     """State → a shortest path to it around the blocked edges, for :meth:`walk`."""
     call_timer: ClassVar[CallTimer | None] = None
     """Times every call into the driver (the runner sets it from ``call_timeout``); ``None``: calls are not timed."""
+    limit: ClassVar[int | None] = None
+    """Examples this class may run in all (the runner sets it from ``examples`` while Hypothesis runs): the
+    example that reaches it ends the run by raising :class:`BudgetSpent` from its teardown, unless an example
+    has failed (Hypothesis runs the failing one again to report it). Hypothesis' own ``max_examples`` counts
+    valid examples only, and a stateful run has overrun and invalid ones too (100 asked, 143 ran). ``None``:
+    no limit."""
+    failed: ClassVar[bool] = False
+    """Whether an example diverged or its driver failed; lifts :attr:`limit`."""
+    on_example: ClassVar[Callable[[int], None] | None] = None
+    """Called with each example's number as it starts (the CLI's progress)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -138,6 +157,8 @@ class SpecMachine(RuleBasedStateMachine):
         self.story: list[str] = []
         self.trace: list[tuple[str, tuple[object, ...]]] = []
         """Each step as (method, arguments): replaying it on a fresh machine repeats the example."""
+        if cls.on_example is not None:
+            cls.on_example(cls.coverage.examples + 1)
         factory = cls.driver_factory
         self.driver: ObservableDriver
         if isinstance(factory, Factory):  # counted and timed: a failure is the driver's, named, not a crash
@@ -454,10 +475,15 @@ class SpecMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         """Every example ends with ``close()`` (again, if a rule closed already: it must be a no-op)."""
-        if self._busy or self._diverged:
-            return  # a step was cut short (a failure, or Hypothesis stopping it): leave its story as it is
-        self.close("teardown")
-        self.agrees_with_spec()
+        if self._diverged:
+            return  # a failure: leave its story as it is
+        if not self._busy:  # else a step was cut short (Hypothesis stopping it): nothing to close cleanly
+            self.close("teardown")
+            self.agrees_with_spec()
+        cls = type(self)
+        if cls.limit is not None and cls.coverage.examples >= cls.limit and not cls.failed:
+            # at the end of an example, after all its draws: Hypothesis sees nothing amiss
+            raise BudgetSpent("every example asked for has run")
 
     @contextmanager
     def _step(self, name: str, *args: object) -> Iterator[None]:
@@ -561,6 +587,7 @@ class SpecMachine(RuleBasedStateMachine):
     def _driver_failed(self, problem: str) -> NoReturn:
         """End the run on a driver failure (not a divergence: nothing to shrink), with the story so far."""
         self._diverged = True  # teardown must not call into the driver again
+        type(self).failed = True
         story = list(self.story) or ["(before any step)"]
         story[-1] = f"{story[-1]}; {problem}"
         raise DriverFault(problem, story, self.trace)
@@ -616,6 +643,7 @@ class SpecMachine(RuleBasedStateMachine):
 
     def _diverge(self, problems: list[str]) -> NoReturn:
         self._diverged = True
+        type(self).failed = True
         story = list(self.story) or ["(before any step)"]
         story[-1] = f"{story[-1]}; " + "; ".join(problems)
         raise SpecViolation(self.spec.name, story, problems, self.trace)

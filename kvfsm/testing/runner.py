@@ -33,7 +33,7 @@ from .calls import FactoryError as FactoryError  # its home before calls.py; imp
 from .contract import DriverFactory, ObservableDriver, can_inject_faults
 from .cover import TraceStep, blocked_edges, path_cover
 from .coverage import Coverage
-from .machine import KEYS, SpecMachine, check_driver, fault_targets, spec_machine
+from .machine import KEYS, BudgetSpent, SpecMachine, check_driver, fault_targets, spec_machine
 from .story import SpecViolation
 
 STEPS = 50
@@ -155,13 +155,15 @@ def run(
     cover: bool = True,
     call_timeout: float | None = None,
     on_stuck: Callable[[str], None] | None = None,
+    on_example: Callable[[int, int], None] | None = None,
 ) -> RunReport:
     """Model-test the drivers ``factory`` makes against ``spec``; returns a :class:`RunReport`.
 
-    ``examples`` is the whole run, by default the current Hypothesis
+    ``examples`` is the whole run, exactly, by default the current Hypothesis
     profile's ``max_examples`` (100 unless a profile says otherwise): the path
     cover's planned examples first, then random ones for the rest (at least
-    one), so covering every edge costs no more than the random run alone; ``seed`` defaults to a random one, reported so the run can be
+    one; the plan is never cut short, so a run is at least the planned examples
+    and one more), so covering every edge costs no more than the random run alone; ``seed`` defaults to a random one, reported so the run can be
     repeated exactly. ``bar`` is the coverage the run must reach (default:
     everything); ``cover=False`` runs the random examples alone, with no plan
     (what the generator did before it had a path cover: for comparisons).
@@ -172,7 +174,8 @@ def run(
     fails at run time (its factory raises, on the first call or a later one,
     or a call does not return in time) ends the run with a failing report
     whose :attr:`RunReport.driver_error` names the call; ``on_stuck`` is called
-    instead for a call that does not stop even when interrupted.
+    instead for a call that does not stop even when interrupted. ``on_example(n, of)``
+    is called as example ``n`` of ``of`` starts (progress).
     """
     if not isinstance(spec, Spec):
         spec = load(spec)
@@ -191,8 +194,10 @@ def run(
     budget = examples if examples is not None else Settings().max_examples
     faults = fault_targets(spec) if can_inject_faults(driver) else ()
     plans = path_cover(spec, params, machine.keys, blocked=machine.blocked, faults=faults) if cover else []
+    total = max(budget, len(plans) + 1)
+    machine.on_example = (lambda n: on_example(n, total)) if on_example is not None else None
     config = Settings(
-        max_examples=max(budget - len(plans), 1),
+        max_examples=total - len(plans),
         stateful_step_count=steps,
         deadline=None,
         database=None,
@@ -212,9 +217,15 @@ def run(
                     spec, False, chosen, budget, steps, machine.coverage, found.story, found.problems, str(found),
                     planned=n, found_by=plan.goal,
                 )  # fmt: skip
+        machine.limit, machine.failed = total, False
         try:
-            with reporting.with_reporter(_silent):
-                run_state_machine_as_test(use_seed(chosen)(machine), settings=config)
+            try:
+                with reporting.with_reporter(_silent):
+                    run_state_machine_as_test(use_seed(chosen)(machine), settings=config)
+            finally:  # tidying replays an example: outside the budget, and not progress
+                machine.limit, machine.on_example = None, None
+        except BudgetSpent:  # every example asked for has run
+            pass
         except SpecViolation as exc:
             exc = tidy(machine, exc)
             return RunReport(
