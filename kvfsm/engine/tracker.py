@@ -86,6 +86,9 @@ _NOBODY: Final[Any] = object()
 
 _EMPTY: frozenset[str] = frozenset()
 
+_NOT_BEGUN = CState("(not begun)", -1, False, ())
+"""Where a key is before its begin: the source a failed begin is recorded in (it has no on_error to take)."""
+
 
 class Tracker:
     """Tracks every instance of one machine and runs its driver's actions.
@@ -504,20 +507,10 @@ class Tracker:
             parents = self._parents(fresh, payload)
         if parents is not None:
             fresh = [key for key in fresh if key in parents]
-        for done, acquire in enumerate(edge.batch_acquires):
+        for position, acquire in enumerate(edge.batch_before):  # begin's acquires, failing as a step's do
             if not fresh:
                 return
-            try:
-                failed = acquire(fresh, **payload) if payload else acquire(fresh)
-            except BaseException as exc:
-                failed = dict.fromkeys(fresh, exc)
-            else:
-                if failed is not None:
-                    failed = checked(failed, fresh, edge.acquires[done][0])
-            if failed:
-                for key, why in failed.items():
-                    self._acquire_failed(key, edge, done, why, "(not begun)")
-                fresh = [key for key in fresh if key not in failed]
+            fresh = self._prepare_many(fresh, _NOT_BEGUN, edge, acquire, position, payload)
         target = edge.target
         regen = [] if fresh is keys else [key for key in fresh if key in live]  # begun again before the drain
         live.update(zip(fresh, repeat(target)))
@@ -1107,7 +1100,8 @@ class Tracker:
         position: int,
         payload: dict[str, Any],
     ) -> list[Hashable]:
-        """Run ``edge.batch_before[position]`` for the batch; the keys it failed for take on_error. Returns the rest."""
+        """Run ``edge.batch_before[position]`` for the batch; the keys it failed for take on_error (if ``source`` has
+        one). Returns the rest."""
         try:
             failed = action(keys, **payload) if payload else action(keys)
         except BaseException as exc:
