@@ -37,7 +37,7 @@ ILLEGAL = b'{"key":"b","generation":2,"event":"abort","from":"pinned","to":"done
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """The files the rows name: {MISSING}, {MALFORMED}, {GOOD_LOG}, {BAD_LOG}, {OUT}, {TRACE}."""
+    """The files the rows name: {MISSING}, {MALFORMED}, {GOOD_LOG}, {BAD_LOG}, {OUT}, {TRACE}, {DIR}."""
     d = tmp_path_factory.mktemp("contract")
     (d / "malformed.yaml").write_text("machine: [unclosed\n  states: {\n")
     (d / "good.jsonl").write_bytes(HEAD)
@@ -51,6 +51,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         "BAD_LOG": str(d / "bad.jsonl"),
         "OUT": str(d / "out.svg"),
         "TRACE": str(d / "trace.json"),
+        "DIR": str(d / "out"),
     }
 
 
@@ -108,7 +109,11 @@ ROWS: list[Row] = [
     # top
     ("top once json", ["top", "{URL}", "--once", "--format", "json"], 0),
     ("top bad interval", ["top", "{URL}", "--interval", "0"], 2),
-    # demo and bench: their good runs take minutes; their usage paths are pinned here
+    # demo: the tour's check part alone (seconds); the job and bench take minutes: their usage paths are pinned
+    ("demo tour check part json", ["demo", "--only", "check", "--format", "json", "--out", "{DIR}"], 0),
+    ("demo job option given to the tour", ["demo", "--tour", "--requests", "5"], 2),
+    ("demo tour option given to the job", ["demo", "--out", "{DIR}"], 2),
+    ("demo MoRIIO option given to the pd job", ["demo", "--mode", "read"], 2),
     ("demo unknown option", ["demo", "--bogus"], 2),
     ("demo bad fault rate", ["demo", "--fault-rate", "7", "--requests", "1"], 2),
     ("bench unknown option", ["bench", "--bogus"], 2),

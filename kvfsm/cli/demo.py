@@ -13,7 +13,7 @@ from rich.markup import escape
 from rich.padding import Padding
 from rich.table import Table
 
-from .common import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, Subparsers, err, missing_extra, out
+from .common import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, Subparsers, err, missing_extra, out, refuse
 
 if TYPE_CHECKING:
     from collections import Counter
@@ -80,19 +80,22 @@ def register(sub: Subparsers) -> None:
     )
     moriio = p.add_argument_group("MoRIIO options (with --driver moriio)")
     moriio.add_argument(
-        "--mode", choices=("write", "read"), default="write", help="WRITE (prefill pushes) or READ (decode pulls)"
+        "--mode",
+        choices=("write", "read"),
+        default=None,
+        help="WRITE (prefill pushes, the default) or READ (decode pulls)",
     )
     moriio.add_argument(
         "--pre-fix",
         action="store_true",
         help="run seed 001's prefill as before vLLM #40344 (no deferred-task deadline, failures never marked done)",
     )
-    p.add_argument("--requests", type=int, default=2000, metavar="N", help="requests to run (default 2000)")
-    p.add_argument("--concurrency", type=int, default=64, metavar="C", help="requests under way at once (default 64)")
+    p.add_argument("--requests", type=int, default=None, metavar="N", help="requests to run (default 2000)")
+    p.add_argument("--concurrency", type=int, default=None, metavar="C", help="requests under way at once (default 64)")
     p.add_argument(
         "--fault-rate",
         type=float,
-        default=0.1,
+        default=None,
         metavar="P",
         help="probability of a fault at each opportunity: a message, an action, a write, a request (0.1)",
     )
@@ -111,7 +114,9 @@ def register(sub: Subparsers) -> None:
     )
     p.add_argument("--format", choices=("text", "json"), default="text")
     tour = p.add_argument_group("tour options (with --tour)")
-    tour.add_argument("--out", type=Path, default=Path("out"), metavar="DIR", help="diagrams go to DIR/diagrams/")
+    tour.add_argument(
+        "--out", type=Path, default=None, metavar="DIR", help="diagrams go to DIR/diagrams/ (default: out)"
+    )
     tour.add_argument(
         "--specs", type=Path, default=None, metavar="DIR", help="the specs to check and draw (default: bundled specs/)"
     )
@@ -136,8 +141,46 @@ def _port(text: str) -> int:
     return value
 
 
+JOB_DEFAULTS: dict[str, float] = {"requests": 2000, "concurrency": 64, "fault_rate": 0.1}
+"""The job's sizes when not given (their options default to None, so that the tour can refuse them)."""
+
+JOB_CHOICES = {"engine": "embedded", "driver": "pd", "backend": "embedded", "protocol": "corrected"}
+"""The job's choices and their defaults: another value given with the tour is refused."""
+
+
+def _refused(args: argparse.Namespace, tour: bool) -> int | None:
+    """Refuse an option the chosen mode has no use for (exit 2, one line), else fill in the defaults."""
+    if tour:
+        for name in (*JOB_DEFAULTS, "mode", "metrics"):
+            if getattr(args, name) is not None:
+                return refuse("demo", f"--{name.replace('_', '-')}", "the tour (--tour), which runs no job")
+        for name, default in JOB_CHOICES.items():
+            if getattr(args, name) != default:
+                return refuse("demo", f"--{name} {getattr(args, name)}", "the tour (--tour), which runs no job")
+        if args.pre_fix:
+            return refuse("demo", "--pre-fix", "the tour (--tour), which runs no job")
+        args.out = args.out if args.out is not None else Path("out")
+        return None
+    if args.out is not None:
+        return refuse("demo", "--out", "the job; it is a tour option (add --tour)")
+    if args.driver != "moriio" or args.engine == "vllm":
+        job = "--engine vllm" if args.engine == "vllm" else f"--driver {args.driver}"
+        for name, given in (("--mode", args.mode is not None), ("--pre-fix", args.pre_fix)):
+            if given:
+                return refuse("demo", name, f"{job}; it is a MoRIIO option (with --driver moriio)")
+    for name, size in JOB_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, size)
+    args.mode = args.mode or "write"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
-    if args.tour or args.quick or args.only or args.specs is not None:
+    tour = bool(args.tour or args.quick or args.only or args.specs is not None)
+    refused = _refused(args, tour)
+    if refused is not None:
+        return refused
+    if tour:
         return run_tour(args)
     if args.engine == "vllm":
         return run_engines(args)

@@ -20,7 +20,17 @@ from ..replay.read import first_header, log_lines
 from ..replay.record import IDS_PLAIN
 from ..spec import Spec, SpecError, load
 from ..spec.loader import not_regular
-from .common import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, Subparsers, err, findings_json, out, print_finding
+from .common import (
+    EXIT_FINDINGS,
+    EXIT_OK,
+    EXIT_USAGE,
+    Subparsers,
+    add_strict,
+    err,
+    findings_json,
+    out,
+    print_finding,
+)
 
 
 def register(sub: Subparsers) -> None:
@@ -60,6 +70,7 @@ def register(sub: Subparsers) -> None:
     )
     p.add_argument("--all", action="store_true", help="list every finding, not just the first")
     p.add_argument("--format", choices=("text", "json"), default="text")
+    add_strict(p)  # the warnings: sessions whose headers record other params than the first's
     p.set_defaults(run=run)
 
 
@@ -150,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
         out.print_json(json.dumps(_json(report, args.spec, applied, header)))
     else:
         _render(report, every=args.all, header=header)
-    return EXIT_OK if report.conforms else EXIT_FINDINGS
+    return EXIT_OK if report.conforms and not (args.strict and sessions.differing) else EXIT_FINDINGS
 
 
 def _recorded(header: Header | None, spec: Spec) -> dict[str, float]:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from rich.markup import escape
 from rich.table import Table
 
-from .common import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, Subparsers, err, out, write_output
+from .common import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, Subparsers, add_strict, err, out, write_output
 
 DEFAULT_CALL_TIMEOUT = 60.0
 """Seconds one call into a driver (its factory, observe, an action, a release) may take before it is a finding.
@@ -122,6 +122,7 @@ def register(sub: Subparsers) -> None:
         f"a finding, exit 1 (default {DEFAULT_CALL_TIMEOUT:g}; none: no limit)",
     )
     p.add_argument("--format", choices=("text", "json"), default="text")
+    add_strict(p)  # the warnings: items left unexercised that --min-coverage let pass
     p.set_defaults(run=run)
 
 
@@ -224,7 +225,8 @@ def _run(args: argparse.Namespace) -> int:
         _render(args, driver, report)
         if svg_note:
             out.print(f"coverage diagram: {escape(svg_note)}")
-    return EXIT_OK if report.passed else EXIT_FINDINGS
+    gaps = report.verdict.gaps if report.verdict is not None else ()
+    return EXIT_OK if report.passed and not (args.strict and gaps) else EXIT_FINDINGS
 
 
 @contextmanager
@@ -480,7 +482,7 @@ def _cover_system(args: argparse.Namespace) -> int:
         out.print_json(json.dumps({**result.as_dict(), "drivers": drivers}))
     else:
         _render_system(result, drivers)
-    return EXIT_OK if result.passed else EXIT_FINDINGS
+    return EXIT_OK if result.passed and not (args.strict and result.gaps) else EXIT_FINDINGS
 
 
 def _render_system(result: SystemCoverage, drivers: dict[str, str]) -> None:
