@@ -109,6 +109,8 @@ ROWS: list[Row] = [
     # top
     ("top once json", ["top", "{URL}", "--once", "--format", "json"], 0),
     ("top bad interval", ["top", "{URL}", "--interval", "0"], 2),
+    ("top --count given to --once", ["top", "{URL}", "--once", "--count", "2"], 2),
+    ("top unreachable", ["top", "http://127.0.0.1:9/", "--once"], 2),
     # demo: the tour's check part alone (seconds); the job and bench take minutes: their usage paths are pinned
     ("demo tour check part json", ["demo", "--only", "check", "--format", "json", "--out", "{DIR}"], 0),
     ("demo job option given to the tour", ["demo", "--tour", "--requests", "5"], 2),

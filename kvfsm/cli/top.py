@@ -25,7 +25,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..errors import KvfsmError
-from .common import EXIT_OK, Subparsers, err, out
+from .common import EXIT_OK, Subparsers, err, out, refuse
 
 
 def register(sub: Subparsers) -> None:
@@ -202,6 +202,8 @@ def _clock() -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.once and args.count is not None:
+        return refuse("top", "--count", "--once, which reads once")
     reads = 1 if args.once else args.count
     readings = watch(args.url, args.limit, args.interval, reads=reads, pause=pause)
     if args.format == "json":
