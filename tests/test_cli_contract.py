@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from buggy_drivers import PEER_SPEC
 from drivers import recording_driver
 
 import kvfsm
@@ -31,19 +32,22 @@ BROKEN = str(ROOT / "tests" / "specs" / "broken" / "kvf101_no_initial.yaml")
 GOOD_DRIVER = "buggy_drivers:StoreSender"
 BAD_DRIVER = "buggy_drivers:SkipsDecOnPutError"
 
+PEER_RUN = ["--driver", "buggy_drivers:NeedsPeer", "--seed", "0", "--min-coverage", "0", "--examples", "20"]
+
 HEAD = b'{"journal":1,"machine":"kv_request","pid":1,"opened":0.0}\n'
 ILLEGAL = b'{"key":"b","generation":2,"event":"abort","from":"pinned","to":"done","time":2.5}\n'
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """The files the rows name: {MISSING}, {MALFORMED}, {GOOD_LOG}, {BAD_LOG}, {OUT}, {TRACE}, {DIR}."""
+    """The files the rows name: {MISSING}, {MALFORMED}, {GOOD_LOG}, {BAD_LOG}, {OUT}, {TRACE}, {DIR}, {PEER}."""
     d = tmp_path_factory.mktemp("contract")
     (d / "malformed.yaml").write_text("machine: [unclosed\n  states: {\n")
     (d / "good.jsonl").write_bytes(HEAD)
     begin = b'{"key":"b","generation":2,"event":"begin","from":"","to":"pinned","time":2.0}\n'
     (d / "bad.jsonl").write_bytes(HEAD + begin + ILLEGAL)
     (d / "trace.json").write_text("{}")
+    (d / "peer.yaml").write_text(PEER_SPEC)  # NeedsPeer cannot take one edge: a gap a lowered bar lets pass
     return {
         "MISSING": str(d / "missing.yaml"),
         "MALFORMED": str(d / "malformed.yaml"),
@@ -52,6 +56,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         "OUT": str(d / "out.svg"),
         "TRACE": str(d / "trace.json"),
         "DIR": str(d / "out"),
+        "PEER": str(d / "peer.yaml"),
     }
 
 
@@ -93,6 +98,8 @@ ROWS: list[Row] = [
     # test
     ("test passes", ["test", KV, "--driver", GOOD_DRIVER, "--seed", "0", "--examples", "20", "--format", "json"], 0),
     ("test diverges", ["test", KV, "--driver", BAD_DRIVER, "--seed", "0", "--examples", "20", "--format", "json"], 1),
+    ("test gap under a lowered bar passes", ["test", "{PEER}", *PEER_RUN], 0),
+    ("test gap under a lowered bar fails --strict", ["test", "{PEER}", *PEER_RUN, "--strict"], 1),
     ("test spec failing its checks", ["test", BROKEN, "--driver", GOOD_DRIVER], 2),
     ("test missing spec", ["test", "{MISSING}", "--driver", GOOD_DRIVER], 2),
     ("test missing driver module", ["test", KV, "--driver", "no_such_module:make"], 2),
