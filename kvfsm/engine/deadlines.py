@@ -7,13 +7,13 @@ heap push.
 
 Invariant: an entry ``(due, key)`` is live iff ``armed[key] is entry``. Only
 :meth:`arm` and :meth:`arm_many` make entries (``Tracker.fire`` inlines
-:meth:`arm`, its one copy: a call there costs 2-3% of a request's lifecycle);
+:meth:`arm`, its one copy: a call per event is a cost ``kvfsm bench`` shows);
 to disarm, a caller pops ``armed[key]`` (``armed.pop(key, None)``: a key
 disarmed already, by ``pop_due`` or a forced release, is no error), which
-leaves the entry dead in its queue. Dead entries are dropped when they reach the front of their
-queue, and :meth:`sweep` (run by ``poll`` and ``finished``) drops them all once
-they outnumber the live ones, so ``pop_due`` costs O(due + dead), never a scan
-of all armed.
+leaves the entry dead in its queue. Dead entries are dropped when they reach
+the front of their queue, and :meth:`sweep` (run by ``poll`` and
+``finished``) drops them all once they outnumber the live ones, so
+``pop_due`` costs O(due + dead), never a scan of all armed.
 """
 
 from __future__ import annotations

@@ -320,7 +320,7 @@ class Tracker:
         then held).
         """
         mutex = self._mutex
-        if mutex is not None:  # Mutex.__enter__, inlined, as in fire (entering through fire costs 4-5% a request)
+        if mutex is not None:  # Mutex.__enter__, inlined, as in fire: entering through fire is a call per request
             me = get_ident()
             if mutex.owner == me:
                 mutex = None  # held by this thread already (poll's steps, an action calling back): not ours
@@ -417,7 +417,7 @@ class Tracker:
                     target = live[key] = edge.target
                     if source.after is not None:
                         self._armed.pop(key, None)  # disarm (poll may have already): see Deadlines
-                    if target.after is not None:  # Deadlines.arm, inlined: its one copy (a call costs 2-3% a request)
+                    if target.after is not None:  # Deadlines.arm, inlined: its one copy (a call here shows in bench)
                         entry = (self._clock() + target.after, key)
                         self._armed[key] = entry
                         self._deadlines.queues[target.index].append(entry)
