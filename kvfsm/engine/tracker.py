@@ -388,8 +388,7 @@ class Tracker:
             if self._busy:
                 self._enqueue(key, event, payload)
                 return None
-            live = self._live
-            source = live.get(key)
+            source = self._live.get(key)
             if source is None:
                 return self._refuse(key, None, event, payload)
             if payload and not payload.keys() <= self._payloads.get(event, _EMPTY):
@@ -414,7 +413,7 @@ class Tracker:
                         target = self._before_failed(key, source, edge, _position(edge.before, action), exc)
                         break
                 else:
-                    target = live[key] = edge.target
+                    target = self._live[key] = edge.target
                     if source.after is not None:
                         self._armed.pop(key, None)  # disarm (poll may have already): see Deadlines
                     if target.after is not None:  # Deadlines.arm, inlined: its one copy (a call here shows in bench)
