@@ -272,7 +272,7 @@ ALL = [b for doc in DOCS for b in extract(doc)]
 
 
 def _needs_vllm(block: Block) -> bool:
-    text = block.text + block.directives.get("output of:", "")
+    text = _given(block) + block.text + block.directives.get("output of:", "")
     return "from vllm" in text or "--engine vllm" in text
 
 
@@ -408,8 +408,13 @@ _futures: dict[str, Future[list[Run]]] = {}
 def _submit_all() -> None:
     if _futures:
         return
+    shared = [b for b in ALL if _shares_vllm(b)]
+    if shared and importlib.util.find_spec("vllm") is not None:
+        _submit_shared(shared)  # first: the longest job
     for block in ALL:
         if _needs_vllm(block) and importlib.util.find_spec("vllm") is None:
+            continue
+        if block in shared:
             continue
         if _exempt(block) is None and block.kind in ("python", "commands"):
             _futures[block.id] = _pool.submit(execute, block)
@@ -417,6 +422,65 @@ def _submit_all() -> None:
             holder = Block(block.path, block.line, "", "", {}, False, "commands", [block.directives["output of:"]])
             holder.directives = {k: v for k, v in block.directives.items() if k in ("cwd", "exit")}
             _futures[block.id] = _pool.submit(execute, holder)
+
+
+def _submit_shared(shared: list[Block]) -> None:
+    picks: dict[str, Future[list[Run]]] = {b.id: Future() for b in shared}
+    _futures.update(picks)
+
+    def hand_out(batch: Future[list[Run]]) -> None:
+        error = batch.exception()
+        for at, block in enumerate(shared):
+            if error is not None:
+                picks[block.id].set_exception(error)
+            else:
+                picks[block.id].set_result([batch.result()[at]])
+
+    _pool.submit(execute_shared, shared).add_done_callback(hand_out)
+
+
+def _shares_vllm(block: Block) -> bool:
+    """A python block that only imports vLLM (a config): run with the others in one interpreter,
+    each in a namespace of its own, since importing vLLM costs half a minute a process."""
+    return (
+        block.kind == "python"
+        and _needs_vllm(block)
+        and _exempt(block) is None
+        and "continues" not in block.directives
+        and "__main__" not in block.text
+    )
+
+
+_SHARED_RUNNER = """
+import contextlib, io, json, runpy, sys, traceback
+results = []
+for name in sys.argv[1:]:
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            runpy.run_path(name, run_name="__doc_block__")
+        results.append([0, out.getvalue()])
+    except BaseException:
+        results.append([1, out.getvalue() + traceback.format_exc()])
+json.dump(results, open("_results.json", "w"))
+"""
+
+
+def execute_shared(blocks: list[Block]) -> list[Run]:
+    """Run independent python blocks in one interpreter, one namespace each; a run per block."""
+    start = time.monotonic()
+    where = scratch()
+    names = []
+    for at, block in enumerate(blocks):
+        names.append(f"_doc_block_{at}.py")
+        (where / names[-1]).write_text(_given(block) + block.text + _given(block, THEN))
+    (where / "_shared.py").write_text(_SHARED_RUNNER)
+    run = _run("python _shared.py " + " ".join(names), where)
+    TIMES["(python blocks importing vLLM, one interpreter)"] = time.monotonic() - start
+    if run.status != 0:
+        return [run] * len(blocks)
+    results = json.loads((where / "_results.json").read_text())
+    return [Run(f"python  # {b.id}", status, output) for b, (status, output) in zip(blocks, results, strict=True)]
 
 
 # ---- output matching ------------------------------------------------------------------------------
