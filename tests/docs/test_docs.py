@@ -52,6 +52,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import tomllib
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -294,14 +295,18 @@ def _given(block: Block, table: dict[tuple[str, str], str] | None = None) -> str
 # What a clone has at its top (and the venv): not out/, .hypothesis/ or caches, which commands write.
 CLONE = [n for n in subprocess.run(["git", "ls-tree", "--name-only", "HEAD"], cwd=ROOT, capture_output=True,
          text=True, check=True).stdout.split() if n != "tests"] + [".venv"]  # fmt: skip
-SCRATCH = Path(tempfile.mkdtemp(prefix="kvfsm-docs-"))
-atexit.register(shutil.rmtree, SCRATCH, True)  # links are unlinked, never followed
+_scratch_root: list[Path] = []  # made by the first scratch(), removed at exit
+_scratch_lock = threading.Lock()
 
 
 def scratch() -> Path:
     """A scratch copy of the clone: a link per top-level entry, tests/ a directory of links, so
     whatever a command writes (relative paths, .hypothesis/, t.json) stays out of the repo."""
-    where = Path(tempfile.mkdtemp(dir=SCRATCH))
+    with _scratch_lock:
+        if not _scratch_root:
+            _scratch_root.append(Path(tempfile.mkdtemp(prefix="kvfsm-docs-")))
+            atexit.register(shutil.rmtree, _scratch_root[0], True)  # links are unlinked, never followed
+    where = Path(tempfile.mkdtemp(dir=_scratch_root[0]))
     for name in CLONE:
         (where / name).symlink_to(ROOT / name)
     (where / "tests").mkdir()
