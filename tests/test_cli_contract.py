@@ -123,6 +123,8 @@ ROWS: list[Row] = [
     ("demo job option given to the tour", ["demo", "--tour", "--requests", "5"], 2),
     ("demo tour option given to the job", ["demo", "--out", "{DIR}"], 2),
     ("demo MoRIIO option given to the pd job", ["demo", "--mode", "read"], 2),
+    ("demo embedded driver given to the engines", ["demo", "--engine", "vllm", "--driver", "moriio"], 2),
+    ("demo job size given to the engines", ["demo", "--engine", "vllm", "--requests", "5"], 2),
     ("demo unknown option", ["demo", "--bogus"], 2),
     ("demo bad fault rate", ["demo", "--fault-rate", "7", "--requests", "1"], 2),
     ("bench unknown option", ["bench", "--bogus"], 2),

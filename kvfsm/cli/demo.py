@@ -163,6 +163,14 @@ def _refused(args: argparse.Namespace, tour: bool) -> int | None:
         return None
     if args.out is not None:
         return refuse("demo", "--out", "the job; it is a tour option (add --tour)")
+    if args.engine == "vllm":  # a fixed set of prompts through vLLM's engines: only --fault-rate applies
+        engines = "--engine vllm, which runs its own prompts through vLLM's engines"
+        for name in ("requests", "concurrency", "metrics"):
+            if getattr(args, name) is not None:
+                return refuse("demo", f"--{name}", engines)
+        for name in ("driver", "backend", "protocol"):
+            if getattr(args, name) != JOB_CHOICES[name]:
+                return refuse("demo", f"--{name} {getattr(args, name)}", engines)
     if args.driver != "moriio" or args.engine == "vllm":
         job = "--engine vllm" if args.engine == "vllm" else f"--driver {args.driver}"
         for name, given in (("--mode", args.mode is not None), ("--pre-fix", args.pre_fix)):
