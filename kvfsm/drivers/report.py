@@ -3,8 +3,8 @@
 A connector's spec declares the obligation as a resource (``recv_report``)
 whose release action records the request here, so every way out of a load
 records it exactly once; the connector only drains this. One helper serves
-every connector in kvfsm: the CPU-offload scheduler half and the Mooncake
-store worker.
+every connector in kvfsm, and :class:`RecvReport` is the resource's actions
+for the loads that report by block id (MoRIIO's and NIXL's decode sides).
 """
 
 from __future__ import annotations
@@ -94,3 +94,35 @@ class Report:
         """Requests recorded and not yet drained."""
         with self._lock:
             return len(self._sending) + len(self._recving) + len(self._waiting)
+
+
+class RecvReport:
+    """The actions of a load spec's ``recv_report``: vLLM parked the request until finished_recving names it.
+
+    The spec acquires it first, so a pin that fails after it still reports
+    the load (undoing the acquire is its release). ``report_recv`` reports
+    every block invalid; ``report_loaded`` is the checked edge's own release
+    (``release: {recv_report: report_loaded}``), with none invalid. A driver
+    mixes this in and sets ``report`` and ``_owed`` (the resource's record,
+    empty) in its ``__init__``.
+    """
+
+    report: Report
+    _owed: dict[Hashable, tuple[int, ...]]
+
+    def owe_recv_report(self, key: Hashable, /, block_ids: Iterable[int], **_begin: object) -> None:
+        """vLLM parked the request until it hears of the load; its blocks are unfilled until checked."""
+        self._owed[key] = tuple(block_ids)
+
+    def report_recv(self, key: Hashable, /) -> None:
+        """Record the load for finished_recving with every block invalid: vLLM recomputes them."""
+        self.report.recv(key, self._owed.pop(key))
+
+    def report_loaded(self, key: Hashable, /) -> None:
+        """The report's release on the edge that byte-checked the blocks: none invalid."""
+        del self._owed[key]
+        self.report.recv(key, ())
+
+    def owes(self, key: Hashable) -> bool:
+        """Whether ``key``'s report is still owed (what ``observe`` says of ``recv_report``)."""
+        return key in self._owed

@@ -23,7 +23,7 @@ from ...engine import Tracker
 from ...spec import Spec
 from ..nixl.blocks import KVBlocks
 from ..nixl.memory import BlockMemory
-from ..report import Finished, Report
+from ..report import Finished, RecvReport, Report
 from .messages import Computed, LayoutPart, Message, Release, RemoteBlocks, Stats, WriteDone
 from .side import Side, count_senders, counted_events
 from .specs import moriio_spec
@@ -54,7 +54,7 @@ class Load:
     """WRITE mode: the prefill rank this load announces its blocks to (the engine's ``peer`` if empty)."""
 
 
-class BlockLoader:
+class BlockLoader(RecvReport):
     """Actions both consumer specs share: owe vLLM the load's report, pin the allocated blocks, byte-check them.
 
     ``_owed[key]`` is the ``recv_report`` record (:meth:`owe_recv_report`; :meth:`report_recv`, or
@@ -82,19 +82,6 @@ class BlockLoader:
         self.pool.pin(self.holder(key), block_ids)
         self._loads[key] = Load(transfer_id, tuple(block_ids))
 
-    def owe_recv_report(self, key: Hashable, /, block_ids: Sequence[int], **_begin: object) -> None:
-        """vLLM parked the request until it hears of the load; its blocks are unfilled until checked."""
-        self._owed[key] = tuple(block_ids)
-
-    def report_recv(self, key: Hashable, /) -> None:
-        """Record the load for finished_recving with every block invalid: vLLM recomputes them."""
-        self.report.recv(key, self._owed.pop(key))
-
-    def report_loaded(self, key: Hashable, /) -> None:
-        """The report's release on the edge that byte-checked the blocks: none invalid."""
-        del self._owed[key]
-        self.report.recv(key, ())
-
     def unpin_dst(self, key: Hashable, /) -> None:
         self._loads.pop(key)
         self.pool.release(self.holder(key))
@@ -110,7 +97,7 @@ class BlockLoader:
 
     def observe(self, key: Hashable) -> set[str]:
         held = {"dst_blocks"} if self.pool.held_by(self.holder(key)) else set()
-        if key in self._owed:
+        if self.owes(key):
             held.add("recv_report")
         return held
 

@@ -16,7 +16,7 @@ From the command line::
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
 from ..nixl.blocks import KVBlocks
@@ -143,7 +143,7 @@ class ModelLender(HandsOver, BlockLender):
 class Receives(Planned):
     """A consumer's report is owed before its blocks are pinned."""
 
-    def owe_recv_report(self, key: Hashable, /, block_ids: Sequence[int], **begin: object) -> None:
+    def owe_recv_report(self, key: Hashable, /, block_ids: Iterable[int], **begin: object) -> None:
         self.trip_first("owe_recv_report", key)
         super().owe_recv_report(key, block_ids, **begin)  # type: ignore[misc]
 

@@ -30,7 +30,7 @@ from ...errors import ActionError, Anomaly
 from ...observe import drain_outcomes
 from ...spec import Spec, load
 from ...spec.bundled import SPECS
-from ..report import Finished, Report
+from ..report import Finished, RecvReport, Report
 from .blocks import M, own_blocks
 from .memory import BlockLayout, BlockMemory, read_extents
 from .notif import encode, parse
@@ -114,7 +114,7 @@ class Load:
     remote_blocks: tuple[int, ...]
 
 
-class BlockReader:
+class BlockReader(RecvReport):
     """Actions of ``nixl_decode``: owe the report, pin the allocated blocks, post the READs, byte-check, release.
 
     ``_owed`` is the ``recv_report`` record (:meth:`owe_recv_report`; :meth:`report_recv`, or
@@ -185,20 +185,6 @@ class BlockReader:
         if self._loads.pop(key).blocks:
             self.pool.release(self.holder(key))
 
-    # -- recv_report ------------------------------------------------------------------
-
-    def owe_recv_report(self, key: Hashable, /, block_ids: Sequence[int], **_begin: object) -> None:
-        """vLLM parked the request until it hears of the load; its blocks are unfilled until checked."""
-        self._owed[key] = tuple(block_ids)
-
-    def report_recv(self, key: Hashable, /) -> None:
-        """Record the load for finished_recving with every block invalid: vLLM recomputes them."""
-        self.report.recv(key, self._owed.pop(key))
-
-    def report_loaded(self, key: Hashable, /) -> None:
-        """The report's release on the edge that byte-checked the blocks (``complete``): none invalid."""
-        del self._owed[key]
-        self.report.recv(key, ())
 
     # -- xfer -------------------------------------------------------------------------
 
@@ -275,7 +261,7 @@ class BlockReader:
 
     def observe(self, key: Hashable) -> set[str]:
         held = set()
-        if key in self._owed:
+        if self.owes(key):
             held.add("recv_report")
         if key in self._loads:
             held.add("dst_blocks")
