@@ -111,6 +111,8 @@ def test_a_later_session_run_with_other_params_is_named_on_stderr(
     both.write_bytes(first.read_bytes() + second.read_bytes())
     code, _out, err = replay(capsys, str(both))
     assert code == 0 and f"{both}:6:" in err and "transfer_timeout=60" in err
+    code, _out, err = replay(capsys, str(both), "--strict")  # the warning fails the run
+    assert code == 1 and f"{both}:6:" in err
 
 
 def test_attach_refuses_another_machine_and_a_header_already_written(tmp_path: Path) -> None:
