@@ -30,11 +30,11 @@ def decode_crashes(folder: Path) -> Path:
 
 
 def test_the_corrected_pd_protocol_survives_prefill_crashes_with_four_requests() -> None:
-    started = time.perf_counter()
+    started = time.process_time()  # CPU seconds: a busy machine does not inflate them as it does the wall clock
     result = explore(BUNDLED / "pd_prefill_crash.yaml")
     assert result.requests == 4 and result.complete
     assert result.verdict == "verified", [p.name for p in result.violated]
-    assert time.perf_counter() - started < 60
+    assert time.process_time() - started < 60
     assert ("prefill", "crashed") in LocalSystem(load_system(BUNDLED / "pd_prefill_crash.yaml")).reached()
 
 
