@@ -121,6 +121,8 @@ case "${1:-demo}" in
         if [ -z "${KVFSM_NO_VLLM:-}" ]; then export KVFSM_REQUIRE_ENGINES=1; fi
         echo "==> pytest"; pytest -q "${@:2}"
         if [ $# -le 1 ]; then echo "==> docs"; pytest -q -p no:cacheprovider --run-docs tests/docs; fi    # every block of README.md and docs/ (~4 min)
+        # kvfsm demo --engine vllm end to end (~75 s): a step of its own, so the suite's run stays within 15 minutes.
+        if [ $# -le 1 ]; then echo "==> kvfsm demo --engine vllm"; pytest -q -p no:cacheprovider --run-slow tests/engine/test_engine_demo.py; fi
         # The sglang tests run in SGLang's venv, in a pytest run of their own (~1 min), and may not skip here either.
         if [ -z "${KVFSM_NO_SGLANG:-}" ] && [ $# -le 1 ]; then
             echo "==> pytest in $SGLANG_VENV (the sglang tests; KVFSM_NO_SGLANG=1 skips them)"

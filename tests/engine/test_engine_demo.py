@@ -1,4 +1,8 @@
-"""``kvfsm demo --engine vllm``: the main job on real engines ends with a clean ledger, as a user runs it."""
+"""``kvfsm demo --engine vllm``: the main job on real engines ends with a clean ledger, as a user runs it.
+
+About 75 s on 2 cores, so ``./dev.sh test`` runs it as a step of its own (``--run-slow``), after the
+suite; each connector's own engine test in this folder runs in the suite.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 
+
+@pytest.mark.slow
 def test_the_engine_demo_ends_clean_with_every_token_as_without_a_connector(
     tmp_path: Path, engine_env: dict[str, str]
 ) -> None:
