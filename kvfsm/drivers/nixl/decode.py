@@ -327,23 +327,21 @@ class DecodeRank(Generic[M]):
     ) -> None:  # fmt: skip
         """A load that cannot start (no handshake with its prefill engine): it ends ``failed`` at once, and its
         blocks are reported invalid with the next finished_recving, as vLLM does after a failed handshake."""
-        if self._begin(request_id, remote_request_id, remote_engine_id, block_ids, remote_block_ids):
-            self._fire(request_id, "fail")
+        self._begin_then("fail", request_id, remote_request_id, remote_engine_id, block_ids, remote_block_ids)
 
     def start_load(
         self, request_id: str, remote_request_id: str, remote_engine_id: str, block_ids: Sequence[int],
         remote_block_ids: Sequence[int],
     ) -> None:  # fmt: skip
         """vLLM's start_load_kv for one request: pin the blocks and post the READs (a failure ends it ``failed``)."""
-        if self._begin(request_id, remote_request_id, remote_engine_id, block_ids, remote_block_ids):
-            self._fire(request_id, "read")
+        self._begin_then("read", request_id, remote_request_id, remote_engine_id, block_ids, remote_block_ids)
 
-    def _begin(
-        self, request_id: str, remote_request_id: str, remote_engine_id: str, block_ids: Sequence[int],
+    def _begin_then(
+        self, event: str, request_id: str, remote_request_id: str, remote_engine_id: str, block_ids: Sequence[int],
         remote_block_ids: Sequence[int],
-    ) -> bool:  # fmt: skip
-        """Begin the load; False if a pin refused (more local blocks than remote ones, unusable ids): nothing is
-        held, and undoing ``recv_report`` reported the load with every block invalid."""
+    ) -> None:  # fmt: skip
+        """Begin the load, then fire ``event``; not if a pin refused (more local blocks than remote ones, unusable
+        ids): nothing is held, and undoing ``recv_report`` reported the load with every block invalid."""
         try:
             self.tracker.begin(
                 request_id,
@@ -354,8 +352,8 @@ class DecodeRank(Generic[M]):
             )  # fmt: skip (the spec links remote_request_id at begin)
         except ActionError as exc:
             self.errors.append(exc)
-            return False
-        return True
+            return
+        self._fire(request_id, event)
 
     def abort(self, request_id: str) -> None:
         self._fire(request_id, "abort")
