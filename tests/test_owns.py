@@ -321,3 +321,51 @@ def test_a_driver_that_frees_on_the_first_failure_is_caught() -> None:
     ops = [("raise", 0, 0)]
     assert violation(FreesOnFirstFailure, ops) == "request 0 freed 2 times"
     assert violation(Log, ops) is None, "the correct driver passes the same run"
+
+
+NOTING = """\
+kvfsm: 1
+machine: noting
+key: request_id
+owns:
+  jobs: {machine: job, by: request_id, ended: jobs_ended, failed: job_failed, forward: [abort]}
+resources:
+  blocks: {acquire: hold, release: free}
+states:
+  running:   {initial: true, holds: [blocks], waits: local}
+  finishing: {holds: [blocks]}
+  sent:      {final: success}
+  failed:    {final: failure}
+transitions:
+  - {event: finish,     from: running,              to: finishing}
+  - {event: job_failed, from: [running, finishing], to: finishing, do: note_failure}
+  - {event: jobs_ended, from: finishing,            to: sent}
+  - {event: abort,      from: [running, finishing], to: failed}
+ignore:
+  - {event: jobs_ended, in: running}
+  - {event: finish, in: finishing}
+  - {event: [finish, job_failed, jobs_ended, abort], in: [sent, failed]}
+"""
+
+
+def test_a_raising_failed_action_does_not_cost_the_parent_its_ended() -> None:
+    """The last child ends in failure and the parent's ``failed`` action raises: ``ended`` still fires.
+
+    The two used to be one try block, so the raise skipped ``ended`` and the request waited in ``finishing``
+    for children that were gone, holding its blocks forever.
+    """
+
+    class Noting(Log):
+        def note_failure(self, key: Hashable) -> None:
+            raise OSError("the failure could not be recorded")
+
+    log = Noting()
+    requests = Tracker(read_text(NOTING), log)
+    jobs = Tracker(read_text(JOB), log, parent=requests)
+    requests.begin("r")
+    jobs.begin("j", request_id="r")
+    requests.fire("r", "finish")
+    with pytest.raises(ActionError) as raised:
+        jobs.fire("j", "fail")
+    assert [(f.key, f.action) for f in raised.value.failures] == [("r", "note_failure")]
+    assert requests.state("r") == "sent" and ("free", "r") in log.calls

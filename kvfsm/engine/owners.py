@@ -103,11 +103,16 @@ class Owner:
         live.discard(key)
         if not live:
             del self.children[parent]
+        # Each poke on its own: a parent action that raised on ``failed`` must not cost the parent its ``ended``
+        # (it would wait for children that are gone, holding what they no longer use).
+        if failed and self.rule.failed is not None:
+            self._poke(parent, self.rule.failed, None)
+        if not live:
+            self._poke(parent, self.rule.ended, self)
+
+    def _poke(self, parent: Hashable, event: str, owner: Owner | None) -> None:
         try:
-            if failed and self.rule.failed is not None:
-                self.parent._poke(parent, self.rule.failed, None)
-            if not live:
-                self.parent._poke(parent, self.rule.ended, self)
+            self.parent._poke(parent, event, owner)
         except ActionError as exc:  # the parent's actions failed: the child's caller hears of it
             self.child._failures.extend(exc.failures)
 
