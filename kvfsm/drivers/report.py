@@ -3,8 +3,10 @@
 A connector's spec declares the obligation as a resource (``recv_report``)
 whose release action records the request here, so every way out of a load
 records it exactly once; the connector only drains this. One helper serves
-every connector in kvfsm, and :class:`RecvReport` is the resource's actions
-for the loads that report by block id (MoRIIO's and NIXL's decode sides).
+every connector in kvfsm: :class:`RecvReport` is the resource's actions
+for the loads that report by block id (MoRIIO's and NIXL's decode sides),
+:class:`SendReport` the ``send_report`` actions of the holds that report
+finished_sending (MoRIIO's and NIXL's prefill sides).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -126,3 +129,27 @@ class RecvReport:
     def owes(self, key: Hashable) -> bool:
         """Whether ``key``'s report is still owed (what ``observe`` says of ``recv_report``)."""
         return key in self._owed
+
+
+class SendReport:
+    """The actions of a producer spec's ``send_report``: vLLM keeps the blocks until finished_sending names the request.
+
+    The spec acquires it first, so a hold that fails after it still reports
+    the request (undoing the acquire is its release, :meth:`report_sent`).
+    A driver mixes this in and sets ``report`` and ``_owed`` (the resource's
+    record, empty) in its ``__init__``; what the hold begins with is the
+    hold's, so :meth:`owe_send_report` takes and ignores it (typed ``Any``:
+    a subclass that wraps it names the producer's own payload).
+    """
+
+    report: Report
+    _owed: set[Hashable]
+
+    def owe_send_report(self, key: Hashable, /, *_given: Any, **_begin: Any) -> None:
+        """vLLM handed the blocks over (delay_free) and keeps them until finished_sending names the request."""
+        self._owed.add(key)
+
+    def report_sent(self, key: Hashable, /) -> None:
+        """vLLM's ``_mark_request_done``: whatever the outcome, record the request for finished_sending."""
+        self._owed.remove(key)
+        self.report.send(key)

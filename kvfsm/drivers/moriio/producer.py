@@ -27,7 +27,7 @@ from ...spec import Spec
 from ..block_pool import NoFreeBlocks
 from ..nixl.blocks import KVBlocks
 from ..nixl.memory import BlockLayout, BlockMemory, Part, read_extents
-from ..report import Finished, Report
+from ..report import Finished, Report, SendReport
 from .faults import FaultyTransport
 from .messages import Computed, Message, Prefill, Release, RemoteBlocks, Stats, StatsQuery, WriteDone
 from .side import Side, count_senders, counted_events
@@ -54,11 +54,11 @@ class Job:
     """Blocks and bytes the posted batch writes."""
 
 
-class BlockHolder:
+class BlockHolder(SendReport):
     """Actions both producer specs share: owe vLLM finished_sending, hold the computed blocks, free them.
 
-    ``_owed`` is the ``send_report`` record (:meth:`owe_send_report`,
-    :meth:`report_sent`); ``_jobs[key]`` the ``src_blocks`` one: taken by
+    ``_owed`` is the ``send_report`` record (:class:`~kvfsm.drivers.report.SendReport`'s
+    actions); ``_jobs[key]`` the ``src_blocks`` one: taken by
     :meth:`hold_blocks`, dropped by :meth:`free_blocks`, so it lives exactly
     as long as the hold.
     """
@@ -76,15 +76,6 @@ class BlockHolder:
     @staticmethod
     def holder(key: Hashable) -> tuple[str, Hashable]:
         return ("moriio_send", key)
-
-    def owe_send_report(self, key: Hashable, /, transfer_id: str, block_ids: Sequence[int]) -> None:
-        """vLLM handed the blocks over (delay_free) and keeps them until finished_sending names the request."""
-        self._owed.add(key)
-
-    def report_sent(self, key: Hashable, /) -> None:
-        """vLLM's ``_mark_request_done``: whatever the outcome, record the request for finished_sending."""
-        self._owed.remove(key)
-        self.report.send(key)
 
     def hold_blocks(self, key: Hashable, /, transfer_id: str, block_ids: Sequence[int]) -> None:
         self.pool.pin(self.holder(key), block_ids)

@@ -28,7 +28,7 @@ from ...errors import ActionError, Anomaly
 from ...observe import drain_outcomes
 from ...spec import Spec, load
 from ...spec.bundled import SPECS
-from ..report import Finished, Report
+from ..report import Finished, Report, SendReport
 from .blocks import KVBlocks, M, own_blocks
 from .memory import BlockMemory
 from .notif import parse
@@ -42,7 +42,7 @@ def prefill_spec() -> Spec:
     return load(SPECS / "nixl_prefill.yaml")
 
 
-class BlockHolder:
+class BlockHolder(SendReport):
     """Actions of ``nixl_prefill``: owe finished_sending, hold a request's blocks for its readers, free and report.
 
     Who has read them is the spec's to count (``count: readers``), not this driver's.
@@ -58,14 +58,6 @@ class BlockHolder:
     @staticmethod
     def holder(key: Hashable) -> tuple[str, Hashable]:
         return ("nixl_send", key)
-
-    def owe_send_report(self, key: Hashable, /, block_ids: Sequence[int]) -> None:
-        """vLLM handed the blocks over (delay_free) and keeps them until finished_sending names the request."""
-        self._owed.add(key)
-
-    def report_sent(self, key: Hashable, /) -> None:
-        self._owed.remove(key)
-        self.report.send(key)
 
     def hold_blocks(self, key: Hashable, /, block_ids: Sequence[int]) -> None:
         self.pool.pin(self.holder(key), block_ids)
