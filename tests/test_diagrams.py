@@ -136,6 +136,19 @@ def test_a_system_draws_each_role_as_a_cluster_and_messages_between_them() -> No
     assert mermaid.count("decode --> prefill") == 1 and "decode --> prefill : ✉ metadata<br/>✉ abort_req" in mermaid
 
 
+def test_a_family_system_draws_the_ownership_between_its_roles() -> None:
+    """A role whose spec owns the machine another role runs: one dashed edge from its cluster to theirs."""
+    system, _errors = read_system(ROOT / "specs" / "explore" / "mooncake_store_jobs.yaml")
+    owned = [line for line in system_to_dot(system).splitlines() if "owns jobs (by request_id)" in line]
+    assert len(owned) == 1
+    assert 'ltail="cluster_request"' in owned[0] and 'lhead="cluster_job"' in owned[0]
+    assert "hears jobs_ended<br/>passes on abort, preempt" in owned[0] and "arrowtail=diamond" in owned[0]
+    mermaid = system_to_mermaid(system)
+    assert "request --> job : owns jobs (by request_id)<br/>hears jobs_ended<br/>passes on abort, preempt" in mermaid
+    plain, _errors = read_system(ROOT / "specs" / "pd_abort" / "corrected.yaml")
+    assert "owns " not in system_to_dot(plain)
+
+
 @pytest.mark.parametrize("system_path", SYSTEMS, ids=lambda p: f"{p.parent.name}/{p.stem}")
 def test_every_bundled_system_renders(system_path: Path) -> None:
     system, _errors = read_system(system_path)  # a seed's pre-fix roles are drawn as written

@@ -34,6 +34,8 @@ COLOURS = {"success": "#d8f3dc", "failure": "#fde2e4", "live": "#ffffff", "group
 MESSAGE = "#1864ab"
 """Messages, either way: events a peer sends, sends on transitions, and the edges between roles."""
 DEADLINE = "#c92a2a"
+OWNER = "#5f3dc4"
+"""Ownership between roles (``owns:``): the parent's cluster to its children's, a diamond at the parent."""
 
 WIDE = 48
 """Label lines longer than this are wrapped (a long line widens the whole rank it sits on)."""
@@ -544,7 +546,28 @@ def system_to_dot(system: System, *, ignores: bool = False, rankdir: Rankdir = "
             f'  {tail} -> {head} [label=<{"<br/>".join(map(_h, label))}>, color="{MESSAGE}", fontcolor="{MESSAGE}", '
             f"style=bold, arrowhead=vee{ends}];"
         )
+    for parent, child, label in _ownership(system):
+        tail = drawn[parent].node(system.roles[parent].spec.initial.name)
+        head = drawn[child].node(system.roles[child].spec.initial.name)
+        lines.append(
+            f'  {tail} -> {head} [label=<{"<br/>".join(map(_h, label))}>, color="{OWNER}", fontcolor="{OWNER}", '
+            f"style=dashed, arrowtail=diamond, dir=both, arrowhead=none, minlen=2, "
+            f"ltail={_q('cluster_' + parent)}, lhead={_q('cluster_' + child)}];"
+        )
     return "\n".join([*lines, "}"]) + "\n"
+
+
+def _ownership(system: System) -> list[tuple[str, str, list[str]]]:
+    """``(parent role, child role, label)`` per role whose spec owns the machine another role runs (``owns:``)."""
+    out = []
+    for parent, role in system.roles.items():
+        for owned in role.spec.owns.values():
+            for child, other in system.roles.items():
+                if other.spec.name == owned.machine and child != parent:
+                    passed = f"passes on {', '.join(owned.forward)}" if owned.forward else ""
+                    heard = f"hears {owned.ended}" + (f", {owned.failed}" if owned.failed else "")
+                    out.append((parent, child, [f"owns {owned.name} (by {owned.by})", heard, *([passed] if passed else [])]))
+    return out
 
 
 # -- Mermaid -----------------------------------------------------------------
@@ -641,6 +664,7 @@ def system_to_mermaid(system: System, *, ignores: bool = False, rankdir: Rankdir
     for m in system.messages.values():
         wires.setdefault((m.sender, m.receiver), []).extend(_message_label(m, system))
     lines += [f"    {sender} --> {receiver} : {_m('<br/>'.join(label))}" for (sender, receiver), label in wires.items()]
+    lines += [f"    {parent} --> {child} : {_m('<br/>'.join(label))}" for parent, child, label in _ownership(system)]
     return "\n".join([*lines, *_mermaid_classes(classes)]) + "\n"
 
 
