@@ -14,9 +14,11 @@ must fail the same machine.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
+from typing import Any
 
 import pytest
+import torch
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, precondition, rule, run_state_machine_as_test
@@ -30,9 +32,11 @@ from mooncake_fixtures import (  # noqa: F401
 
 import kvfsm.testing
 from kvfsm.drivers.mooncake import bundled_spec
+from kvfsm.drivers.mooncake.store import KVStore
 from kvfsm.showcase.mooncake_modeltest import (
     BLOCKS_PER_JOB,
     ModelLoader,
+    ModelRequests,
     ModelSender,
     loader_factory,
     registered_kv,
@@ -188,3 +192,55 @@ def test_the_pre_fix_sender_diverges_where_batch_is_exist_raises(backend: Backen
     with pytest.raises(SpecViolation) as failed:
         machine.agrees_with_spec()
     assert "block_pin, queue_task still held by req-1 (req-1 is failed, which holds nothing)" in str(failed.value)
+
+
+# -- the request and its store jobs, tested together (owns:) ------------------------------------------
+
+REQUEST = bundled_spec("mooncake_store_request.yaml")
+
+
+class ReportsRequestOnFailure(ModelSender):
+    """A sender written by hand the other way round from seed 000: when one of a request's store jobs fails, it
+    reports the request in finished_sending at once, and vLLM frees blocks the request's other jobs still pin."""
+
+    def __init__(self, requests: ModelRequests, store: KVStore, kv: torch.Tensor) -> None:
+        super().__init__(store, kv)
+        self.requests = requests
+        self.by: dict[Hashable, Hashable] = {}
+
+    def pin_blocks(self, job: Hashable, /, request_id: Hashable = None, **plan: Any) -> None:
+        super().pin_blocks(job, request_id, **plan)
+        self.by[job] = request_id
+
+    def check_exists(self, job: Hashable, /) -> None:
+        try:
+            super().check_exists(job)
+        except Exception:
+            self.requests.report.send(self.by[job])
+            raise
+
+
+def test_kvfsm_test_runs_a_request_with_its_store_jobs(backend: Backend) -> None:
+    """The request's driver and its jobs' real sender, with the family's rules, faults in the store calls and one
+    job failing while another is in flight: every request edge taken, what the jobs did reported."""
+    kv = registered_kv(backend.store)
+    report = kvfsm.testing.run(
+        REQUEST, ModelRequests, owned=(SEND, lambda _requests: ModelSender(backend.store, kv)), examples=60, seed=3
+    )
+    assert report.passed, "\n".join(report.story) or report.error
+    assert report.owned is not None and report.owned.faults["check_exists"] and report.owned.faults["put_blocks"]
+
+
+def test_kvfsm_test_catches_a_sender_that_reports_its_request_at_the_first_failed_job(backend: Backend) -> None:
+    kv = registered_kv(backend.store)
+    report = kvfsm.testing.run(
+        REQUEST,
+        ModelRequests,
+        owned=(SEND, lambda requests: ReportsRequestOnFailure(requests, backend.store, kv)),
+        examples=60,
+        seed=3,
+    )
+    assert not report.passed
+    assert report.problems[0] == "observe says send_report not held by req-1 (req-1 is finishing, which holds send_report)"
+    assert "check_exists() raised (injected fault)" in report.story[-1], "\n".join(report.story)
+    assert "is in flight" in report.found_by

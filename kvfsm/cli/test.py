@@ -10,7 +10,7 @@ import shlex
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from rich.markup import escape
 from rich.table import Table
@@ -22,9 +22,10 @@ DEFAULT_CALL_TIMEOUT = 60.0
 Model-based calls take microseconds; a factory that starts a real engine may take tens of seconds."""
 
 if TYPE_CHECKING:
+    from ..spec import Spec
     from ..spec.system import System
     from ..testing import Report
-    from ..testing.contract import DriverFactory
+    from ..testing.contract import DriverFactory, OwnedFactory
     from ..testing.trace_replay import TraceResult
     from ..testing.trace_set import SystemCoverage
 
@@ -84,6 +85,8 @@ def register(sub: Subparsers) -> None:
         default=[],
         metavar="[ROLE=]MODULE:FACTORY",
         help="a callable, importable from the current directory, that returns a fresh driver (e.g. my_drivers:make); "
+        "for a spec that owns another machine (owns:), also NAME=MODULE:FACTORY for the owned machine's drivers, "
+        "called with the owner's driver (its spec is read from beside the owner's; without it, a ledger driver); "
         "for a system file, one ROLE=MODULE:FACTORY per role you have a driver for (the others get a ledger driver)",
     )
     p.add_argument(
@@ -190,16 +193,29 @@ def _run(args: argparse.Namespace) -> int:
         return _replay(args)
     if args.spec.is_file() and is_system_file(args.spec):
         return _cover_system(args)
-    if len(args.driver) != 1 or "=" in args.driver[0]:
+    spec = load(args.spec)
+    plain = [d for d in args.driver if "=" not in d]
+    named = dict(d.split("=", 1) for d in args.driver if "=" in d)
+    if len(plain) != 1 or len(named) != len(args.driver) - 1 or set(named) - set(spec.owns):
+        names = ", ".join(spec.owns)
         err.print(
-            "[red]kvfsm test: give one --driver MODULE:FACTORY for a machine spec "
-            "(ROLE=MODULE:FACTORY is for replaying a system's trace with --trace)[/]"
+            "[red]kvfsm test: give one --driver MODULE:FACTORY for a machine spec"
+            + (f", and --driver NAME=MODULE:FACTORY for what it owns (NAME: {escape(names)})" if names else "")
+            + " (ROLE=MODULE:FACTORY is for a system file)[/]"
         )
         return EXIT_USAGE
-    driver = args.driver[0]
-    spec = load(args.spec)
+    driver = plain[0]
+    child = _owned_spec(args.spec, spec)
+    if isinstance(child, str):
+        err.print(f"[red]kvfsm test: {escape(child)}[/]")
+        return EXIT_USAGE
     exempt = load_exemptions(args.exempt).get(spec.name, {}) if args.exempt is not None else {}
     factory = load_factory(driver)  # after every file is read: importing a driver may take seconds
+    owned: tuple[Spec, OwnedFactory] | None = None
+    if child is not None:
+        ref = named.get(child[0])
+        owned = (child[1], cast("OwnedFactory", load_factory(ref)) if ref is not None else _ledger(child[1]))
+        args.owned_driver = f"{child[0]}={ref}" if ref is not None else None
     bar = Bar(args.min_coverage if args.min_coverage is not None else 1.0, exempt)
     with _progress(spec.name) as shown:
         report = run_machine(
@@ -212,6 +228,7 @@ def _run(args: argparse.Namespace) -> int:
             call_timeout=args.call_timeout,
             on_stuck=_stop_stuck,
             on_example=shown,
+            owned=owned,
         )
     svg_note = ""
     if args.coverage_svg is not None:
@@ -227,6 +244,41 @@ def _run(args: argparse.Namespace) -> int:
             out.print(f"coverage diagram: {escape(svg_note)}")
     gaps = report.verdict.gaps if report.verdict is not None else ()
     return EXIT_OK if report.passed and not (args.strict and gaps) else EXIT_FINDINGS
+
+
+def _owned_spec(path: Path, spec: Spec) -> tuple[str, Spec] | str | None:
+    """``(owns: name, spec)`` of the machine ``spec`` owns, read from beside it (``<machine>.yaml``, else the
+    file there whose ``machine:`` names it); None if it owns nothing; what is wrong, as a str."""
+    from ..spec import load
+
+    if not spec.owns:
+        return None
+    if len(spec.owns) > 1:
+        return f"{spec.name} owns {', '.join(spec.owns)}; kvfsm test follows one owns: entry, test each on its own"
+    rule = next(iter(spec.owns.values()))
+    here = path.resolve().parent
+    candidates = [here / f"{rule.machine}.yaml", *sorted(here.glob("*.yaml"))]
+    for candidate in candidates:
+        if candidate.is_file() and candidate.resolve() != path.resolve() and _names(candidate, rule.machine):
+            return rule.name, load(candidate)
+    return (
+        f"{spec.name} owns instances of {rule.machine} ('owns: {rule.name}'), whose spec kvfsm test looks for beside "
+        f"it: put it in {here / (rule.machine + '.yaml')}"
+    )
+
+
+def _names(path: Path, machine: str) -> bool:
+    """Whether the spec file at ``path`` declares ``machine: <machine>`` (read without loading it)."""
+    import re
+
+    return re.search(rf"^machine:\s*{re.escape(machine)}\s*(#.*)?$", path.read_text(errors="replace"), re.M) is not None
+
+
+def _ledger(spec: Spec) -> OwnedFactory:
+    """The owned machine's drivers when none is given: ledgers of its actions (the family's rules still run)."""
+    from ..testing import LedgerDriver
+
+    return lambda _parent: LedgerDriver(spec)
 
 
 @contextmanager
@@ -295,6 +347,8 @@ def _render(args: argparse.Namespace, driver: str, report: Report) -> None:
 def _again(args: argparse.Namespace, driver: str, report: Report) -> list[str]:
     """The command line that repeats this run exactly."""
     again = ["kvfsm", "test", str(args.spec), "--driver", driver, "--seed", str(report.seed)]
+    if getattr(args, "owned_driver", None):
+        again[5:5] = ["--driver", args.owned_driver]
     if args.examples:
         again += ["--examples", str(args.examples)]
     if args.call_timeout_given:
@@ -332,6 +386,14 @@ def _coverage(report: Report) -> None:
     parts += [f"{kind} {n}" for kind, n in sorted(cov.arrivals.items())]
     faults = ", ".join(f"{a} {n}" for a, n in sorted(cov.faults.items())) or "none"
     out.print(f"exercised: {' · '.join(parts)} · injected faults: {escape(faults)}")
+    if report.owned is not None:
+        owned = report.owned
+        parts = [f"{names[k]} {done}/{total}" for k, (done, total) in owned.summary().items() if total]
+        faults = ", ".join(f"{a} {n}" for a, n in sorted(owned.faults.items())) or "none"
+        out.print(
+            f"owned {escape(owned.spec.name)} (reported, not judged: its own kvfsm test plans its cover): "
+            f"{' · '.join(parts)} · injected faults: {escape(faults)}"
+        )
 
 
 # -- --trace: an explorer trace replayed on drivers -------------------------------------------

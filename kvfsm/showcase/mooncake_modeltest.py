@@ -21,16 +21,17 @@ import itertools
 import os
 import uuid
 import weakref
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Collection, Hashable, Sequence
 
 import torch
 
 from ..drivers.mooncake import codes as C
 from ..drivers.mooncake.buffer import BlockBuffer
-from ..drivers.mooncake.driver import BlockHash, StoreLoader, StoreSender
+from ..drivers.mooncake.driver import BlockHash, StoreLoader, StoreRequests, StoreSender
 from ..drivers.mooncake.embedded import EmbeddedMaster, connect_embedded
 from ..drivers.mooncake.faults import Fault, FaultyStore, raising, returning
 from ..drivers.mooncake.store import KVStore, connect
+from ..drivers.report import Report
 
 NUM_BLOCKS = 32
 BLOCK_BYTES = 4096
@@ -104,6 +105,27 @@ class ModelSender(StoreSender):
     def enqueue_job(self, job: Hashable, /) -> None:
         self.faults.trip("enqueue_job")
         super().enqueue_job(job)
+
+
+class ModelRequests(StoreRequests):
+    """:class:`StoreRequests` with what the model tests read: ``observe`` asks vLLM's side of the report.
+
+    ``send_report`` is held from the moment vLLM finished the request and kept its blocks (``request_finished``
+    returned delay_free, the ``finish`` edge's :meth:`before_fire`) until the request is in the report vLLM
+    drains for finished_sending.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(Report())
+        self.kept: set[Hashable] = set()
+        """Requests vLLM finished and keeps the blocks of, waiting for finished_sending."""
+
+    def before_fire(self, request_id: Hashable, event: str, resources: Collection[str], /) -> None:
+        if "send_report" in resources:
+            self.kept.add(request_id)
+
+    def observe(self, request_id: Hashable) -> set[str]:
+        return {"send_report"} if request_id in self.kept and not self.report.owes(request_id) else set()
 
 
 class ModelLoader(StoreLoader):
@@ -241,6 +263,26 @@ def embedded_sender() -> ModelSender:
     return ModelSender(_embedded(), registered_kv(_embedded()))
 
 
+def embedded_requests() -> ModelRequests:
+    """``--driver`` factory of ``mooncake_store_request``: its store jobs (``--driver jobs=…``) are
+    :func:`embedded_job` or :func:`real_job`."""
+    return ModelRequests()
+
+
+def embedded_job(requests: ModelRequests) -> ModelSender:
+    """``--driver jobs=`` factory: a store job's :class:`ModelSender` beside ``requests`` (embedded store)."""
+    return embedded_sender()
+
+
+real_requests = embedded_requests
+"""The request's driver is the same over either store: only its jobs talk to one."""
+
+
+def real_job(requests: ModelRequests) -> ModelSender:
+    """``--driver jobs=`` factory: a store job's :class:`ModelSender` beside ``requests`` (``$KVFSM_MOONCAKE_MASTER``)."""
+    return real_sender()
+
+
 def embedded_loader() -> ModelLoader:
     return ModelLoader(_embedded(), registered_kv(_embedded()))
 
@@ -256,11 +298,16 @@ def real_loader() -> ModelLoader:
 
 __all__: Sequence[str] = [
     "ModelLoader",
+    "ModelRequests",
     "ModelSender",
+    "embedded_job",
     "embedded_loader",
+    "embedded_requests",
     "embedded_sender",
     "loader_factory",
+    "real_job",
     "real_loader",
+    "real_requests",
     "real_sender",
     "registered_kv",
     "sender_factory",

@@ -82,20 +82,21 @@ class Factory:
     ``role`` names the role the drivers are for (trace replay), in messages.
     """
 
-    def __init__(self, factory: Callable[[], Any], timer: CallTimer | None = None, role: str | None = None) -> None:
+    def __init__(self, factory: Callable[..., Any], timer: CallTimer | None = None, role: str | None = None) -> None:
         self.factory, self.timer, self.role = factory, timer, role
         self.name = describe(factory)
         self.calls = 0
 
-    def make(self, purpose: str = "") -> Any:
-        """One driver; ``purpose`` (``for example 3``) goes into the message if the call fails."""
+    def make(self, purpose: str = "", *args: Any) -> Any:
+        """One driver; ``purpose`` (``for example 3``) goes into the message if the call fails; ``args`` go to the
+        factory (an owned machine's factory gets its parent's driver)."""
         self.calls += 1
         for_role = f" for role {self.role!r}" if self.role else ""
         which = f"its call {self.calls}" + (f", {purpose}" if purpose else "")
         guard = self.timer.call(f"driver factory {self.name}(){for_role} ({which})") if self.timer else nullcontext()
         try:
             with guard:
-                return self.factory()
+                return self.factory(*args)
         except CallTimeout as exc:
             raise DriverError(str(exc)) from None
         except Exception as exc:

@@ -105,6 +105,10 @@ class ReceivesMessages(Protocol):
 DriverFactory = Callable[[], ObservableDriver]
 """Called with no arguments; must return a fresh driver each time (one per example)."""
 
+OwnedFactory = Callable[[Any], ObservableDriver]
+"""The driver factory of a machine another owns (``owns:``): called with the owner's driver of the same example
+(whatever the two share: a block pool, the report to vLLM), it must return a fresh driver."""
+
 
 def can_inject_faults(driver: object) -> bool:
     """Whether ``driver`` offers :class:`FaultInjecting` (a method, not merely an attribute of that name)."""
@@ -115,6 +119,7 @@ __all__ = [
     "DriverFactory",
     "FaultInjecting",
     "ObservableDriver",
+    "OwnedFactory",
     "ReceivesMessages",
     "ReportsSends",
     "TakesBeforeBegin",

@@ -50,7 +50,7 @@ from ..spec import Spec, load
 from ..spec.model import BEGIN
 from .calls import CallTimeout, CallTimer, DriverError, DriverFault, Factory
 from .clock import VirtualClock
-from .contract import DriverFactory, ObservableDriver, can_inject_faults
+from .contract import DriverFactory, ObservableDriver, OwnedFactory, can_inject_faults
 from .cover import Pair, blocked_edges, caller_taken, routes
 from .coverage import Coverage
 from .oracle import Outcome, SpecModel
@@ -170,7 +170,7 @@ class SpecMachine(RuleBasedStateMachine):
             self.driver = factory()
         check_driver(cls.spec, self.driver)
         self.tracker = Tracker(cls.spec, self.driver, clock=self.clock, params=cls.params, threadsafe=False)
-        self.model = SpecModel(cls.spec, cls.params)
+        self.model = self.new_model()
         self.given = begin_resources(cls.spec)
         self.can_fault = can_inject_faults(self.driver)
         if cls.blocked is None:
@@ -198,6 +198,11 @@ class SpecMachine(RuleBasedStateMachine):
         """Events that are a peer's messages (declared under ``events:``, or counted): each arrival goes through
         the driver's ``receive``, if it has one."""
         cls.coverage.examples += 1
+
+    def new_model(self) -> SpecModel:
+        """The oracle this machine holds the Tracker to (a family's, for a spec that owns another machine)."""
+        cls = type(self)
+        return SpecModel(cls.spec, cls.params)
 
     # -- the steps -------------------------------------------------------------------
 
@@ -390,11 +395,15 @@ class SpecMachine(RuleBasedStateMachine):
         with self._step("advance", dt, fault):
             self.model.now = self.clock.advance(dt)
             self.arm(self.model.poll_actions(), fault)
-            outcome = self.model.poll()
-            self._tell(poll_line(dt, outcome), outcome)
-            got = self._call(outcome, self.tracker.poll)
-            if not outcome.failures and got != outcome.fired:
-                self._diverge([f"poll() fired {got}, the spec says {outcome.fired}"])
+            self._poll(dt, self.model.poll, self.tracker.poll)
+
+    def _poll(self, dt: float, model: Callable[[], Outcome], tracker: Callable[[], object], name: str = "") -> None:
+        """One ``poll()``: what the spec says (``model``), told as ``name``'s, then the Tracker's own (``tracker``)."""
+        outcome = model()
+        self._tell(f"{name}{poll_line(dt, outcome)}", outcome)
+        got = self._call(outcome, tracker)
+        if not outcome.failures and got != outcome.fired:
+            self._diverge([f"poll() fired {got}, the spec says {outcome.fired}"])
 
     def step_to(self, dt: float | None, which: int) -> float:
         """``dt``, or (None) the clock step to the ``which``-th armed deadline (the first tick if none is armed)."""
@@ -411,20 +420,25 @@ class SpecMachine(RuleBasedStateMachine):
         A fault is armed only for the step that consumes it, so a rarely
         called action is not left failing for the rest of the example.
         """
-        candidates = [a for a in actions if a in self.faultable]
-        if fault is None or not candidates or not self.can_fault:
+        if self.can_fault:
+            self._arm_on(self.driver, self.model, [a for a in actions if a in self.faultable], fault)
+
+    def _arm_on(self, driver: object, model: SpecModel, candidates: Sequence[str], fault: int | None) -> None:
+        """:meth:`arm` for ``driver`` (one that injects faults) and its model: ``candidates`` are the actions
+        the step runs that may be made to raise."""
+        if fault is None or not candidates:
             return
         action = candidates[fault % len(candidates)]
         try:
             armed = self._guarded(
-                f"{type(self.driver).__name__}.inject_fault({action!r})",
-                lambda: self.driver.inject_fault(action),  # type: ignore[attr-defined]
+                f"{type(driver).__name__}.inject_fault({action!r})",
+                lambda: driver.inject_fault(action),  # type: ignore[attr-defined]
             )
         except Exception as exc:
             self._tell(f"inject_fault({action!r})", Outcome())
             self._diverge([f"inject_fault({action!r}) raised {type(exc).__name__}: {exc}"])
         if armed is not False:  # False: this driver cannot make that action raise, so no failure is expected
-            self.model.inject(action)
+            model.inject(action)
 
     def walk(self, key: str, state: str) -> None:
         """Begin ``key`` and fire the events of a shortest path to ``state`` (around edges the driver cannot take)."""
@@ -527,21 +541,26 @@ class SpecMachine(RuleBasedStateMachine):
         if problems:
             self._diverge(problems)
 
-    def _reality(self, key: str, state: str | None) -> list[str]:
+    def _reality(
+        self, key: str, state: str | None, driver: ObservableDriver | None = None, model: SpecModel | None = None
+    ) -> list[str]:
         """What observe(key) says against what the spec says ``key`` holds in ``state``.
 
         A driver whose ``observe`` returns names is compared by name; one that returns counts
         (``{"block_pin": 2}``) is compared unit by unit, so a pin taken twice but counted once is caught.
+        ``driver`` and ``model``: another machine's (an owned one), instead of this machine's.
         """
+        driver = driver if driver is not None else self.driver
+        model = model if model is not None else self.model
         try:
             raw: Iterable[str] | Mapping[str, int] = self._guarded(
-                f"{type(self.driver).__name__}.observe({key!r})", lambda: self.driver.observe(key)
+                f"{type(driver).__name__}.observe({key!r})", lambda: driver.observe(key)
             )
             counted = isinstance(raw, Mapping)
             seen = Counter({r: int(n) for r, n in raw.items() if n}) if isinstance(raw, Mapping) else Counter(set(raw))
         except Exception as exc:
             return [f"observe({key!r}) raised {type(exc).__name__}: {exc}"]
-        want = Counter(self.model.held(key))
+        want = Counter(model.held(key))
         if not counted:
             want = Counter(set(want))
         where = f"{key} is {state}" if state is not None else f"{key} has no instance"
@@ -607,7 +626,7 @@ class SpecMachine(RuleBasedStateMachine):
         except IllegalTransition as exc:
             if outcome.refused != "illegal":
                 self._diverge([f"IllegalTransition escaped: {exc}"])
-            if (exc.state, set(exc.accepted)) != (outcome.state, self.model.accepted(exc.state)):
+            if (exc.state, set(exc.accepted)) != (outcome.state, self.accepted(exc.state)):
                 self._diverge([f"IllegalTransition names state {exc.state!r} accepting {sorted(exc.accepted)}"])
             return None
         except ActionError as exc:
@@ -640,6 +659,10 @@ class SpecMachine(RuleBasedStateMachine):
         if outcome.refused == "closed":
             self._diverge([f"no TrackerClosed, but the tracker is closed (the call returned {result!r})"])
         return result
+
+    def accepted(self, state: str) -> set[str]:
+        """The events ``state`` handles or ignores, of the machine whose step is running."""
+        return self.model.accepted(state)
 
     def _diverge(self, problems: list[str]) -> NoReturn:
         self._diverged = True
@@ -707,6 +730,7 @@ def spec_machine(
     params: Mapping[str, float] | None = None,
     keys: int = KEYS,
     steer: bool = True,
+    owned: tuple[Spec | str | Path, OwnedFactory | Factory] | None = None,
 ) -> type[SpecMachine]:
     """A Hypothesis state machine testing the drivers ``driver_factory`` makes against ``spec``.
 
@@ -716,9 +740,22 @@ def spec_machine(
     override the spec's (the clock is virtual, so the spec's own are fine);
     ``keys`` is how many distinct keys one example uses; ``steer=False``
     drops the planned prefixes, leaving a plain random walk from ``begin``.
+
+    ``owned``: the spec and driver factory of the machine ``spec`` owns
+    (``owns:``); the machine is then a
+    :class:`~kvfsm.testing.family.FamilyMachine`, testing both drivers and
+    the family rules together.
     """
     if not isinstance(spec, Spec):
         spec = load(spec)
+    child_spec = None
+    if owned is not None:
+        child_spec = owned[0] if isinstance(owned[0], Spec) else load(owned[0])
+        if not any(o.machine == child_spec.name for o in spec.owns.values()):
+            raise BindingError(
+                f"machine {spec.name!r} does not own instances of {child_spec.name!r} "
+                f"(it owns: {', '.join(o.machine for o in spec.owns.values()) or 'nothing'})"
+            )
     events = _events(spec)
     faults = fault_targets(spec)
     ticks = _ticks(spec, params)
@@ -747,7 +784,18 @@ def spec_machine(
     deep = tuple(s for s in spec.live if s != spec.initial.name) if steer else ()
     """Live states a planned prefix may walk a key to."""
 
-    class Machine(SpecMachine):
+    from .family import FamilyMachine
+
+    base: type[SpecMachine] = SpecMachine if child_spec is None else FamilyMachine
+    if child_spec is not None:
+        child_names = tuple(f"{child_spec.name}-{i}" for i in range(1, keys + 1))
+        child_key = st.sampled_from(child_names)
+        child_events = _events(child_spec)
+        child_model = SpecModel(child_spec)
+        child_begin_faults = bool(child_model.begin_acquires) and bool(fault_targets(child_spec))
+        child_ticks = _ticks(child_spec, None)
+
+    class Machine(base):  # type: ignore[valid-type,misc]
         @rule(key=key, fault=st.integers(0, 7) if begin_faults else st.just(0))
         def begin_key(self, key: str, fault: int) -> None:
             """A new key, a finished one again (drained or not), or a live one (DuplicateKey).
@@ -850,6 +898,40 @@ def spec_machine(
             """``close()`` mid-example: the rest of the example checks that a closed tracker refuses all work."""
             self.close()
 
+        if child_spec is not None:
+
+            @rule(key=child_key, parent=key, fault=st.integers(0, 7) if child_begin_faults else st.just(0))
+            def begin_an_owned_instance(self, key: str, parent: str, fault: int) -> None:
+                """An owned instance naming a parent that is live, ended or never begun (UnknownParent)."""
+                self.begin_child(key, parent, fault if fault == 7 else None)
+
+            @rule(key=child_key, event=st.sampled_from(child_events))
+            def fire_an_owned_event(self, key: str, event: str) -> None:
+                self.fire_child(key, event)
+
+            @precondition(lambda self: bool(self.model.child.movable()))
+            @rule(which=st.integers(0, 15), choice=st.integers(0, 15), nth=st.integers(0, 7))
+            def take_an_owned_transition(self, which: int, choice: int, nth: int) -> None:
+                """An event an owned instance handles; one in four with its do or acquire made to raise (where the
+                driver injects faults): one child failing while the others are still in flight, the case a
+                family exists for; one in eight with an action it causes on the parent made to raise."""
+                if nth >= 6 and self.child_faults and self.model.child.movable(self.child_faults):
+                    key, event = _pick(self.model.child.movable(self.child_faults), which, choice)
+                    self.fire_child(key, event, nth - 6)
+                else:
+                    key, event = _pick(self.model.child.movable(), which, choice)
+                    self.fire_child(key, event, None, 0 if nth == 5 else None)
+
+            @rule(dt=st.sampled_from((*child_ticks, None)), which=st.integers(0, 15))
+            def advance_clock_and_poll_owned(self, dt: float | None, which: int) -> None:
+                """Move the clock (to an owned instance's deadline, or by one of its afters) and poll the owned
+                tracker."""
+                self.poll_children(self.step_to_child(dt, which))
+
+            @rule()
+            def drain_finished_owned(self) -> None:
+                self.drain_children()
+
     name = "".join(part.title() for part in re.split(r"[^0-9A-Za-z]+", spec.name) if part) or "Spec"
     Machine.__name__ = Machine.__qualname__ = f"{name}Machine"
     Machine.spec = spec
@@ -857,6 +939,13 @@ def spec_machine(
     Machine.params = dict(params) if params else None
     Machine.keys = names
     Machine.coverage = Coverage(spec)
+    if child_spec is not None:
+        assert owned is not None and issubclass(Machine, FamilyMachine)
+        Machine.child_spec = child_spec
+        child_factory = owned[1]
+        Machine.child_factory = child_factory if isinstance(child_factory, Factory) else staticmethod(child_factory)
+        Machine.child_keys = child_names
+        Machine.child_coverage = Coverage(child_spec)
     return Machine
 
 

@@ -52,9 +52,9 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Collection, Hashable, Mapping
+from collections.abc import Callable, Collection, Hashable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 from ..errors import SpecError
 from ..spec import run_checks, well_formed
@@ -105,7 +105,7 @@ class ExpectedFailure:
         return (self.key, self.event, self.action, self.phase, self.state)
 
 
-Refusal = Literal["ignored", "illegal", "unknown", "duplicate", "closed", "counted", "kept"]
+Refusal = Literal["ignored", "illegal", "unknown", "duplicate", "closed", "counted", "kept", "orphan"]
 
 
 @dataclass
@@ -124,7 +124,8 @@ class Outcome:
     unknown key; a begin of a live key (DuplicateKey); any begin or fire after close() (TrackerClosed);
     an arrival of a counted event that did not complete its count (``counted``; a repeat from a sender
     already heard is also a ``duplicate`` anomaly); a message of an ``early:`` event kept for its id
-    (``kept``, or an ``early`` anomaly when the bound is full)."""
+    (``kept``, or an ``early`` anomaly when the bound is full); a child's begin naming no live parent
+    (``orphan``: UnknownParent, :mod:`~kvfsm.testing.family_oracle`)."""
     state: str | None = None
     """The state the event met (for refusals) or the call returns (for fire)."""
     fired: list[tuple[Hashable, str, str]] = field(default_factory=list)
@@ -296,6 +297,14 @@ class SpecModel:
         """(space, id) → (event, payload, due, arrival number) per message kept for an id not yet known, in arrival
         order."""
         self._arrivals = 0
+        self.on_move: Callable[[Instance, Move, Outcome], None] | None = None
+        """Called after each begin, and after each transition's releases: where the engine runs an edge's taps.
+        The family rules (``owns:``, :mod:`kvfsm.testing.family_oracle`) hook in here; None for one machine."""
+        self.on_forced: Callable[[Hashable, Outcome], None] | None = None
+        """Called after ``close()`` released a key by force (its releases done)."""
+        self.settle: Callable[[Outcome], None] | None = None
+        """Called after each timeout ``poll()`` fires and after each key ``close()`` aborts: where the engine runs
+        what that step queued before the next key's turn."""
 
     def _acquires(self, source: str | None, target: str) -> tuple[tuple[str, str], ...]:
         out = []
@@ -423,14 +432,17 @@ class SpecModel:
         trial.faults = []
         return tuple(c.action for c in trial.poll().calls)
 
-    def clone(self) -> SpecModel:
+    def clone(self) -> Self:
         """An independent copy of this model's state (the spec and what it derives are shared): to ask what a
         call would do without doing it."""
-        shared = (
+        return copy.deepcopy(self, {id(x): x for x in self._shared()})
+
+    def _shared(self) -> tuple[object, ...]:
+        """What :meth:`clone` shares rather than copies: the spec and what is derived from it."""
+        return (
             self.spec, self.edges, self.ignored, self.counted, self.params, self.after, self.order,
             self.phase_after, self.begin_acquires, self.begin_given, self.early,
         )  # fmt: skip
-        return copy.deepcopy(self, {id(x): x for x in shared})
 
     def movable(self, running: Collection[str] | None = None) -> list[tuple[Hashable, list[str]]]:
         """``(key, events its state handles)`` for every live instance not yet final.
@@ -480,6 +492,8 @@ class SpecModel:
         self._move_phases(inst, None)
         self._link(out, inst, BEGIN, "begin", payload)
         out.moves.append(Move(key, "begin", "", initial, "begin"))
+        if self.on_move is not None:
+            self.on_move(inst, out.moves[-1], out)
         self._at_once(inst, out)
         self._apply_kept(out, self.spec.key, key, key)
         return out
@@ -610,6 +624,8 @@ class SpecModel:
             _after, event = self.after[inst.state]
             self.counts["timeouts"] += 1
             self._take(inst, self.edges[inst.state, event], "timeout", out)
+            if self.settle is not None:
+                self.settle(out)
             out.fired.append((inst.key, event, inst.state))
         for phase, seq, inst in self._phases_due(now, before):
             if inst.phases.get(phase, (0.0, -1))[1] != seq or self.live.get(inst.key) is not inst:
@@ -619,6 +635,8 @@ class SpecModel:
             out.expired.append(Expiry(inst.key, phase, due - after, inst.inside.pop(phase, 0)))
             self.counts["timeouts"] += 1
             self._take(inst, self.edges[inst.state, event], "timeout", out, deadline=phase)
+            if self.settle is not None:
+                self.settle(out)
             out.fired.append((inst.key, event, inst.state))
         return out
 
@@ -670,6 +688,8 @@ class SpecModel:
             if edge is not None:
                 self._take(inst, edge, "close", out)
                 inst.by_close = True
+                if self.settle is not None:
+                    self.settle(out)
             if not self.spec.states[inst.state].is_final:
                 self._anomaly(Outcome(), "forced", self.spec.key, key, ABORT)
                 del self.live[key]
@@ -679,6 +699,10 @@ class SpecModel:
                 out.forced.append(key)
                 releases = tuple(self.spec.resources[r].release for r in self.spec.holds(inst.state))
                 self._release(out, key, ABORT, releases, inst.state)
+                if self.on_forced is not None:
+                    self.on_forced(key, out)
+                    if self.settle is not None:
+                        self.settle(out)
         self.closed = True
         return out
 
@@ -721,6 +745,8 @@ class SpecModel:
             self._link(out, inst, edge.event, edge.event, payload)
         out.moves.append(Move(key, edge.event, source, edge.target, how, deadline))
         self._release(out, key, edge.event, edge.releases, edge.target)
+        if self.on_move is not None:
+            self.on_move(inst, out.moves[-1], out)
         if edge.target != source:
             self._at_once(inst, out)
 

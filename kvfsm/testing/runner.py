@@ -30,9 +30,10 @@ from ..spec import Spec, load
 from .bar import Bar, Verdict, check_exemptions, judge
 from .calls import CallTimer, DriverError, DriverFault, Factory
 from .calls import FactoryError as FactoryError  # its home before calls.py; importers keep working
-from .contract import DriverFactory, ObservableDriver, can_inject_faults
+from .contract import DriverFactory, ObservableDriver, OwnedFactory, can_inject_faults
 from .cover import TraceStep, blocked_edges, path_cover
 from .coverage import Coverage
+from .family import FamilyMachine, engine_edges, family_cover, with_children
 from .machine import KEYS, BudgetSpent, SpecMachine, check_driver, fault_targets, spec_machine
 from .story import SpecViolation
 
@@ -70,6 +71,10 @@ class RunReport:
     driver_error: str = ""
     """The driver failed at run time (its factory raised, a call hung): which call of which object, and how.
     Set with :attr:`error`; :attr:`story` is then the example up to that call."""
+    owned: Coverage | None = None
+    """The owned machine's coverage, when the spec owns one and its driver was given (``owned``); reported, not
+    judged: the bar is the tested spec's, and the owned machine's own run (``kvfsm test`` of its spec) plans its
+    cover."""
 
     @property
     def diverged(self) -> bool:
@@ -97,6 +102,7 @@ class RunReport:
             },
             "coverage": self.coverage.as_dict(),
             "coverage_verdict": self.verdict.as_dict() if self.verdict is not None else None,
+            "owned_coverage": self.owned.as_dict() if self.owned is not None else None,
         }
 
 
@@ -156,6 +162,7 @@ def run(
     call_timeout: float | None = None,
     on_stuck: Callable[[str], None] | None = None,
     on_example: Callable[[int, int], None] | None = None,
+    owned: tuple[Spec | str | Path, OwnedFactory] | None = None,
 ) -> RunReport:
     """Model-test the drivers ``factory`` makes against ``spec``; returns a :class:`RunReport`.
 
@@ -176,6 +183,12 @@ def run(
     whose :attr:`RunReport.driver_error` names the call; ``on_stuck`` is called
     instead for a call that does not stop even when interrupted. ``on_example(n, of)``
     is called as example ``n`` of ``of`` starts (progress).
+
+    ``owned``: for a spec that owns another machine (``owns:``), that
+    machine's spec and a factory of its drivers, called with the parent's
+    driver of the same example. Both drivers are then tested
+    together, with the family rules (:mod:`kvfsm.testing.family`); the
+    report's coverage is the parent's, :attr:`RunReport.owned` the child's.
     """
     if not isinstance(spec, Spec):
         spec = load(spec)
@@ -183,17 +196,29 @@ def run(
     check_exemptions(Coverage(spec), bar.exempt)
     chosen = seed if seed is not None else random.SystemRandom().randrange(2**32)
     made = Factory(factory, CallTimer(call_timeout, on_stuck=on_stuck))
+    child = None
+    if owned is not None:
+        child_spec = owned[0] if isinstance(owned[0], Spec) else load(owned[0])
+        child = (child_spec, Factory(owned[1], made.timer))
     try:
         driver = probe(spec, made, params)
+        if child is not None:
+            parent_driver = driver
+            child_driver = probe(child[0], Factory(lambda: child[1].factory(parent_driver), made.timer))
     except DriverError as exc:
         failed = DriverFault(str(exc))
         return _driver_failed(spec, chosen, examples, steps, Coverage(spec), failed, 0)
-    machine = spec_machine(spec, made, params=params, keys=keys, steer=cover)
+    machine = spec_machine(spec, made, params=params, keys=keys, steer=cover, owned=child)
     machine.call_timer = made.timer
-    machine.blocked = blocked_edges(spec, driver)
+    machine.blocked = blocked_edges(spec, driver) | (engine_edges(spec) if child is not None else {})
     budget = examples if examples is not None else Settings().max_examples
     faults = fault_targets(spec) if can_inject_faults(driver) else ()
     plans = path_cover(spec, params, machine.keys, blocked=machine.blocked, faults=faults) if cover else []
+    if issubclass(machine, FamilyMachine):
+        plans = [with_children(machine, plan) for plan in plans]
+        if cover and child is not None:
+            child_faults = fault_targets(child[0]) if can_inject_faults(child_driver) else ()
+            plans += family_cover(machine, machine.blocked, child_faults, faults)
     total = max(budget, len(plans) + 1)
     machine.on_example = (lambda n: on_example(n, total)) if on_example is not None else None
     config = Settings(
@@ -238,9 +263,11 @@ def run(
     except DriverFault as fault:  # from an example, or a replay while tidying: the driver's own failure
         return _driver_failed(spec, chosen, budget, steps, machine.coverage, fault, len(plans))
     verdict = judge(machine.coverage, bar, machine.blocked)
+    owned_coverage = machine.child_coverage if issubclass(machine, FamilyMachine) else None
     return RunReport(
-        spec, verdict.cleared, chosen, budget, steps, machine.coverage, verdict=verdict, planned=len(plans)
-    )
+        spec, verdict.cleared, chosen, budget, steps, machine.coverage, verdict=verdict, planned=len(plans),
+        owned=owned_coverage,
+    )  # fmt: skip
 
 
 def _driver_failed(
@@ -273,7 +300,10 @@ def play(machine: type[SpecMachine], trace: Sequence[TraceStep]) -> SpecViolatio
 
 def replay(machine: type[SpecMachine], trace: Sequence[TraceStep]) -> SpecViolation | None:
     """:func:`play` on a copy of ``machine`` that counts its coverage apart (for shrinking, which is no example)."""
-    return play(type(machine.__name__, (machine,), {"coverage": Coverage(machine.spec)}), trace)
+    fresh = {"coverage": Coverage(machine.spec)}
+    if issubclass(machine, FamilyMachine):
+        fresh["child_coverage"] = Coverage(machine.child_spec)
+    return play(type(machine.__name__, (machine,), fresh), trace)
 
 
 def tidy(machine: type[SpecMachine], found: SpecViolation) -> SpecViolation:
