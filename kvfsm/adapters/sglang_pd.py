@@ -198,6 +198,11 @@ class Rooms:
     def state(self, room: int) -> str | None:
         return self.tracker.state(room)
 
+    def succeeded(self, room: int) -> bool:
+        """Whether the room is in a ``final: success`` state of its spec (decode: the pages arrived)."""
+        state = self.tracker.state(room)
+        return state is not None and self.spec.states[state].final == "success"
+
     def abort(self, room: int, party: Any) -> str | None:
         """The scheduler aborts the request: SGLang's ``abort()`` on its sender or receiver (if it has one), then
         the room's ``abort``; returns the room's state."""
@@ -507,7 +512,7 @@ class DecodeServer:
             self.rooms.feed(room, event)
             if not pages:
                 return
-            if self.rooms.state(room) == "received":
+            if self.rooms.succeeded(room):
                 self.decoding[room] = pages
                 self._check(room, pages)
             else:

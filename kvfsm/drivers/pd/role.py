@@ -39,8 +39,7 @@ class Sends:
     """The tracker's observer: queues ``(room, message)`` for every ``send:`` of every transition taken."""
 
     def __init__(self, spec: Spec) -> None:
-        table = spec.table
-        self._sends = {pair: tuple(s.message for s in edge.transition.sends) for pair, edge in table.items()}
+        self._sends = {(e.source, e.event): tuple(s.message for s in e.transition.sends) for e in spec.edges()}
         self.pending: list[tuple[Hashable, str]] = []
 
     def __call__(self, key: Hashable, generation: int, event: str, source: str | None, target: str, now: float) -> None:
