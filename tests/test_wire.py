@@ -60,8 +60,8 @@ def test_every_message_round_trips_through_the_codec(message: object) -> None:
 
 
 def test_every_message_type_has_an_example() -> None:
-    assert {type(m) for m in EXAMPLES} | {__import__("kvfsm.wire", fromlist=["x"]).Success,
-                                          __import__("kvfsm.wire", fromlist=["x"]).Failure} == set(MESSAGE_TYPES)  # fmt: skip
+    assert {type(m) for m in EXAMPLES} | {__import__("kvfsm.wire", fromlist=["x"]).Succeeded,
+                                          __import__("kvfsm.wire", fromlist=["x"]).Failed} == set(MESSAGE_TYPES)  # fmt: skip
 
 
 @pytest.mark.parametrize(

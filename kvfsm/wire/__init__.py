@@ -17,13 +17,13 @@ from .messages import (
     VERSION,
     AbortAck,
     AbortReq,
-    Failure,
+    Failed,
     Heartbeat,
     Hello,
     Message,
     Metadata,
     Request,
-    Success,
+    Succeeded,
 )
 
 if TYPE_CHECKING:
@@ -67,7 +67,7 @@ __all__ = [
     "AbortReq",
     "ClientKey",
     "Curve",
-    "Failure",
+    "Failed",
     "Heartbeat",
     "Hello",
     "Listener",
@@ -76,7 +76,7 @@ __all__ = [
     "Metadata",
     "Request",
     "Sender",
-    "Success",
+    "Succeeded",
     "WireError",
     "decode",
     "encode",

@@ -60,13 +60,13 @@ class AbortAck(_Message, frozen=True, tag="abort_ack"):
     room: Room
 
 
-class Success(_Message, frozen=True, tag="success"):
+class Succeeded(_Message, frozen=True, tag="success"):
     """Every chunk of the room has landed in decode's pages (``[room, KVPoll.Success, prefill_rank]``)."""
 
     room: Room
 
 
-class Failure(_Message, frozen=True, tag="failure"):
+class Failed(_Message, frozen=True, tag="failure"):
     """The room failed on prefill and nothing of it is in flight any more (``[room, KVPoll.Failed, ...]``)."""
 
     room: Room
@@ -93,10 +93,10 @@ class Heartbeat(_Message, frozen=True, tag="heartbeat"):
     seq: Count
 
 
-Message: TypeAlias = Request | Metadata | AbortReq | AbortAck | Success | Failure | Hello | Heartbeat
+Message: TypeAlias = Request | Metadata | AbortReq | AbortAck | Succeeded | Failed | Hello | Heartbeat
 """Every message of version 1."""
 
-MESSAGE_TYPES: tuple[type[_Message], ...] = (Request, Metadata, AbortReq, AbortAck, Success, Failure, Hello, Heartbeat)
+MESSAGE_TYPES: tuple[type[_Message], ...] = (Request, Metadata, AbortReq, AbortAck, Succeeded, Failed, Hello, Heartbeat)
 
-ROOM_MESSAGES: tuple[type[_Message], ...] = (Request, Metadata, AbortReq, AbortAck, Success, Failure)
+ROOM_MESSAGES: tuple[type[_Message], ...] = (Request, Metadata, AbortReq, AbortAck, Succeeded, Failed)
 """The messages that name a room: their tag is an event of the receiving role's spec."""

@@ -114,7 +114,7 @@ class Decode(Role):
         while True:
             now = time.monotonic()
             if now >= next_hello:
-                self.outbox.send_reliably(self.hello)
+                self.link.send_reliably(self.hello)
                 next_hello = now + 0.2
             while issued < cfg.requests and len(self.begun) < cfg.concurrency:
                 self._admit(issued, now)
@@ -152,7 +152,7 @@ class Decode(Role):
         }
 
     def _admit(self, room: int, now: float) -> None:
-        self.outbox.send_reliably(Request(peer=DECODE, room=room))
+        self.link.send_reliably(Request(peer=DECODE, room=room))
         self.tracker.begin(room)
         self.begun[room] = now
         self.waiting_pages.append(room)

@@ -2,7 +2,7 @@
 
 At each opportunity (a message sent, an action run, a chunk written, a
 request begun) a fault happens with the job's fault rate. Message faults are
-applied by :class:`Outbox` on the way out: dropped, duplicated, delayed,
+applied by :class:`FaultyLink` on the way out: dropped, duplicated, delayed,
 reordered (held back until after the next message) or malformed (a mangled
 copy goes out instead, which the peer's listener counts and drops).
 """
@@ -38,7 +38,7 @@ class Faults:
         return self.rng.uniform(*bounds)
 
 
-class Outbox:
+class FaultyLink:
     """Sends protocol messages to one peer through ``faults``; :meth:`flush` sends what a delay held back."""
 
     def __init__(self, sender: Sender, faults: Faults, delay: tuple[float, float] = (0.005, 0.050)) -> None:

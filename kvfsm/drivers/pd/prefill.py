@@ -18,7 +18,7 @@ from ctypes import c_byte
 from multiprocessing.queues import Queue
 from typing import Any
 
-from ...wire import AbortAck, Failure, Hello, Message, Metadata, Request, Success
+from ...wire import AbortAck, Failed, Hello, Message, Metadata, Request, Succeeded
 from ..block_pool import BlockPool, NoFreeBlocks
 from .config import JobConfig
 from .faults import Faults
@@ -101,9 +101,9 @@ class Prefill(Role):
 
     def compose(self, name: str, room: Hashable) -> Message | None:
         assert isinstance(room, int)
-        kinds: dict[str, type[Success | Failure | AbortAck]] = {
-            "success": Success,
-            "failure": Failure,
+        kinds: dict[str, type[Succeeded | Failed | AbortAck]] = {
+            "success": Succeeded,
+            "failure": Failed,
             "abort_ack": AbortAck,
         }
         if name not in kinds:

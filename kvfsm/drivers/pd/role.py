@@ -22,7 +22,7 @@ from ...spec.system import System, load_system
 from ...wire import Message
 from ...wire.listener import Listener
 from .config import JobConfig
-from .faults import Faults, Outbox
+from .faults import Faults, FaultyLink
 
 
 def system(protocol: str) -> System:
@@ -52,7 +52,7 @@ class Sends:
 
 
 class Role:
-    """One side of the job: a tracker over the role's spec, a listener, and an outbox to the peer."""
+    """One side of the job: a tracker over the role's spec, a listener, and a faulty link to the peer."""
 
     name = ""
     peer_name = ""
@@ -72,7 +72,7 @@ class Role:
         self.listener = Listener(port=port, check=self.check)
         from ...wire.sender import Sender
 
-        self.outbox = Outbox(Sender(f"tcp://127.0.0.1:{peer_port}"), self.faults)
+        self.link = FaultyLink(Sender(f"tcp://127.0.0.1:{peer_port}"), self.faults)
         self.counts: Counter[str] = Counter()
 
     def check(self, message: Message) -> str | None:
@@ -104,8 +104,8 @@ class Role:
         for room, name in self.sends.drain():
             message = self.compose(name, room)
             if message is not None:
-                self.outbox.send(message, now)
-        self.outbox.flush(now)
+                self.link.send(message, now)
+        self.link.flush(now)
 
     def compose(self, name: str, room: Hashable) -> Message | None:
         raise NotImplementedError
@@ -128,7 +128,7 @@ class Role:
 
     def close(self) -> None:
         self.listener.close()
-        self.outbox.sender.close()
+        self.link.sender.close()
 
 
 def expose(tracker: Tracker, config: JobConfig, report: Any, role: str) -> Any:
