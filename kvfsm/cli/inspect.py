@@ -1,0 +1,89 @@
+"""``kvfsm inspect``: a spec, a system and a counterexample (or a live process) in a browser, or as one HTML file."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+from rich.markup import escape
+
+from .common import EXIT_OK, EXIT_USAGE, Subparsers, err, out, refuse, write_output
+
+
+def register(sub: Subparsers) -> None:
+    p = sub.add_parser(
+        "inspect",
+        help="a spec, system or explorer trace (or a live process) as a web page: served on 127.0.0.1, or --html",
+        description="Show a spec or system (its diagram, what each state holds and its deadline, kvfsm check's "
+        "findings pinned to the states and edges they name) and, with --trace, step through an explorer "
+        "counterexample; or, with --live URL, watch a tracker debug endpoint. The page is served on 127.0.0.1 "
+        "until Ctrl-C (exit 130), or written with --html as one self-contained file. Exit 0 once it is written "
+        "or served: the findings are in the page (kvfsm check gives them an exit status).",
+    )
+    p.add_argument("target", nargs="?", type=Path, metavar="SPEC_OR_SYSTEM", help="a machine spec or a system file")
+    p.add_argument("--trace", type=Path, metavar="TRACE.json", help="a counterexample written by kvfsm explore --trace")
+    p.add_argument("--html", type=Path, metavar="OUT.html", help="write the page to this file instead of serving it")
+    p.add_argument("--live", metavar="URL", help="watch a tracker debug endpoint (e.g. kvfsm demo --metrics's)")
+    p.add_argument(
+        "--port", type=_port, default=None, metavar="PORT", help="serve on 127.0.0.1:PORT (default: any free)"
+    )
+    p.add_argument(
+        "--interval", type=_seconds, default=None, metavar="S", help="--live: seconds between reads (default 1)"
+    )
+    p.set_defaults(run=run)
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or not 0 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number from 0 to 65535")
+    return int(text)
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0.1 <= value <= 3600:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds from 0.1 to 3600")
+    return value
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..explore import read_trace
+    from ..inspect import InspectServer, build, html, live_page
+    from ..inspect.live import Watch
+
+    if args.live is not None:
+        for given, option in ((args.target, "SPEC_OR_SYSTEM"), (args.trace, "--trace"), (args.html, "--html")):
+            if given is not None:
+                return refuse("inspect", option, "--live, which watches a running process")
+        if not args.live.startswith(("http://", "https://")):
+            err.print(f"[red]kvfsm inspect: --live {escape(args.live)} is no http:// URL of a debug endpoint[/]")
+            return EXIT_USAGE
+        page = live_page(args.live, args.interval or 1.0)
+        watch: Watch | None = Watch(args.live)
+    else:
+        if args.target is None:
+            err.print("[red]kvfsm inspect: name a spec or system file, or --live URL[/]")
+            return EXIT_USAGE
+        if args.interval is not None:
+            return refuse("inspect", "--interval", "a spec or trace, which does not change")
+        trace = read_trace(args.trace) if args.trace is not None else None
+        page = build(args.target, trace)
+        watch = None
+    document = html(page)
+    if args.html is not None:
+        if args.port is not None:
+            return refuse("inspect", "--port", "--html, which writes a file")
+        write_output(args.html, document, "--html")
+        out.print(f"wrote {escape(str(args.html))} ({len(document.encode()):,} bytes, self-contained)")
+        return EXIT_OK
+    server = InspectServer(document, port=args.port or 0, watch=watch)
+    try:
+        out.print(f"kvfsm inspect: serving {escape(page.title)} at {server.url} (loopback only; Ctrl-C stops)")
+        server.serve_forever()
+    finally:
+        server.close()
+    return EXIT_OK

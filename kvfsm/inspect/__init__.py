@@ -1,0 +1,29 @@
+"""``kvfsm inspect``: a spec, a system, a counterexample or a live process, seen in a browser.
+
+One page, self-contained (its script, stylesheet and diagrams inlined), built
+from what kvfsm already computes: the Graphviz diagram of :mod:`kvfsm.gen`,
+the findings of ``kvfsm check`` pinned to the states and edges they name, an
+explorer trace replayed into per-step snapshots (:mod:`.steps`), and a
+tracker debug endpoint's ``/state`` read for the live view (:mod:`.live`).
+:mod:`.page` builds it, :mod:`.serve` serves it on loopback.
+"""
+
+from __future__ import annotations
+
+from .findings import Pinned, pin
+from .page import InspectError, Page, build, html, live_page
+from .serve import InspectServer
+from .steps import Snapshot, snapshots
+
+__all__ = [
+    "InspectError",
+    "InspectServer",
+    "Page",
+    "Pinned",
+    "Snapshot",
+    "build",
+    "html",
+    "live_page",
+    "pin",
+    "snapshots",
+]

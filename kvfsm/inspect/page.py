@@ -1,0 +1,216 @@
+"""The inspect page: its model (what the page shows, computed here) and the one self-contained HTML file.
+
+Everything the page needs is in the file: the stylesheet and script from
+``assets/`` (shipped in the wheel), the diagram as Graphviz SVG from
+kvfsm's own generator, the sequence diagram, and the model as JSON for
+the script, which only steps through it. Nothing is fetched when it opens;
+only the live view asks its own server (the same origin) for ``/live``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from html import escape
+from importlib.resources import files
+from pathlib import Path
+from typing import Any
+
+from ..errors import KvfsmError
+from ..explore import Trace, check_trace, format_trace
+from ..gen.diagram import render
+from ..spec import Finding, Spec, System, check, is_system_file, read
+from ..spec.system import read_system
+from .findings import Pinned, pin
+from .sequence import sequence_svg
+from .steps import Snapshot, snapshots
+
+ASSETS = files("kvfsm.inspect") / "assets"
+PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
+"""``{{name}}`` in assets/page.html: replaced in one pass, so nothing inserted is read as a placeholder."""
+
+
+class InspectError(KvfsmError):
+    """An input the page cannot show (a trace of another system); a usage error (exit 2)."""
+
+
+@dataclass(frozen=True)
+class StateRow:
+    """One state as the page lists it: its node in the diagram, what it holds, its deadline."""
+
+    node: str
+    role: str
+    state: str
+    holds: tuple[str, ...]
+    deadline: str
+    final: str | None
+
+
+@dataclass
+class Page:
+    """What one inspect page shows; :func:`html` writes it."""
+
+    title: str
+    kind: str
+    """``spec``, ``system`` or ``live``."""
+    path: str = ""
+    diagram: str = ""
+    """The Graphviz SVG element (empty for the live view)."""
+    states: list[StateRow] = field(default_factory=list)
+    findings: list[Pinned] = field(default_factory=list)
+    trace: Trace | None = None
+    snaps: list[Snapshot] = field(default_factory=list)
+    live: dict[str, Any] | None = None
+    """For the live view: ``url`` watched and ``interval`` between polls."""
+
+    def data(self) -> dict[str, Any]:
+        """The JSON the page's script reads."""
+        trace = None
+        if self.trace is not None:
+            t = self.trace
+            trace = {
+                "system": t.system,
+                "property": t.prop,
+                "violation": t.violation,
+                "request": t.request,
+                "loop": t.loop,
+                "snapshots": [s.as_dict() for s in self.snaps],
+            }
+        return {
+            "kind": self.kind,
+            "title": self.title,
+            "findings": [p.as_dict() for p in self.findings],
+            "trace": trace,
+            "live": self.live,
+        }
+
+
+def _deadline(spec: Spec, name: str) -> str:
+    """``expire after transfer_timeout = 30 s``, plus each phase the state is in; empty without one."""
+
+    def after(value: str | float) -> str:
+        if isinstance(value, str):
+            seconds = spec.params.get(value)
+            return value if seconds is None else f"{value} = {seconds:g} s"
+        return f"{value:g} s"
+
+    parts = []
+    timeout = spec.states[name].timeout
+    if timeout is not None:
+        parts.append(f"{timeout.fire} after {after(timeout.after)}")
+    for p in spec.phases_of(name):
+        phase = spec.phases[p].timeout
+        parts.append(f"{phase.fire} after {after(phase.after)} (phase {p})")
+    return "; ".join(parts)
+
+
+def _rows(spec: Spec, role: str, prefix: str) -> list[StateRow]:
+    return [StateRow(prefix + n, role, n, s.holds, _deadline(spec, n), s.final) for n, s in spec.states.items()]
+
+
+def _svg(drawing: Spec | System) -> str:
+    """The diagram as an inline ``<svg>`` element (Graphviz's XML prolog and doctype dropped)."""
+    text = render(drawing, "svg").decode("utf-8")
+    return text[text.index("<svg") :]
+
+
+def build(path: str | Path, trace: Trace | None = None) -> Page:
+    """The page of a spec or system file, with its findings and, for a system, ``trace`` stepped through."""
+    findings: list[Finding] = check(path)
+    drawing: Spec | System
+    if is_system_file(path):
+        drawing = read_system(path)[0]
+        rows = [r for name, role in drawing.roles.items() for r in _rows(role.spec, name, f"{name}/")]
+        kind = "system"
+    else:
+        if trace is not None:
+            raise InspectError(f"--trace needs the system file the trace ran on, and {path} is a machine spec")
+        drawing = read(path)
+        rows = _rows(drawing, "", "")
+        kind = "spec"
+    page = Page(f"{kind} {drawing.name}", kind, str(path), _svg(drawing), rows, pin(findings, drawing))
+    if trace is not None:
+        assert isinstance(drawing, System)
+        if trace.system != drawing.name:
+            raise InspectError(
+                f"the trace is of system {trace.system!r} ({trace.path}), not {drawing.name!r} ({path}); "
+                f"inspect it with {trace.path}"
+            )
+        check_trace(trace, drawing)
+        page.trace = trace
+        page.snaps = snapshots(trace, frozenset(drawing.roles))
+        page.title = f"{trace.prop} in {drawing.name}"
+    return page
+
+
+def live_page(url: str, interval: float) -> Page:
+    """The page that polls its server's ``/live`` for the tracker endpoint at ``url``."""
+    return Page(f"live {url}", "live", live={"url": url, "interval": interval})
+
+
+def _asset(name: str) -> str:
+    return (ASSETS / name).read_text(encoding="utf-8")
+
+
+def _state_table(page: Page) -> str:
+    if not page.states:
+        return ""
+    pinned = {n for p in page.findings for n in p.nodes}
+    rows = []
+    for r in page.states:
+        cls = ' class="has-finding"' if r.node in pinned else ""
+        kind = f"final: {r.final}" if r.final else ""
+        rows.append(
+            f'<tr data-node="{escape(r.node)}"{cls}><td>{escape(r.role)}</td><td>{escape(r.state)}</td>'
+            f"<td>{escape(', '.join(r.holds))}</td><td>{escape(r.deadline)}</td><td>{kind}</td></tr>"
+        )
+    return (
+        '<table class="states"><thead><tr><th>role</th><th>state</th><th>holds</th><th>deadline</th><th></th>'
+        f"</tr></thead><tbody>{''.join(rows)}</tbody></table>"
+    )
+
+
+def _finding_list(page: Page) -> str:
+    if page.kind == "live":
+        return ""
+    if not page.findings:
+        return '<p class="clean">kvfsm check: clean</p>'
+    items = []
+    for i, p in enumerate(page.findings):
+        f = p.finding
+        where = ", ".join([*p.nodes, *(f"{a} → {b}" for a, b in p.edges), *p.clusters]) or "not pinned to the diagram"
+        fix = f'<div class="fix">fix: {escape(f.fix)}</div>' if f.fix else ""
+        items.append(
+            f'<li class="finding {f.severity}" data-finding="{i}"><b>{escape(f.severity)} {escape(f.code)}</b> '
+            f'{escape(f.message)}<div class="where">{escape(f.path)}:{f.line} · pinned to: {escape(where)}</div>'
+            f"{fix}</li>"
+        )
+    return f'<ol class="findings">{"".join(items)}</ol>'
+
+
+def _json(data: dict[str, Any]) -> str:
+    """JSON safe inside a ``<script>`` element: no ``<`` can close it."""
+    return json.dumps(data).replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+
+
+def html(page: Page) -> str:
+    """The page as one HTML document with every asset inlined."""
+    sequence = sequence_svg(page.trace, page.snaps) if page.trace is not None else ""
+    summary = ""
+    if page.trace is not None:
+        summary = f'<pre class="chart">{escape(format_trace(page.trace))}</pre>'
+    parts = {
+        "title": escape(page.title),
+        "subtitle": escape(page.path),
+        "css": _asset("inspect.css"),
+        "js": _asset("inspect.js"),
+        "data": _json(page.data()),
+        "diagram": page.diagram,
+        "states": _state_table(page),
+        "findings": _finding_list(page),
+        "sequence": sequence,
+        "chart": summary,
+        "kind": page.kind,
+    }
+    return PLACEHOLDER.sub(lambda m: parts[m.group(1)], _asset("page.html"))

@@ -1,0 +1,146 @@
+"""A trace replayed into snapshots: where every instance is, what it holds and what is in flight after each move.
+
+A kvfsm-trace/1 step says what one instance did and what that instance holds
+afterwards; a reviewer stepping through it needs the whole picture at each
+move (every role's state, every holding, the channel). That picture is built
+here once, in Python, so the page's script only shows snapshot ``i``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from ..explore import Step, Trace, describe_step
+
+CHANNEL = "channel"
+"""The lane of the sequence diagram that messages cross between roles."""
+
+
+@dataclass(frozen=True)
+class Instance:
+    """One role instance of one request at one moment."""
+
+    request: str
+    role: str
+    """The instance (``prefill#1`` where a role has ranks)."""
+    base: str
+    """The declared role it runs (the cluster it is drawn in)."""
+    state: str
+    holds: tuple[str, ...]
+    freed: tuple[tuple[str, int], ...] = ()
+    """``(resource, move)``: what it held earlier in the trace and let go of at that move (a write after it is
+    a write into pages it no longer owns)."""
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Everything after move ``index`` (0: after the instances began, before any move)."""
+
+    index: int
+    text: str
+    """The move in words (``abort: waiting → aborted``), or what the start is."""
+    request: str
+    role: str | None
+    """The instance that moved (None at the start)."""
+    note: str
+    sent: tuple[tuple[str, str, bool], ...]
+    """``(message, to, lost)`` per message the move sent."""
+    delivered: str | None
+    """The message this move took off the channel, if any."""
+    instances: tuple[Instance, ...]
+    in_flight: dict[str, tuple[str, ...]]
+    """Per request, the messages in flight."""
+    violation: bool
+    """The property is broken here (the last move of a safety trace; the cycle's start and end of a lasso)."""
+    in_cycle: bool
+
+    def as_dict(self) -> dict[str, Any]:
+        """The snapshot as the page's script reads it (JSON-ready)."""
+        return {
+            "index": self.index,
+            "text": self.text,
+            "request": self.request,
+            "role": self.role,
+            "note": self.note,
+            "sent": [{"message": m, "to": to, "lost": lost} for m, to, lost in self.sent],
+            "delivered": self.delivered,
+            "instances": [
+                {
+                    "request": i.request,
+                    "role": i.role,
+                    "base": i.base,
+                    "state": i.state,
+                    "holds": list(i.holds),
+                    "freed": [[r, at] for r, at in i.freed],
+                }
+                for i in self.instances
+            ],
+            "in_flight": {req: list(msgs) for req, msgs in self.in_flight.items()},
+            "violation": self.violation,
+            "in_cycle": self.in_cycle,
+        }
+
+
+def base_role(instance: str, roles: set[str] | frozenset[str] | None = None) -> str:
+    """The declared role of an instance: ``prefill#1`` → ``prefill`` (unless a role is really named so)."""
+    if roles is not None and instance in roles:
+        return instance
+    return instance.rsplit("#", 1)[0] if "#" in instance else instance
+
+
+def lanes(trace: Trace) -> list[str]:
+    """The instances in the order the trace declares its roles (then any a step names that it does not)."""
+    out = [r.name for r in trace.roles]
+    for s in trace.steps:
+        if s.role not in out:
+            out.append(s.role)
+    return out
+
+
+def snapshots(trace: Trace, roles: set[str] | frozenset[str] | None = None) -> list[Snapshot]:
+    """One snapshot for the start and one per move; ``roles`` are the system's declared roles (for ``base``)."""
+    where: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {}
+    freed: dict[tuple[str, str], dict[str, int]] = {}
+    flight: dict[str, tuple[str, ...]] = {}
+    moves: list[Step] = []
+    for s in trace.steps:
+        if s.action == "begin":
+            where[(s.request, s.role)] = (s.target, s.holds)
+            flight.setdefault(s.request, ())
+        else:
+            moves.append(s)
+    order = lanes(trace)
+
+    def instances() -> tuple[Instance, ...]:
+        keys = sorted(where, key=lambda k: (k[0], order.index(k[1]) if k[1] in order else len(order)))
+        return tuple(
+            Instance(k[0], k[1], base_role(k[1], roles), *where[k], tuple(freed.get(k, {}).items())) for k in keys
+        )
+
+    last = len(moves)
+    start = Snapshot(
+        0, "the instances begin", trace.request, None, "", (), None, instances(), dict(flight), last == 0, False
+    )
+    out = [start]
+    for i, s in enumerate(moves, start=1):
+        key = (s.request, s.role)
+        let_go = freed.setdefault(key, {})
+        for resource in where[key][1] if key in where else ():
+            if resource not in s.holds:
+                let_go[resource] = i
+        for resource in s.holds:
+            let_go.pop(resource, None)
+        where[key] = (s.target, s.holds)
+        flight[s.request] = s.in_flight
+        in_cycle = trace.loop is not None and i > trace.loop
+        broken = i == last if trace.loop is None else (i == trace.loop or i == last)
+        text = describe_step(s) + (" (a copy stays in flight)" if s.duplicate else "")
+        sent = tuple((x.message, x.to, x.lost) for x in s.sent)
+        delivered = s.event if s.cause == "message" else None
+        out.append(
+            Snapshot(i, text, s.request, s.role, s.note, sent, delivered, instances(), dict(flight), broken, in_cycle)
+        )
+    if trace.loop is not None and trace.loop == 0:  # a lasso whose cycle starts at once: the start is where it breaks
+        out[0] = replace(out[0], violation=True)
+    return out

@@ -1,0 +1,101 @@
+"""The inspect page's model, without a browser (fast: part of the default run).
+
+The merged fix's counterexample (seed 002) replayed into snapshots: at the
+write_after_free move prefill writes (transferring, holding src_pages) while
+decode has freed kv_pages and ABORT is still in flight. Findings land on the
+states they name; the HTML holds everything it needs.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from kvfsm.explore import explore
+from kvfsm.explore.trace import Trace
+from kvfsm.inspect import InspectError, build, html, pin, snapshots
+from kvfsm.inspect.live import anomalies
+from kvfsm.spec import check, read
+from kvfsm.spec.system import read_system
+
+ROOT = Path(__file__).resolve().parents[2]
+MERGED_FIX = ROOT / "kvfsm/specs/pd_abort/merged_fix.yaml"
+PRE_FIX = ROOT / "kvfsm/specs/moriio/write_pre_fix.yaml"
+needs_dot = pytest.mark.skipif(
+    shutil.which("dot") is None, reason="Graphviz dot is not installed (./dev.sh installs it)"
+)
+
+
+@pytest.fixture(scope="module")
+def merged_fix_trace() -> Trace:
+    result = explore(MERGED_FIX, requests=1)
+    (violated,) = [p for p in result.properties if p.trace is not None]
+    assert violated.trace is not None
+    return violated.trace
+
+
+def test_the_write_after_free_move_shows_both_roles_and_what_is_in_flight(merged_fix_trace: Trace) -> None:
+    snaps = snapshots(merged_fix_trace)
+    last = snaps[-1]
+    assert last.violation and not any(s.violation for s in snaps[:-1])
+    where = {i.role: (i.state, i.holds, i.freed) for i in last.instances}
+    assert where["prefill"] == ("transferring", ("src_pages",), ())
+    assert where["decode"] == ("aborted", (), (("kv_pages", 2),))
+    assert last.in_flight == {"r0": ("abort_req",)}
+    assert snaps[0].text == "the instances begin" and snaps[0].in_flight == {"r0": ()}
+    assert [s.delivered for s in snaps] == [None, None, None, "metadata", None]
+    assert snaps[1].sent == (("metadata", "prefill", False),)
+
+
+def test_findings_are_pinned_to_the_states_they_name() -> None:
+    system, _errors = read_system(PRE_FIX)
+    pinned = pin(check(PRE_FIX), system)
+    assert [(p.finding.code, p.nodes) for p in pinned] == [
+        ("KVF107", ("producer/deferred",)),
+        ("KVF107", ("producer/writing",)),
+    ]
+
+
+def test_a_finding_on_a_transition_line_is_pinned_to_its_edges() -> None:
+    spec = read(ROOT / "specs/kv_request.yaml")
+    start = next(t for t in spec.transitions if t.event == "start")
+    from kvfsm.spec import Finding
+
+    f = Finding("KVF999", "warning", spec.path, start.loc.line, "made up")
+    (p,) = pin([f], spec)
+    assert p.edges == (("queued", "transferring"),) and p.nodes == ()
+
+
+@needs_dot
+def test_the_page_is_one_file_that_names_nothing_outside_it(merged_fix_trace: Trace) -> None:
+    page = build(MERGED_FIX, merged_fix_trace)
+    text = html(page)
+    assert "{{" not in text.replace("{{name}}", "")
+    for attr in re.findall(r'(?:src|href)\s*=\s*"([^"]*)"', text):
+        assert not attr.startswith(("http:", "https:", "//")), attr
+    assert "@import" not in text and "url(http" not in text
+    assert 'id="kvfsm-data"' in text and "write_after_free" in text
+    rows = [r.node for r in page.states]
+    assert "prefill/transferring" in rows and "decode/aborted" in rows
+
+
+@needs_dot
+def test_a_trace_of_another_system_or_on_a_machine_spec_is_refused(merged_fix_trace: Trace) -> None:
+    with pytest.raises(InspectError, match="not 'pd_abort_corrected'"):
+        build(ROOT / "kvfsm/specs/pd_abort/corrected.yaml", merged_fix_trace)
+    with pytest.raises(InspectError, match="machine spec"):
+        build(ROOT / "specs/kv_request.yaml", merged_fix_trace)
+
+
+def test_anomalies_are_read_by_machine_and_kind_from_metrics_text() -> None:
+    text = (
+        "# TYPE kvfsm_anomalies_total counter\n"
+        'kvfsm_anomalies_total{machine="pd_prefill",kind="late"} 3.0\n'
+        'kvfsm_anomalies_total{kind="late",machine="pd_prefill",tracker="b"} 2.0\n'
+        'kvfsm_anomalies_total{machine="pd_decode",kind="unknown"} 1.0\n'
+        'kvfsm_instances{machine="pd_decode",state="waiting"} 4.0\n'
+    )
+    assert anomalies(text) == {"pd_prefill": {"late": 5.0}, "pd_decode": {"unknown": 1.0}}
