@@ -16,6 +16,7 @@ need_apt=()
 command -v dot >/dev/null 2>&1 || need_apt+=(graphviz)
 command -v spin >/dev/null 2>&1 || need_apt+=(spin)
 command -v gcc >/dev/null 2>&1 || need_apt+=(gcc)    # SPIN compiles its verifier (pan.c)
+command -v chromium >/dev/null 2>&1 || need_apt+=(chromium)    # kvfsm inspect's page, driven headless by Playwright (tests/inspect)
 # Mooncake's wheel links libibverbs; without recommends, so ibverbs-providers (which breaks NIXL's UCX) stays out.
 ldconfig -p 2>/dev/null | grep -q "libibverbs.so.1 " || need_apt+=(libibverbs1)
 if [ ${#need_apt[@]} -gt 0 ]; then
@@ -121,6 +122,11 @@ case "${1:-demo}" in
         if [ -z "${KVFSM_NO_VLLM:-}" ]; then export KVFSM_REQUIRE_ENGINES=1; fi
         echo "==> pytest"; pytest -q "${@:2}"
         if [ $# -le 1 ]; then echo "==> docs"; pytest -q -p no:cacheprovider --run-docs tests/docs; fi    # every block of README.md and docs/ (~4 min)
+        # kvfsm inspect's page in headless Chromium (~40 s): its own step, and it may not skip here (tests/inspect/conftest.py).
+        if [ $# -le 1 ]; then
+            echo "==> kvfsm inspect in headless Chromium"
+            KVFSM_REQUIRE_BROWSER=1 pytest -q -p no:cacheprovider --run-browser tests/inspect
+        fi
         # kvfsm demo --engine vllm end to end (~75 s): a step of its own, so the suite's run stays within 15 minutes.
         if [ $# -le 1 ]; then echo "==> kvfsm demo --engine vllm"; pytest -q -p no:cacheprovider --run-slow tests/engine/test_engine_demo.py; fi
         # The sglang tests run in SGLang's venv, in a pytest run of their own (~1 min), and may not skip here either.

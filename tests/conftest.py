@@ -30,10 +30,16 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--run-docs", action="store_true", help="also run tests marked docs (every block of README.md and docs/)"
     )
+    parser.addoption(
+        "--run-browser", action="store_true", help="also run tests marked browser (kvfsm inspect in headless Chromium)"
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "docs: runs a block of README.md or docs/ as written; skipped unless --run-docs")
+    config.addinivalue_line(
+        "markers", "browser: drives kvfsm inspect's page in headless Chromium; skipped unless --run-browser"
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -42,6 +48,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in items:
             if item.get_closest_marker("docs") is not None:
                 item.add_marker(skip_docs)
+    if not config.getoption("--run-browser"):
+        skip_browser = pytest.mark.skip(reason="browser: run with --run-browser (./dev.sh test does, as its own step)")
+        for item in items:
+            if item.get_closest_marker("browser") is not None:
+                item.add_marker(skip_browser)
     if config.getoption("--run-slow"):
         return
     skip = pytest.mark.skip(reason="slow: run with --run-slow")
