@@ -143,8 +143,8 @@ class SideChannel:
         elif body[1] != GET_META:
             reason, detail = "request", f"unknown request {body[1][:32]!r}"
         else:
+            self.stats.served += 1  # counted before the answer leaves: a client that has it finds it counted
             self._socket.send_multipart([identity, b"", OK, self._payload])
-            self.stats.served += 1
             return
         self.stats.refused[reason] += 1
         self._socket.send_multipart([identity, b"", ERROR, detail.encode()])
