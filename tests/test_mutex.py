@@ -148,6 +148,31 @@ def test_the_owner_reenters_without_waiting_and_only_the_outer_exit_releases() -
     assert mutex.owner == 0
 
 
+def test_enter_says_whether_this_call_took_the_lock_and_only_that_entry_gives_it_back() -> None:
+    """What ``Tracker.begin`` calls and ``Tracker.fire`` inlines: a re-entry is told apart, and not given back."""
+    mutex = Mutex()
+    assert mutex.enter()
+    assert mutex.owner == threading.get_ident()
+    assert not mutex.enter()  # held by this thread already
+    assert mutex.locked()
+    mutex.exit()
+    assert not mutex.locked() and mutex.owner == 0
+    got = threading.Event()
+
+    def waiter() -> None:
+        assert mutex.enter()
+        got.set()
+        mutex.exit()
+
+    assert mutex.enter()
+    thread = start(waiter)
+    wait_for_waiters(mutex, 1)
+    mutex.exit()
+    assert got.wait(JOIN), "the waiter was not handed the lock by exit()"
+    join(thread)
+    assert not mutex.locked() and mutex.waiters == 0
+
+
 def test_an_exception_inside_releases() -> None:
     mutex = Mutex()
     with pytest.raises(ValueError), mutex:

@@ -5,21 +5,26 @@ acquire and release cost 65–75 ns on CPython 3.11, a quarter of what a
 hand-written tracker spends on a whole ``fire``, and the Tracker takes its
 lock once per call. This lock is a single token in a deque:
 
-- a thread takes the lock by popping the token (atomic) and records itself
-  as ``owner``; it gives the lock back by clearing ``owner`` and appending
-  the token;
-- a thread that finds itself recorded as ``owner`` holds the lock already (a
-  driver action or a collector finalizer calling back): it goes on at once,
-  and its inner exit does not give the token back;
-- a thread that finds the token out waits on a ticket of its own, queued
-  oldest first, and a release hands the token straight to the oldest ticket:
-  as with ``RLock``, the releasing thread cannot take the lock back before a
-  waiter runs, so a busy thread cannot starve the others.
+- a thread that sees the token takes the lock by popping it (atomic) and
+  records itself as ``owner``; it gives the lock back by clearing ``owner``
+  and appending the token;
+- a thread that finds the token out and itself recorded as ``owner`` holds
+  the lock already (a driver action or a collector finalizer calling back):
+  it goes on at once, and its inner exit does not give the token back;
+- any other thread that finds the token out waits on a ticket of its own,
+  queued oldest first, and a release hands the token straight to the oldest
+  ticket: as with ``RLock``, the releasing thread cannot take the lock back
+  before a waiter runs, so a busy thread cannot starve the others.
 
-``Tracker.begin`` and ``Tracker.fire`` inline taking and giving back (a
-method call costs what the lock saves; begin entering through fire, with
-fire calling ``Deadlines.arm``, put ``kvfsm bench``'s lifecycle rows 8-11%
-up); every other method holds the lock with ``with``.
+Taking and giving back are written once, as :meth:`Mutex.enter` and
+:meth:`Mutex.exit`; ``with`` adds the count of re-entries. ``Tracker.fire``,
+the one call made per event, inlines the two fast paths (the look, the pop
+and the owner; clearing, the append and the look at ``waiters``): a method
+call costs what the lock saves. ``Tracker.begin`` calls ``enter`` and ``exit``
+(two calls, offset in ``kvfsm bench``'s locked lifecycle row by looking for
+the token before reading the owner: a thread's own id is read only once it
+has the token, or finds it out); every other method holds the lock with
+``with``.
 
 No wakeup is lost: a waiter queues its ticket under ``_guard`` only after it
 found the token out, and a releaser appends the token before it reads
@@ -45,7 +50,7 @@ RECHECK = 0.5
 
 
 class Mutex:
-    """A re-entrant lock held with ``with`` (``Tracker.begin`` and ``fire`` inline the same steps)."""
+    """A re-entrant lock held with ``with``, or taken with :meth:`enter` and given back with :meth:`exit`."""
 
     __slots__ = ("tokens", "owner", "waiters", "_depth", "_guard", "_queue")
 
@@ -110,22 +115,40 @@ class Mutex:
         """Whether some thread holds the lock (a snapshot, for tests and diagnostics)."""
         return not self.tokens
 
-    def __enter__(self) -> None:
-        me = get_ident()
-        if self.owner == me:
-            self._depth += 1
-            return
+    def enter(self) -> bool:
+        """Take the lock and say so (True); False if this thread holds it already: that entry is not this call's to
+        give back. ``Tracker.fire`` inlines this and :meth:`exit`; everything else calls them or holds ``with``."""
+        if not self.tokens:  # a look first: a re-entry raising IndexError would cost what poll's steps save
+            return self.contended()
         try:
             self.tokens.pop()
-        except IndexError:
+        except IndexError:  # taken by another thread since the look: not held by this one
             self.wait()
+        self.owner = get_ident()
+        return True
+
+    def contended(self) -> bool:
+        """The token is out: False if this thread holds the lock already (it re-enters), else True once it is ours."""
+        me = get_ident()
+        if self.owner == me:
+            return False
+        self.wait()
         self.owner = me
+        return True
+
+    def exit(self) -> None:
+        """Give back the lock an :meth:`enter` took (returned True): to the oldest waiter, if one is queued."""
+        self.owner = 0
+        self.tokens.append(None)
+        if self.waiters:
+            self.hand_over()
+
+    def __enter__(self) -> None:
+        if not self.enter():
+            self._depth += 1
 
     def __exit__(self, kind: object, value: object, traceback: object) -> None:
         if self._depth:
             self._depth -= 1
             return
-        self.owner = 0
-        self.tokens.append(None)
-        if self.waiters:
-            self.hand_over()
+        self.exit()

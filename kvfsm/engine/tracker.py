@@ -119,8 +119,10 @@ class Tracker:
     - ``_early[(space, id)]`` holds the messages of ``early:`` events kept for
       an id not yet known in that space, each also in ``_early_order`` until
       it is applied (the id appeared) or dropped (due, bound, close);
-    - ``begin`` and ``fire`` are the only calls that inline the lock's fast
-      path (a ``with`` costs two calls); every other call that fires one key
+    - ``fire`` is the only call that inlines the lock's fast path
+      (:meth:`Mutex.enter <kvfsm.engine.mutex.Mutex.enter>` and ``exit``: a
+      ``with`` costs two calls), ``begin`` calls the two, the rest hold the
+      lock with ``with``; every other call that fires one key
       goes through ``fire`` (poll, close and the queue's events through
       ``_fire_inner``, with ``_inner`` set so that the outer call drains and
       raises); every begin but ``begin``'s plain path (one that runs nothing
@@ -246,7 +248,7 @@ class Tracker:
         self._guard: AbstractContextManager[Any] = (
             parent._guard if parent is not None else (self._mutex if self._mutex is not None else nullcontext())
         )
-        """What the non-hot methods hold; ``begin`` and ``fire`` inline the mutex's fast path."""
+        """What the non-hot methods hold; ``fire`` inlines the mutex's fast path, ``begin`` calls it."""
         self._live: dict[Hashable, CState] = {}
         self._gens: dict[Hashable, int] = {}
         self._links: dict[str, dict[Hashable, tuple[Hashable, int]]] = {space: {} for space in (*spec.spaces, *spaces)}
@@ -320,16 +322,8 @@ class Tracker:
         then held).
         """
         mutex = self._mutex
-        if mutex is not None:  # Mutex.__enter__, inlined, as in fire: entering through fire is a call per request
-            me = get_ident()
-            if mutex.owner == me:
-                mutex = None  # held by this thread already (poll's steps, an action calling back): not ours
-            else:
-                try:
-                    mutex.tokens.pop()
-                except IndexError:
-                    mutex.wait()
-                mutex.owner = me
+        if mutex is not None and not mutex.enter():
+            mutex = None  # held by this thread already (an action calling back): not this call's to give back
         try:
             if self._busy:
                 self._enqueue(key, _BEGIN, payload)
@@ -347,11 +341,8 @@ class Tracker:
                 return
             self._run(partial(self._begin, key, payload))  # partial, not a lambda: a closure slows the path above
         finally:
-            if mutex is not None:  # Mutex.__exit__, inlined, as in fire
-                mutex.owner = 0
-                mutex.tokens.append(None)
-                if mutex.waiters:
-                    mutex.hand_over()
+            if mutex is not None:
+                mutex.exit()
 
     def _settle_begin(self) -> None:
         """Decide, once per change of what begin runs, whether it can take the plain path (nothing that calls back)."""
@@ -374,16 +365,15 @@ class Tracker:
         is complete.
         """
         mutex = self._mutex
-        if mutex is not None:  # Mutex.__enter__, inlined, as in begin: a method call costs what the lock saves
-            me = get_ident()
-            if mutex.owner == me:
-                mutex = None  # held by this thread already (poll's steps, an action calling back): not ours
-            else:
+        if mutex is not None:  # Mutex.enter, inlined: its one copy (a method call costs what the lock saves)
+            if mutex.tokens:
                 try:
                     mutex.tokens.pop()
-                except IndexError:
+                except IndexError:  # taken by another thread since the look: not held by this one
                     mutex.wait()
-                mutex.owner = me
+                mutex.owner = get_ident()
+            elif not mutex.contended():
+                mutex = None  # held by this thread already (poll's steps, an action calling back): not ours
         try:
             if self._busy:
                 self._enqueue(key, event, payload)
@@ -441,7 +431,7 @@ class Tracker:
                 self._raise_failures(target.name)
             return target.name
         finally:
-            if mutex is not None:  # Mutex.__exit__, inlined, as in begin
+            if mutex is not None:  # Mutex.exit, inlined
                 mutex.owner = 0
                 mutex.tokens.append(None)
                 if mutex.waiters:
