@@ -98,6 +98,8 @@ EXEMPT: dict[tuple[str, str], str] = {
         'NixlAgent(f"prefill-{rank}")',
     ): "a sketch of an engine's calls: rank, block_bytes, peer_infos and "
     "the blocks are the engine's (tests/test_nixl_real.py runs them on real agents)",
+    ("docs/inspect.md", "kvfsm inspect --live http://127.0.0.1:9400"): "both serve a page until Ctrl-C "
+    "(tests/inspect/test_browser.py serves each and stops it: exit 130)",
     ("docs/watch.md", "/var/log/kvfsm/vllm_send-10368.jsonl"): "the journal a watched vLLM deployment writes "
     "(tests/test_watch_vllm.py replays the one its run writes)",
 }
