@@ -55,6 +55,8 @@ def run(args: argparse.Namespace) -> int:
     from ..inspect import InspectServer, build, html, live_page
     from ..inspect.live import Watch
 
+    if args.html is not None and args.port is not None:
+        return refuse("inspect", "--port", "--html, which writes a file")
     if args.live is not None:
         for given, option in ((args.target, "SPEC_OR_SYSTEM"), (args.trace, "--trace"), (args.html, "--html")):
             if given is not None:
@@ -75,8 +77,6 @@ def run(args: argparse.Namespace) -> int:
         watch = None
     document = html(page)
     if args.html is not None:
-        if args.port is not None:
-            return refuse("inspect", "--port", "--html, which writes a file")
         write_output(args.html, document, "--html")
         out.print(f"wrote {escape(str(args.html))} ({len(document.encode()):,} bytes, self-contained)")
         return EXIT_OK
