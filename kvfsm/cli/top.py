@@ -15,8 +15,6 @@ import json
 import math
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -25,6 +23,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..errors import KvfsmError
+from ..observe.client import EndpointError, read
 from .common import EXIT_OK, Subparsers, err, out, refuse
 
 
@@ -76,42 +75,19 @@ def _reads(text: str) -> int:
     return value
 
 
-MAX_ANSWER = 16 << 20
-"""Largest ``/state`` answer read (16 MiB): a dump is bounded by ``--limit`` per state, so more than
-this is not a kvfsm debug endpoint, and it is refused rather than read whole."""
-
-READ_SECONDS = 10.0
-"""Longest one read of ``/state`` may take, however slowly the server sends."""
-
-
 def fetch(url: str, limit: int) -> dict[str, Any]:
     """The endpoint's ``/state``; a usage error naming the URL if it cannot be read, or is too big or too slow."""
     where = f"{url.rstrip('/')}/state"
     hint = "is a kvfsm.observe.DebugServer serving there?"
     try:
-        with urllib.request.urlopen(f"{where}?limit={limit}", timeout=5) as answer:
-            body = _bounded(answer, where, hint)
-        doc = json.loads(body)
-    except (OSError, urllib.error.URLError, ValueError, RecursionError) as exc:
+        doc = json.loads(read(f"{where}?limit={limit}"))
+    except EndpointError as exc:
+        raise KvfsmError(f"{exc}; {hint}") from None
+    except (ValueError, RecursionError) as exc:
         raise KvfsmError(f"cannot read {where} ({exc}); {hint}") from None
     if not isinstance(doc, dict):
         raise KvfsmError(f"{where} answered {type(doc).__name__}, not a JSON object; {hint}")
     return doc
-
-
-def _bounded(answer: Any, where: str, hint: str) -> bytes:
-    """The answer's body, read in chunks up to :data:`MAX_ANSWER` bytes and :data:`READ_SECONDS`."""
-    chunks: list[bytes] = []
-    size = 0
-    started = time.monotonic()
-    while chunk := answer.read(1 << 16):
-        size += len(chunk)
-        if size > MAX_ANSWER:
-            raise KvfsmError(f"{where} answered more than {MAX_ANSWER >> 20} MiB; {hint}")
-        if time.monotonic() - started > READ_SECONDS:
-            raise KvfsmError(f"{where} took more than {READ_SECONDS:g} s to answer; {hint}")
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def render(doc: dict[str, Any], caption: str | None = None) -> Table:

@@ -11,43 +11,15 @@ from __future__ import annotations
 import json
 import re
 import threading
-import time
-import urllib.error
-import urllib.request
 from typing import Any
 
-MAX_ANSWER = 16 << 20
-"""Largest answer read (16 MiB), as ``kvfsm top`` reads ``/state``: more is no kvfsm debug endpoint."""
-
-READ_SECONDS = 10.0
-"""Longest one read may take, however slowly the endpoint sends."""
+from ..observe.client import EndpointError, read
 
 LIMIT = 5
 """Oldest instances asked for per state."""
 
 ANOMALY = re.compile(r"^kvfsm_anomalies_total\{([^}]*)\}\s+([0-9.eE+]+)\s*$", re.M)
 LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-
-
-class LiveError(Exception):
-    """The endpoint could not be read; the message says why, for the page."""
-
-
-def _read(url: str) -> bytes:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as answer:
-            chunks: list[bytes] = []
-            size, started = 0, time.monotonic()
-            while chunk := answer.read(1 << 16):
-                size += len(chunk)
-                if size > MAX_ANSWER:
-                    raise LiveError(f"{url} answered more than {MAX_ANSWER >> 20} MiB")
-                if time.monotonic() - started > READ_SECONDS:
-                    raise LiveError(f"{url} took more than {READ_SECONDS:g} s")
-                chunks.append(chunk)
-            return b"".join(chunks)
-    except (OSError, urllib.error.URLError, ValueError) as exc:
-        raise LiveError(f"cannot read {url} ({exc})") from None
 
 
 def anomalies(metrics: str) -> dict[str, dict[str, float]]:
@@ -73,16 +45,16 @@ class Watch:
         """``{"state": /state, "anomalies": {machine: {kind: n}}, "metrics": bool, "reads": n}`` or ``{"error"}``."""
         with self._lock:  # one read at a time, however many pages poll
             try:
-                state = json.loads(_read(f"{self.url}/state?limit={LIMIT}"))
+                state = json.loads(read(f"{self.url}/state?limit={LIMIT}"))
                 if not isinstance(state, dict) or not isinstance(state.get("trackers"), dict):
-                    raise LiveError(f"{self.url}/state is not a kvfsm tracker dump")
-            except (LiveError, ValueError, RecursionError) as exc:
+                    raise EndpointError(f"{self.url}/state is not a kvfsm tracker dump")
+            except (EndpointError, ValueError, RecursionError) as exc:
                 return {"error": str(exc), "reads": self.reads}
             try:
                 found: dict[str, dict[str, float]] | None = anomalies(
-                    _read(f"{self.url}/metrics").decode("utf-8", "replace")
+                    read(f"{self.url}/metrics").decode("utf-8", "replace")
                 )
-            except LiveError:
+            except EndpointError:
                 found = None  # an endpoint without a registry has no /metrics (404)
             self.reads += 1
             return {"state": state, "anomalies": found or {}, "metrics": found is not None, "reads": self.reads}
