@@ -17,13 +17,13 @@ lock once per call. This lock is a single token in a deque:
   before a waiter runs, so a busy thread cannot starve the others.
 
 Taking and giving back are written once, as :meth:`Mutex.enter` and
-:meth:`Mutex.exit`; ``with`` adds the count of re-entries. ``Tracker.fire``,
+:meth:`Mutex.exit` (which are ``__enter__`` and ``__exit__``). ``Tracker.fire``,
 the one call made per event, inlines the two fast paths (the look, the pop
 and the owner; clearing, the append and the look at ``waiters``): a method
 call costs what the lock saves. ``Tracker.begin`` calls ``enter`` and ``exit``
-(two calls, offset in ``kvfsm bench``'s locked lifecycle row by looking for
-the token before reading the owner: a thread's own id is read only once it
-has the token, or finds it out); every other method holds the lock with
+(two calls, 0-1% of ``kvfsm bench``'s locked lifecycle row, measured in one
+process, interleaved: about what ``fire`` saves by looking for the token
+before it reads the thread's id); every other method holds the lock with
 ``with``.
 
 No wakeup is lost: a waiter queues its ticket under ``_guard`` only after it
@@ -62,7 +62,7 @@ class Mutex:
         self.waiters = 0
         """Tickets queued: a release that sees some hands the token over."""
         self._depth = 0
-        """``with`` blocks the owner opened while it already held the lock (only the owner touches it)."""
+        """Entries (``with``, :meth:`enter`) the owner made while it already held the lock (only it touches this)."""
         self._guard = threading.Lock()
         """Guards the queue of tickets; held for a few steps at a time, never while blocking."""
         self._queue: deque[Any] = deque()
@@ -90,7 +90,7 @@ class Mutex:
                     self._queue.remove(ticket)
                     self.waiters -= 1
                     raise
-            self.__exit__(None, None, None)  # handed over meanwhile: the token is ours to pass on
+            self.exit()  # handed over meanwhile: the token is ours to pass on
             raise
 
     def _take(self) -> bool:
@@ -115,40 +115,33 @@ class Mutex:
         """Whether some thread holds the lock (a snapshot, for tests and diagnostics)."""
         return not self.tokens
 
-    def enter(self) -> bool:
-        """Take the lock and say so (True); False if this thread holds it already: that entry is not this call's to
-        give back. ``Tracker.fire`` inlines this and :meth:`exit`; everything else calls them or holds ``with``."""
-        if not self.tokens:  # a look first: a re-entry raising IndexError would cost what poll's steps save
-            return self.contended()
-        try:
-            self.tokens.pop()
-        except IndexError:  # taken by another thread since the look: not held by this one
-            self.wait()
-        self.owner = get_ident()
-        return True
+    def enter(self) -> None:
+        """Take the lock, or count one more entry if this thread holds it already (``with`` calls this).
 
-    def contended(self) -> bool:
-        """The token is out: False if this thread holds the lock already (it re-enters), else True once it is ours."""
+        ``Tracker.fire`` inlines this and :meth:`exit`, its one copy; everything else calls them."""
+        if self.tokens:  # a look first: a re-entry raising IndexError would cost what poll's steps save
+            try:
+                self.tokens.pop()
+            except IndexError:  # taken by another thread since the look: not held by this one
+                self.wait()
+            self.owner = get_ident()
+            return
         me = get_ident()
         if self.owner == me:
-            return False
+            self._depth += 1
+            return
         self.wait()
         self.owner = me
-        return True
 
-    def exit(self) -> None:
-        """Give back the lock an :meth:`enter` took (returned True): to the oldest waiter, if one is queued."""
+    def exit(self, *_exception: object) -> None:
+        """Undo one :meth:`enter`: the outermost gives the lock back, to the oldest waiter if one is queued."""
+        if self._depth:
+            self._depth -= 1
+            return
         self.owner = 0
         self.tokens.append(None)
         if self.waiters:
             self.hand_over()
 
-    def __enter__(self) -> None:
-        if not self.enter():
-            self._depth += 1
-
-    def __exit__(self, kind: object, value: object, traceback: object) -> None:
-        if self._depth:
-            self._depth -= 1
-            return
-        self.exit()
+    __enter__ = enter
+    __exit__ = exit

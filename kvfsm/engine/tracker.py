@@ -322,8 +322,8 @@ class Tracker:
         then held).
         """
         mutex = self._mutex
-        if mutex is not None and not mutex.enter():
-            mutex = None  # held by this thread already (an action calling back): not this call's to give back
+        if mutex is not None:
+            mutex.enter()
         try:
             if self._busy:
                 self._enqueue(key, _BEGIN, payload)
@@ -372,8 +372,11 @@ class Tracker:
                 except IndexError:  # taken by another thread since the look: not held by this one
                     mutex.wait()
                 mutex.owner = get_ident()
-            elif not mutex.contended():
+            elif mutex.owner == get_ident():
                 mutex = None  # held by this thread already (poll's steps, an action calling back): not ours
+            else:
+                mutex.wait()
+                mutex.owner = get_ident()
         try:
             if self._busy:
                 self._enqueue(key, event, payload)
