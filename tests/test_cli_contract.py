@@ -40,7 +40,7 @@ ILLEGAL = b'{"key":"b","generation":2,"event":"abort","from":"pinned","to":"done
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """The files the rows name: {MISSING}, {MALFORMED}, {GOOD_LOG}, {BAD_LOG}, {OUT}, {TRACE}, {DIR}, {PEER}."""
+    """The files the rows name: {MISSING}, {MALFORMED}, {GOOD_LOG}, {BAD_LOG}, {OUT}, {TRACE}, {DIR}, {PEER}, {PAGE}."""
     d = tmp_path_factory.mktemp("contract")
     (d / "malformed.yaml").write_text("machine: [unclosed\n  states: {\n")
     (d / "good.jsonl").write_bytes(HEAD)
@@ -57,6 +57,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         "TRACE": str(d / "trace.json"),
         "DIR": str(d / "out"),
         "PEER": str(d / "peer.yaml"),
+        "PAGE": str(d / "page.html"),
     }
 
 
@@ -118,6 +119,13 @@ ROWS: list[Row] = [
     ("top bad interval", ["top", "{URL}", "--interval", "0"], 2),
     ("top --count given to --once", ["top", "{URL}", "--once", "--count", "2"], 2),
     ("top unreachable", ["top", "http://127.0.0.1:9/", "--once"], 2),
+    # inspect: written to a file (serving runs until Ctrl-C: tests/inspect pins its 130)
+    ("inspect a spec written", ["inspect", KV, "--html", "{PAGE}"], 0),
+    ("inspect a spec with findings written", ["inspect", WARNS, "--html", "{PAGE}"], 0),
+    ("inspect nothing named", ["inspect", "--html", "{PAGE}"], 2),
+    ("inspect missing file", ["inspect", "{MISSING}", "--html", "{PAGE}"], 2),
+    ("inspect --port given to --html", ["inspect", KV, "--html", "{PAGE}", "--port", "8000"], 2),
+    ("inspect --trace given to a machine spec", ["inspect", KV, "--trace", "{TRACE}", "--html", "{PAGE}"], 2),
     # demo: the tour's check part alone (seconds); the job and bench take minutes: their usage paths are pinned
     ("demo tour check part json", ["demo", "--only", "check", "--format", "json", "--out", "{DIR}"], 0),
     ("demo job option given to the tour", ["demo", "--tour", "--requests", "5"], 2),
