@@ -82,6 +82,19 @@ def join(*threads: threading.Thread) -> None:
     assert not any(thread.is_alive() for thread in threads), "a thread is still blocked: a handover was lost"
 
 
+def join_while_moving(threads: list[threading.Thread], progress: Callable[[], int]) -> None:
+    """Join ``threads`` for as long as ``progress()`` keeps rising: on a loaded machine a long run is slow, not
+    stuck; only :data:`JOIN` seconds without a step is a lost handover."""
+    seen, since = progress(), time.monotonic()
+    while any(thread.is_alive() for thread in threads):
+        for thread in threads:
+            thread.join(0.5)
+        now = progress()
+        if now != seen:
+            seen, since = now, time.monotonic()
+        assert time.monotonic() - since < JOIN, f"no thread took a step in {JOIN:g} s: a handover was lost"
+
+
 def run_threads(count: int, target: Callable[[], object]) -> None:
     join(*[start(target) for _ in range(count)])
 
@@ -324,11 +337,13 @@ def test_collector_finalizers_that_call_the_tracker_never_deadlock(fast_switchin
             weakref.finalize(self, tracker.fire, key, "abort")
 
     errors: list[BaseException] = []
+    steps = [0]
 
     def worker(name: str) -> Callable[[], None]:
         def run() -> None:
             try:
                 for i in range(1_500):
+                    steps[0] += 1
                     key = (name, i)
                     tracker.begin(key)
                     Request(key)
@@ -344,7 +359,7 @@ def test_collector_finalizers_that_call_the_tracker_never_deadlock(fast_switchin
 
     gc.set_threshold(20)
     try:
-        join(*[start(worker(name)) for name in "abc"])
+        join_while_moving([start(worker(name)) for name in "abc"], lambda: steps[0])
     finally:
         gc.set_threshold(*threshold)
     gc.collect()
