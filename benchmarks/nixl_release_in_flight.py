@@ -280,13 +280,7 @@ class Decode:
         t.before = self.count(value, size)
         self.peer.proc.kill()
         self.peer.proc.wait(timeout=10)
-        killed = time.monotonic()
-        self.raised = ""
-        t.ended = self.wait(handle, settle)
-        if self.raised:
-            t.ended = f"ERR ({self.raised})"
-        if t.ended != "PROC":
-            t.ended_ms = (time.monotonic() - killed) * 1e3
+        self.watch_end(t, handle, settle)
         t.after = self.count(value, size) - t.before
         try:
             self.agent.release_xfer_handle(handle)
@@ -294,6 +288,16 @@ class Decode:
         except Exception as exc:  # the measured answer
             t.released = f"{type(exc).__name__}: {exc}"[:60]
         return t
+
+    def watch_end(self, t: Trial, handle: Any, settle: float) -> None:
+        """Record how ``handle`` ended within ``settle`` seconds of now (an ERR with what raised), and how fast."""
+        since = time.monotonic()
+        self.raised = ""
+        t.ended = self.wait(handle, settle)
+        if self.raised:
+            t.ended = f"ERR ({self.raised})"
+        if t.ended != "PROC":
+            t.ended_ms = (time.monotonic() - since) * 1e3
 
     def trial(self, variant: str, i: int, value: int, size: int, settle: float, notif_wait: float = 1.0) -> Trial:
         t = Trial(variant, size)
@@ -311,13 +315,7 @@ class Decode:
         t.before = self.count(value, size)
         if variant == "removed":
             self.agent.remove_remote_agent(self.name)
-            removed = time.monotonic()
-            self.raised = ""
-            t.ended = self.wait(handle, settle)
-            if self.raised:
-                t.ended = f"ERR ({self.raised})"
-            if t.ended != "PROC":
-                t.ended_ms = (time.monotonic() - removed) * 1e3
+            self.watch_end(t, handle, settle)
         if variant == "kept":
             self.peer.cont()
             cont = time.monotonic()
