@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
+from contextlib import contextmanager
 from typing import ClassVar
 
 from ..engine import Tracker
@@ -252,9 +253,7 @@ class FamilyMachine(SpecMachine):
             if any(f.key != key for f in outcome.failures):  # a parent's action raised: tell each in its place
                 line = "; ".join(_moves_and_faults(outcome))
             self._tell(f"{self.child_spec.name} {line}", outcome)
-            got = self._call(outcome, lambda: self.child_tracker.fire(key, event))
-            if outcome.refused not in ("illegal", "closed") and not outcome.failures and got != outcome.state:
-                self._diverge([f"fire() returned {got!r}, the spec says {outcome.state!r}"])
+            self._apply("fire", outcome, lambda: self.child_tracker.fire(key, event))
 
     def poll_children(self, dt: float) -> None:
         """Move the clock by ``dt`` and ``poll()`` the child tracker (the parent's is polled by its own step)."""
@@ -322,8 +321,14 @@ class FamilyMachine(SpecMachine):
     def _faultable(self, actions: tuple[str, ...]) -> list[str]:
         return [a for a in actions if a in self.child_faults]
 
-    def _as_child(self) -> _ChildStep:
-        return _ChildStep(self)
+    @contextmanager
+    def _as_child(self) -> Iterator[None]:
+        """Marks the step as the child tracker's while it runs (see :meth:`_tell`)."""
+        self._own = True
+        try:
+            yield
+        finally:
+            self._own = False
 
     def _tell(self, line: str, outcome: Outcome) -> None:
         """Tell the step, and count each move and failure on the machine whose key it is."""
@@ -342,19 +347,6 @@ class FamilyMachine(SpecMachine):
         first.record(ours)
         second.record(theirs)
         self.coverage.steps += 1
-
-
-class _ChildStep:
-    """Marks a step as the child tracker's while it runs."""
-
-    def __init__(self, machine: FamilyMachine) -> None:
-        self.machine = machine
-
-    def __enter__(self) -> None:
-        self.machine._own = True
-
-    def __exit__(self, *exc: object) -> None:
-        self.machine._own = False
 
 
 def _then(line: str, outcome: Outcome) -> str:
