@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 import pytest
 
 pytest.importorskip("torch")
@@ -180,19 +182,42 @@ def test_notifications_for_ids_never_begun_or_malformed_are_counted_and_dropped(
     assert c.held() == [0] and c.leaked() == 0
 
 
-def test_hung_peer_read_is_expired_by_the_decode_deadline_and_releases_everything() -> None:
+def test_hung_peer_read_expires_but_keeps_the_blocks_until_the_read_stops() -> None:
+    """Releasing a NIXL handle does not cancel its READ (docs/nixl.md §6): at the deadline the load gives up
+    but keeps its blocks pinned and unreported while the READ may still land; the READ landing ends it."""
     c = Cluster(Topology(prefill_tp=1, decode_tp=1, mla=False, kv_bytes=256))
     c.fabric.stop("p0")
     c.request("p-1")
     c.step()
-    assert c.decode[0].tracker.state("d0-p-1") == "reading"
+    d = c.decode[0]
+    assert d.tracker.state("d0-p-1") == "reading"
     c.clock.now = 5.0
     c.step()
-    assert c.decode[0].outcomes == {"expired": 1}
+    assert d.tracker.state("d0-p-1") == "expiring" and d.reading() == ["d0-p-1"]
+    assert d.blocks.pool.held_by(d.driver.holder("d0-p-1")), "unpinned while its READ may still write"
+    assert d.driver.owes("d0-p-1"), "reported to vLLM (which reuses the blocks) while its READ may still write"
+    assert c.fabric.agents["d0"].live_handles() == 1
+    c.fabric.resume("p0")  # the READ lands now, into blocks the request still holds
+    done = d.step()
+    assert d.outcomes == {"expired": 1} and d.read_outcomes == {"done": 1}
+    assert done.recving == {"d0-p-1"} and len(done.invalid_blocks) == 3
     assert c.fabric.agents["d0"].live_handles() == 0
     c.clock.now = 480.0
     c.step()
     assert c.held() == [0] and c.leaked() == 0
+
+
+def test_hung_peer_that_dies_ends_the_expired_load() -> None:
+    c = Cluster(Topology(prefill_tp=1, decode_tp=1, mla=False, kv_bytes=256))
+    c.fabric.stop("p0")
+    c.request("p-1")
+    c.step()
+    c.clock.now = 5.0
+    c.step()
+    c.fabric.kill("p0")  # a dead peer's READ cannot write any more: check_xfer_state answers ERR
+    c.step()
+    assert c.decode[0].outcomes == {"expired": 1} and c.decode[0].read_outcomes == {"broken": 1}
+    assert c.fabric.agents["d0"].live_handles() == 0 and c.decode[0].leaked() == {}
 
 
 def test_dead_peer_fails_the_load_and_reports_its_blocks_invalid() -> None:
@@ -235,17 +260,17 @@ def test_embedded_soak_with_faults_leaks_nothing_and_hangs_nothing() -> None:
 
 
 def test_kvfsm_test_fails_the_seed_reader_naming_the_id_and_both_spaces_and_passes_the_correct_one() -> None:
-    from kvfsm.drivers.nixl import decode_spec
-    from kvfsm.showcase.nixl_seed import correct_reader, seed_reader
+    from kvfsm.drivers.nixl import decode_spec, read_spec
+    from kvfsm.showcase.nixl_seed import correct_reader, reads, seed_reader
     from kvfsm.testing import run
 
-    caught = run(decode_spec(), seed_reader, seed=1, examples=20)
+    caught = run(decode_spec(), seed_reader, seed=1, examples=20, owned=(read_spec(), reads))
     assert not caught.passed
     assert caught.story[-1].endswith(
         "sent read to nixl_prefill with 'req-1', the key (space request_id); "
         "the spec says it carries remote_request_id, linked to 'p-1'"
     ), "\n".join(caught.story)
-    report = run(decode_spec(), correct_reader, seed=1, examples=20)
+    report = run(decode_spec(), correct_reader, seed=1, examples=20, owned=(read_spec(), reads))
     assert report.passed, "\n".join(report.story) or report.error
 
 
@@ -310,11 +335,14 @@ def test_the_kvfsm_test_command_prints_the_seed_readers_story_and_fails(capsys: 
     from kvfsm.cli import main
     from kvfsm.drivers.nixl import decode_spec
 
-    argv = ["test", decode_spec().path, "--seed", "1", "--examples", "5", "--driver"]
-    assert main([*argv, "kvfsm.showcase.nixl_seed:seed_reader"]) != 0
+    argv = ["test", decode_spec().path, "--seed", "1", "--examples", "5", "--driver", "reads=" + SEED + "reads"]
+    assert main([*argv, "--driver", SEED + "seed_reader"]) != 0
     out = capsys.readouterr().out
     assert "sent read to nixl_prefill with 'req-1', the key (space request_id); the spec says it carries " in out
-    assert main([*argv, "kvfsm.showcase.nixl_seed:correct_reader"]) == 0
+    assert main([*argv, "--driver", SEED + "correct_reader"]) == 0
+
+
+SEED = "kvfsm.showcase.nixl_seed:"
 
 
 def test_a_read_between_vllm_shaped_caches_moves_each_layers_block_with_a_descriptor_per_run() -> None:
@@ -357,3 +385,31 @@ def test_read_extents_cut_where_either_sides_runs_end_and_refuse_blocks_that_dif
     assert BlockLayout.from_json(remote.to_json()) == remote
     with pytest.raises(ValueError, match="the two sides' blocks do not match"):
         read_extents(local, [0], 0, BlockLayout.contiguous(0, 32), [0], 0, 64)
+
+
+def test_kvfsm_test_catches_reads_that_unpin_their_request_when_the_first_one_ends() -> None:
+    """The class the old driver was in: giving a request's blocks back when one of its READs gives up, while
+    another may still write them. Here the first READ to end unpins them; the family test catches it."""
+    from kvfsm.drivers.nixl import decode_spec, read_spec
+    from kvfsm.showcase.nixl_seed import FabricReads, correct_reader
+    from kvfsm.testing import run
+
+    class UnpinsAtFirstEnd(FabricReads):
+        def __init__(self, reader: BlockReader) -> None:
+            super().__init__(reader)
+            self.requests: dict[Hashable, Hashable] = {}
+
+        def post_read(self, key: Hashable, /, request_id: Hashable, rank: int) -> None:
+            super().post_read(key, request_id, rank)
+            self.requests[key] = request_id
+
+        def release_read(self, key: Hashable, /) -> None:
+            super().release_read(key)
+            request = self.requests.pop(key)
+            if self.reader.observe(request) >= {"dst_blocks"}:  # the first of its READs to end
+                self.reader.unpin_dst(request)
+
+    caught = run(decode_spec(), correct_reader, seed=1, examples=50, owned=(read_spec(), UnpinsAtFirstEnd))
+    assert not caught.passed
+    story = "\n".join(caught.story)
+    assert "unpin_dst() raised" in story or "dst_blocks" in story, story

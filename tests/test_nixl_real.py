@@ -168,7 +168,7 @@ def test_nixl_real_abort_mid_read_releases_the_handles(real: list[Real]) -> None
     r.request("p-1", n=16)
     r.decode[0].abort("d0-p-1")
     r.settle()
-    assert r.decode[0].outcomes == {"aborted": 1} and r.decode[0].driver.reading() == []
+    assert r.decode[0].outcomes == {"aborted": 1} and r.decode[0].reading() == []
     assert r.held(until=5.0) == [0, 0]
     assert r.leaked() == 0
 
@@ -191,7 +191,7 @@ def test_nixl_real_dead_peer_fails_the_load_at_once(real: list[Real]) -> None:
     assert sum(len(x) for x in [d.leaked()]) == 0
 
 
-def test_nixl_real_hung_peer_read_is_expired_by_the_decode_deadline(real: list[Real]) -> None:
+def test_nixl_real_hung_peer_read_is_expired_by_the_decode_deadline_once_it_stops(real: list[Real]) -> None:
     r = Real(Topology(prefill_tp=1, decode_tp=1, mla=False, kv_bytes=4096), read_timeout=3.0, abort_timeout=1.0)
     real.append(r)
     r.request("p-1")
@@ -204,10 +204,44 @@ def test_nixl_real_hung_peer_read_is_expired_by_the_decode_deadline(real: list[R
     d.step()
     assert d.tracker.state("d0-p-2") == "reading", "NIXL keeps a READ on a stopped peer in PROC"
     r.settle(until=8.0)
-    assert d.outcomes == {"loaded": 1, "expired": 1} and d.driver.reading() == []
+    assert d.tracker.state("d0-p-2") == "expiring" and d.reading() == ["d0-p-2"], "given up, the READ still in flight"
     r.peer.signal(signal.SIGCONT)
+    r.settle(until=8.0)
+    assert d.outcomes == {"loaded": 1, "expired": 1} and d.reading() == []
     assert r.held(until=5.0) == [0]
     assert r.leaked() == 0
+
+
+def test_nixl_real_a_read_given_up_on_lands_only_while_the_request_still_holds_its_blocks(
+    real: list[Real], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/nixl.md §6: over UCX tcp (a data path that needs the peer to run, as a network without RDMA) a READ
+    from a stopped peer lands whenever the peer runs again, whatever the decode side released meanwhile. The
+    request gives up at its deadline but keeps its blocks pinned and unreported (vLLM cannot give them to
+    another request) until the READ has landed; after that nothing more is written there."""
+    monkeypatch.setenv("UCX_TLS", "tcp")  # read by each agent at creation; the peer process inherits it
+    r = Real(Topology(prefill_tp=1, decode_tp=1, mla=False, kv_bytes=4096), read_timeout=0.5)
+    real.append(r)
+    remote = r.peer.serve({"p-1": 3})["p-1"][0]
+    r.peer.signal(signal.SIGSTOP)
+    d = r.decode[0]
+    blocks = d.blocks.pool.allocate("d0-p-1", 3)
+    d.start_load("d0-p-1", "p-1", r.peer.engine_id, blocks, remote)
+    deadline = time.monotonic() + 10.0
+    while d.tracker.state("d0-p-1") == "reading" and time.monotonic() < deadline:
+        d.step()
+        time.sleep(0.01)
+    assert d.tracker.state("d0-p-1") == "expiring" and d.reading() == ["d0-p-1"]
+    assert d.driver.owes("d0-p-1") and d.blocks.pool.held_by(d.driver.holder("d0-p-1"))
+    assert d.blocks.wrong(blocks, "p-1", 0) == blocks, "the READ landed before the peer ran again"
+    r.peer.signal(signal.SIGCONT)
+    r.settle(until=10.0)  # the READ lands, the request ends and is reported, the scheduler frees its blocks
+    assert d.outcomes == {"expired": 1} and d.read_outcomes == {"done": 1}
+    assert d.blocks.wrong(blocks, "p-1", 0) == [], "the late READ landed while the request still held its blocks"
+    d.blocks.tensor[list(blocks)] = 0xEE  # the blocks' next owner
+    time.sleep(0.3)
+    assert bool((d.blocks.tensor[list(blocks)] == 0xEE).all()), "a byte of the READ landed after the blocks were freed"
+    assert r.held(until=5.0) == [0] and r.leaked() == 0
 
 
 def test_nixl_real_malformed_notifications_are_counted_and_dropped(real: list[Real]) -> None:

@@ -49,7 +49,7 @@ def test_the_study_holds_every_bundled_spec_and_a_one_edge_bug_on_every_edge_tha
     }  # the releases run on many edges each: only a do action is an edge's own
     mutants = [c.name for c in BUGGY if c.name.startswith("nixl_decode:")]
     assert (
-        "nixl_decode: reading --complete--> loaded: report_loaded() skips its release"
+        "nixl_decode: reading --reads_stopped--> loaded: report_loaded() skips its release"
         in (mutants)
     )  # the success edge included
 

@@ -16,9 +16,11 @@ blocks until ``abort_timeout``.
 
 The factories :func:`correct_reader` and :func:`seed_reader` make each reader
 on an embedded fabric with two MLA prefill ranks, as ``kvfsm test`` needs it,
-and :func:`holder` the prefill side's driver::
+:func:`reads` the driver of the READs a request owns (``nixl_read``), and
+:func:`holder` the prefill side's driver::
 
-    kvfsm test kvfsm/specs/nixl_decode.yaml --driver kvfsm.showcase.nixl_seed:seed_reader
+    kvfsm test kvfsm/specs/nixl_decode.yaml --driver kvfsm.showcase.nixl_seed:seed_reader \
+        --driver reads=kvfsm.showcase.nixl_seed:reads
     kvfsm test kvfsm/specs/nixl_prefill.yaml --driver kvfsm.showcase.nixl_seed:holder
 """
 
@@ -29,7 +31,7 @@ from collections.abc import Hashable
 from typing import Any
 
 from ..drivers.nixl.blocks import KVBlocks
-from ..drivers.nixl.decode import BlockReader, Load, PeerInfo
+from ..drivers.nixl.decode import BlockReader, Load, PeerInfo, ReadHandles
 from ..drivers.nixl.embedded import Fabric
 from ..drivers.nixl.notif import encode
 from ..drivers.nixl.prefill import BlockHolder
@@ -52,9 +54,10 @@ class FabricReader(BlockReader):
     What a model-based test needs beyond the actions: ``before_begin`` plays
     the prefill (its forward pass writes the request's KV under a fresh
     prefill request id) and the scheduler (it allocates the local blocks),
-    and returns the payload vLLM's ``kv_transfer_params`` would carry;
-    ``verify_blocks`` first polls the READs, as ``DecodeRank.step`` does
-    before it fires ``complete``.
+    and returns the payload vLLM's ``kv_transfer_params`` would carry.
+    A model-based test may fire ``read`` on a request without beginning the
+    READs ``DecodeRank.start_load`` posts before it: ``verify_blocks`` then
+    plays them, writing the bytes they would have read.
     """
 
     def __init__(self) -> None:
@@ -69,9 +72,12 @@ class FabricReader(BlockReader):
         local = KVBlocks(64, topology.block_bytes(topology.decode_tp))
         agent.register(local.tensor)
         super().__init__(0, topology, agent, local)
+        self.local = local
         for rank, blocks in enumerate(self.prefill):
             self.peers[ENGINE, rank] = PeerInfo(ENGINE, rank, f"p{rank}", b"", blocks.base, blocks.block_bytes)
         self._ids = itertools.count(1)
+        self.posted: set[Hashable] = set()
+        """Requests with a READ posted by :class:`FabricReads`."""
 
     def before_begin(self, key: Hashable, resources: frozenset[str], /) -> dict[str, Any]:
         remote_id = f"p-{next(self._ids)}"
@@ -84,6 +90,7 @@ class FabricReader(BlockReader):
         if self.pool.held_by(key):
             self.pool.release(key)  # the scheduler's allocation for an earlier instance of the key
         local = self.pool.allocate(key, BLOCKS_PER_REQUEST)
+        self.posted.discard(key)
         return {
             "remote_request_id": remote_id,
             "remote_engine_id": ENGINE,
@@ -92,8 +99,29 @@ class FabricReader(BlockReader):
         }
 
     def verify_blocks(self, key: Hashable, /) -> None:
-        self.transfer_state(key)  # the embedded agent copies the bytes when a READ is polled
+        if key not in self.posted:
+            load = self._loads[key]
+            lo, _ = self.topology.range(self.rank, self.topology.decode_tp)
+            self.local.fill(load.blocks, load.remote_request_id, lo)
         super().verify_blocks(key)
+
+
+class FabricReads(ReadHandles):
+    """The READs of a :class:`FabricReader`'s requests: ``before_begin`` names the one prefill rank MLA reads,
+    and a READ is polled before its handle goes (the embedded agent copies the bytes when polled), as
+    ``DecodeRank.step`` polls it before it fires ``done``."""
+
+    def before_begin(self, key: Hashable, resources: frozenset[str], /) -> dict[str, Any]:
+        return {"rank": self.reader.topology.plan(self.reader.rank).reads[0].prefill_rank}
+
+    def post_read(self, key: Hashable, /, request_id: Hashable, rank: int) -> None:
+        super().post_read(key, request_id, rank)
+        assert isinstance(self.reader, FabricReader)
+        self.reader.posted.add(request_id)
+
+    def release_read(self, key: Hashable, /) -> None:
+        self.state(key)
+        super().release_read(key)
 
 
 class FabricLocalIdReader(LocalIdReader, FabricReader):
@@ -120,6 +148,11 @@ def holder() -> PoolHolder:
 def correct_reader() -> FabricReader:
     """``--driver`` factory: the correct reader, which notifies every prefill rank with the prefill's id."""
     return FabricReader()
+
+
+def reads(reader: BlockReader) -> FabricReads:
+    """``--driver reads=`` factory: the READs ``reader``'s requests own (``nixl_read``)."""
+    return FabricReads(reader)
 
 
 def seed_reader() -> FabricReader:

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from ..engine import Tracker
 from ..errors import UnknownParent
@@ -63,7 +63,10 @@ def with_children(machine: type[FamilyMachine], plan: Plan) -> Plan:
 
 
 def family_cover(
-    machine: type[FamilyMachine], blocked: Collection[Pair], child_faults: Collection[str], parent_faults: Collection[str]
+    machine: type[FamilyMachine],
+    blocked: Collection[Pair],
+    child_faults: Collection[str],
+    parent_faults: Collection[str],
 ) -> list[Plan]:
     """Planned examples of what a family exists for: children failing, one while another is still in flight.
 
@@ -114,23 +117,38 @@ def family_cover(
                 for c in _replay(machine, steps, child_faults, parent_faults).fire_child(first, event).calls
                 if c.key == key and c.action in parent_faults
             ]
-            plans.append(Plan(f"{key} {state} as its only child {first} ends {edge.target}", (*steps, ("fire_child", (first, event, None, None)))))
+            plans.append(
+                Plan(
+                    f"{key} {state} as its only child {first} ends {edge.target}",
+                    (*steps, ("fire_child", (first, event, None, None))),
+                )
+            )
             for nth, action in enumerate(caused):
                 goal = f"{key} {state} as its only child {first} ends {edge.target} and {key}'s {action}() raises"
                 plans.append(Plan(goal, (*steps, ("fire_child", (first, event, None, nth)))))
-    # A state the engine's ``ended`` enters is reached by entering a state that waits with no child live: from
-    # there, each event it handles or ignores.
+    # A state the engine's ``ended`` enters is reached from a state that takes it: walked there with a child in
+    # flight that then ends (a state that waits is reached only so; on the way, ``ended`` would fire early), or
+    # entered with no child live. From there, each event it handles or ignores.
     ended = next(o.ended for o in spec.owns.values() if o.machine == child.name)
+    finish: list[TraceStep] = (
+        [("fire_child", (first, ev, None, None)) for _s, ev in child_routes.get(ends[0].name, ())] if ends else []
+    )
     for state in parent_routes:
         if (state, ended) not in spec.table:
             continue
-        steps = [("begin", (key, None)), *(("fire", (key, ev, None)) for _s, ev in parent_routes[state])]
-        after = _replay(machine, steps, child_faults, parent_faults).state(key)
-        events = _events_at(spec, after, blocked) | {ev for s, ev, _r in spec.ignored() if s == after}
-        for ev in sorted(events):
-            if after is not None and (after, ev) not in seen:
-                seen.add((after, ev))
-                plans.append(Plan(f"{ev} at {key} {after}, its children ended", (*steps, ("fire", (key, ev, None)))))
+        route: list[TraceStep] = [("fire", (key, ev, None)) for _s, ev in parent_routes[state]]
+        bare: list[TraceStep] = [("begin", (key, None))]
+        for steps in (
+            [*bare, ("begin_child", (first, key, None)), *route, *finish],
+            [*bare, *route],
+        ):
+            after = _replay(machine, steps, child_faults, parent_faults).state(key)
+            events = _events_at(spec, after, blocked) | {ev for s, ev, _r in spec.ignored() if s == after}
+            for ev in sorted(events):
+                if after is not None and (after, ev) not in seen:
+                    seen.add((after, ev))
+                    goal = f"{ev} at {key} {after}, its children ended"
+                    plans.append(Plan(goal, (*steps, ("fire", (key, ev, None)))))
     return plans
 
 
@@ -159,7 +177,11 @@ def _replay(
 
 
 def _candidates(
-    model: FamilyModel, parents: Collection[str], key: str, event: str, child_faults: Collection[str],
+    model: FamilyModel,
+    parents: Collection[str],
+    key: str,
+    event: str,
+    child_faults: Collection[str],
     parent_faults: Collection[str] | None,
 ) -> tuple[list[str], list[str]]:
     """The actions ``fire_child(key, event)`` would run that may be made to raise, in the order a fault's index
@@ -221,7 +243,7 @@ class FamilyMachine(SpecMachine):
         """``begin`` on the child tracker, naming ``parent`` as its owner (live, ended, or never begun)."""
         with self._step("begin_child", key, parent, fault), self._as_child():
             model = self.model
-            payload = {model.rule.by: parent}
+            payload = {**self._child_payload(key), model.rule.by: parent}
             if model.orphan(key, payload) is None:  # an orphan runs nothing: no fault to arm
                 self._arm_on(self.child_driver, model.child, self._faultable(model.child.begin_actions(key)), fault)
             outcome = model.begin_child(key, payload)
@@ -238,6 +260,16 @@ class FamilyMachine(SpecMachine):
                 self._diverge([f"no UnknownParent, though {parent} {where}"])
             self._tell(f"{name} {begin_line(key, outcome)} (by {parent})", outcome)
             self._call(outcome, lambda: self.child_tracker.begin(key, **payload))
+
+    def _child_payload(self, key: str) -> dict[str, Any]:
+        """The rest of a child's ``begin`` payload, from its driver's ``before_begin`` (as a single machine's):
+        which prefill rank a READ reads, say. Its owner (``by``) is the step's to choose."""
+        hook = getattr(self.child_driver, "before_begin", None)
+        extra = set(self.child_spec.begin_payload) - {self.model.rule.by}
+        if not extra or hook is None:
+            return {}
+        given = hook(key, frozenset(self.child_spec.initial.holds))
+        return dict(given) if isinstance(given, Mapping) else {}
 
     def fire_child(self, key: str, event: str, fault: int | None = None, parent_fault: int | None = None) -> None:
         """``fire`` on the child tracker; ``fault``: make the fault-th action the transition runs raise;
@@ -306,9 +338,13 @@ class FamilyMachine(SpecMachine):
         for key in self.keys:
             owned, want = self.tracker.owned(key), frozenset(model.children.get(key, ()))
             if owned != want:
-                problems.append(f"Tracker says {key} owns {sorted(owned, key=repr)} live, the spec says {sorted(want, key=repr)}")
+                problems.append(
+                    f"Tracker says {key} owns {sorted(owned, key=repr)} live, the spec says {sorted(want, key=repr)}"
+                )
         if tracker.live() != child.live_count():
-            problems.append(f"Tracker says {tracker.live()} {self.child_spec.name} live, the spec says {child.live_count()}")
+            problems.append(
+                f"Tracker says {tracker.live()} {self.child_spec.name} live, the spec says {child.live_count()}"
+            )
         child.anomalies.clear()
         if problems:
             self._diverge(problems)

@@ -2,8 +2,10 @@
 
 - :class:`PrefillRank` / :class:`BlockHolder`: ``specs/nixl_prefill.yaml``, blocks
   held per request until every expected notification or the expiry;
-- :class:`DecodeRank` / :class:`BlockReader`: ``specs/nixl_decode.yaml``, READs
-  that notify with the prefill's request id, byte-checked blocks;
+- :class:`DecodeRank` / :class:`BlockReader` / :class:`ReadHandles`:
+  ``specs/nixl_decode.yaml`` and its owned ``specs/nixl_read.yaml``, READs that
+  notify with the prefill's request id, blocks pinned until every READ has
+  stopped, byte-checked blocks;
 - :class:`Topology`: who reads whom under heterogeneous TP and MLA;
 - :class:`BlockLayout` / :class:`CacheBlocks`: where a rank's blocks are (vLLM's
   per-layer KV cache included), and the READ descriptors between two layouts;
@@ -16,7 +18,17 @@
 """
 
 from .blocks import KVBlocks, kv_pattern
-from .decode import REMOTE_ID, BlockMismatch, BlockReader, DecodeRank, Load, PeerInfo, decode_spec
+from .decode import (
+    REMOTE_ID,
+    BlockMismatch,
+    BlockReader,
+    DecodeRank,
+    Load,
+    PeerInfo,
+    ReadHandles,
+    decode_spec,
+    read_spec,
+)
 from .embedded import EmbeddedAgent, Fabric
 from .memory import BlockLayout, BlockMemory, CacheBlocks
 from .notif import Notif, encode, parse
@@ -40,6 +52,7 @@ __all__ = [
     "Notif",
     "PeerInfo",
     "PrefillRank",
+    "ReadHandles",
     "ReadPlan",
     "Slice",
     "Topology",
@@ -51,4 +64,5 @@ __all__ = [
     "kv_pattern",
     "parse",
     "prefill_spec",
+    "read_spec",
 ]

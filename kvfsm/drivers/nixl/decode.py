@@ -1,8 +1,11 @@
 """The decode side: one TP rank's READs of a request's blocks from the prefill ranks, and the notifications it owes.
 
-:class:`BlockReader` is the driver of ``specs/nixl_decode.yaml``;
-:class:`DecodeRank` owns a rank's blocks, agent and tracker, and polls the
-transfer handles once per step. Every id this side puts on the wire is the
+:class:`BlockReader` is the driver of ``specs/nixl_decode.yaml`` and
+:class:`ReadHandles` of ``specs/nixl_read.yaml``, the one READ per prefill
+rank that a request owns; :class:`DecodeRank` owns a rank's blocks, agent and
+the two trackers, and polls the READs once per step. A request's blocks stay
+pinned until every one of its READs is DONE or broken: releasing a NIXL handle
+does not cancel its READ (docs/nixl.md §6). Every id this side puts on the wire is the
 prefill's request id (``remote_request_id``): the one place that chooses it
 is :meth:`BlockReader.notif_id`, and every message is reported to the
 driver's :class:`~kvfsm.engine.outbox.Outbox` with the id it really carries,
@@ -35,7 +38,7 @@ from .blocks import M, own_blocks
 from .memory import BlockLayout, BlockMemory, read_extents
 from .notif import encode, parse
 from .topology import Topology
-from .transport import Extent, TransferError, Transport
+from .transport import Extent, TransferError, Transport, XferState
 
 REMOTE_ID = "remote_request_id"
 """The id space of the prefill side's request ids, as the decode spec links them at begin."""
@@ -48,6 +51,12 @@ NOTIFY = "read"
 def decode_spec() -> Spec:
     """The bundled ``nixl_decode`` spec, loaded once."""
     return load(SPECS / "nixl_decode.yaml")
+
+
+@cache
+def read_spec() -> Spec:
+    """The bundled ``nixl_read`` spec (one READ, owned by a ``nixl_decode`` request), loaded once."""
+    return load(SPECS / "nixl_read.yaml")
 
 
 @dataclass(frozen=True)
@@ -115,12 +124,12 @@ class Load:
 
 
 class BlockReader(RecvReport):
-    """Actions of ``nixl_decode``: owe the report, pin the allocated blocks, post the READs, byte-check, release.
+    """Actions of ``nixl_decode``: owe the report, pin the allocated blocks, notify, byte-check, release.
 
     ``_owed`` is the ``recv_report`` record (:meth:`owe_recv_report`; :meth:`report_recv`, or
-    :meth:`report_loaded` on the checked edge), ``_loads`` the ``dst_blocks`` one (taken by
-    :meth:`pin_dst`, dropped by :meth:`unpin_dst`) and ``_handles`` the ``xfer`` one
-    (:meth:`post_read`, :meth:`release_reads`): each lives exactly as long as its resource.
+    :meth:`report_loaded` on the checked edge) and ``_loads`` the ``dst_blocks`` one (taken by
+    :meth:`pin_dst`, dropped by :meth:`unpin_dst`): each lives exactly as long as its resource. The READs
+    are :class:`ReadHandles`' (``nixl_read``); :meth:`read_for` says what each one reads.
     """
 
     def __init__(self, rank: int, topology: Topology, agent: Transport, blocks: BlockMemory) -> None:
@@ -134,7 +143,6 @@ class BlockReader(RecvReport):
         self.stats: Counter[str] = Counter()
         self._owed: dict[Hashable, tuple[int, ...]] = {}
         self._loads: dict[Hashable, Load] = {}
-        self._handles: dict[Hashable, list[object]] = {}
         self.outbox = Outbox(decode_spec())
         """Every message this rank sends, checked against the space the spec says it carries (once bound)."""
 
@@ -185,61 +193,44 @@ class BlockReader(RecvReport):
         if self._loads.pop(key).blocks:
             self.pool.release(self.holder(key))
 
+    # -- the READs (nixl_read) and the notifications -------------------------------
 
-    # -- xfer -------------------------------------------------------------------------
+    def ranks_to_read(self, key: Hashable) -> tuple[int, ...]:
+        """The prefill ranks ``key``'s load READs: one ``nixl_read`` each (none for a full prefix hit)."""
+        if not self._loads[key].blocks:
+            return ()
+        return tuple(piece.prefill_rank for piece in self.topology.plan(self.rank).reads)
 
-    def post_read(self, key: Hashable, /) -> None:
-        """One READ per prefill rank the plan reads (carrying the notification), then notify the ranks it skips."""
+    def read_for(self, key: Hashable, rank: int) -> tuple[str, list[Extent], list[Extent], bytes]:
+        """What ``key``'s READ from prefill ``rank`` posts: the peer agent, local and remote extents, and the
+        notification it carries (reported to the outbox here, as it leaves)."""
+        load = self._loads[key]
+        pieces = [piece for piece in self.topology.plan(self.rank).reads if piece.prefill_rank == rank]
+        if not pieces:
+            raise ValueError(f"request {key!r}: decode rank {self.rank} reads nothing from prefill rank {rank}")
+        piece = pieces[0]
+        peer = self._peer(load.engine_id, rank)
+        remote_blocks = load.remote_blocks[len(load.remote_blocks) - len(load.blocks) :]
+        local, remote = read_extents(
+            self.blocks.layout, load.blocks, piece.dst, peer.block_layout, remote_blocks, piece.src, piece.length
+        )
+        self.stats["reads"] += 1
+        self.stats["descriptors"] += len(local)
+        return peer.agent, local, remote, self._outgoing(key, self.notif(key, load))
+
+    def notify_skipped(self, key: Hashable, /) -> None:
+        """Tell the prefill ranks this load posts no READ to: those MLA lets it skip, and every rank it would
+        read from when a full prefix hit reads nothing. A rank that cannot be told frees its copy at expiry."""
         load = self._loads[key]
         plan = self.topology.plan(self.rank)
-        message = self.notif(key, load)
-        remote_blocks = load.remote_blocks[len(load.remote_blocks) - len(load.blocks) :]
-        layout = self.blocks.layout
-        handles: list[object] = []
-        try:
-            for piece in plan.reads:
-                peer = self._peer(load.engine_id, piece.prefill_rank)
-                if not load.blocks:  # a full prefix hit reads nothing but still tells the peer
-                    self.agent.send_notif(peer.agent, self._outgoing(key, message))
-                    continue
-                local: list[Extent]
-                remote: list[Extent]
-                local, remote = read_extents(
-                    layout, load.blocks, piece.dst, peer.block_layout, remote_blocks, piece.src, piece.length
-                )
-                handles.append(self.agent.read(peer.agent, local, remote, self._outgoing(key, message)))
-                self.stats["reads"] += 1
-                self.stats["descriptors"] += len(local)
-        except BaseException:
-            for handle in handles:
-                self.agent.release(handle)
-            raise
-        self._handles[key] = handles
-        skipped = self.skipped_notif(key, load) if plan.notify_only else b""
-        for rank in plan.notify_only:
+        told = [] if load.blocks else [piece.prefill_rank for piece in plan.reads]
+        for rank, message in [(r, self.notif(key, load)) for r in told] + [
+            (r, self.skipped_notif(key, load)) for r in plan.notify_only
+        ]:
             try:
-                self.agent.send_notif(self._peer(load.engine_id, rank).agent, self._outgoing(key, skipped))
+                self.agent.send_notif(self._peer(load.engine_id, rank).agent, self._outgoing(key, message))
             except TransferError:
-                self.stats["notify_failed"] += 1  # the read itself went out; that rank's expiry frees its copy
-
-    def release_reads(self, key: Hashable, /) -> None:
-        errors = []
-        for handle in self._handles.pop(key):
-            try:
-                self.agent.release(handle)
-            except TransferError as exc:
-                errors.append(exc)
-        if errors:
-            raise errors[0]
-
-    def transfer_state(self, key: Hashable) -> str:
-        """``DONE`` when every READ of ``key`` is, ``ERR`` when one failed, else ``PROC``."""
-        states = {self.agent.state(h) for h in self._handles.get(key, ())}
-        return "ERR" if "ERR" in states else "PROC" if "PROC" in states else "DONE"
-
-    def reading(self) -> list[Hashable]:
-        """Requests holding transfer handles."""
-        return list(self._handles)
+                self.stats["notify_failed"] += 1
 
     # -- the check --------------------------------------------------------------------
 
@@ -265,8 +256,6 @@ class BlockReader(RecvReport):
             held.add("recv_report")
         if key in self._loads:
             held.add("dst_blocks")
-        if key in self._handles:
-            held.add("xfer")
         return held
 
     def _peer(self, engine_id: str, rank: int) -> PeerInfo:
@@ -274,6 +263,29 @@ class BlockReader(RecvReport):
         if peer is None:
             raise TransferError("handshake", f"{engine_id}/{rank}", "no handshake with this prefill rank")
         return peer
+
+
+class ReadHandles:
+    """Actions of ``nixl_read``: post one READ (what it reads comes from the request's :class:`BlockReader`),
+    release its handle once it has stopped. ``_handles`` is the ``handle`` record."""
+
+    def __init__(self, reader: BlockReader) -> None:
+        self.reader = reader
+        self._handles: dict[Hashable, object] = {}
+
+    def post_read(self, key: Hashable, /, request_id: Hashable, rank: int) -> None:
+        peer, local, remote, message = self.reader.read_for(request_id, rank)
+        self._handles[key] = self.reader.agent.read(peer, local, remote, message)
+
+    def release_read(self, key: Hashable, /) -> None:
+        self.reader.agent.release(self._handles.pop(key))
+
+    def state(self, key: Hashable) -> XferState:
+        """``check_xfer_state`` of ``key``'s handle: ``ERR`` also when the peer is dead."""
+        return self.reader.agent.state(self._handles[key])
+
+    def observe(self, key: Hashable) -> set[str]:
+        return {"handle"} if key in self._handles else set()
 
 
 class DecodeRank(Generic[M]):
@@ -289,6 +301,7 @@ class DecodeRank(Generic[M]):
         params: dict[str, Any] | None = None,
         clock: Callable[[], float] = time.monotonic,
         reader: type[BlockReader] = BlockReader,
+        handles: type[ReadHandles] = ReadHandles,
         observer: Observer | None = None,
         on_anomaly: Callable[[Anomaly], None] | None = None,
         blocks: M | None = None,
@@ -303,11 +316,25 @@ class DecodeRank(Generic[M]):
         for tensor in self.blocks.tensors():
             agent.register(tensor)
         self.driver = reader(rank, topology, agent, self.blocks)
+        params = dict(params or {})
+        spec, child = decode_spec(), read_spec()
+        unknown = set(params) - set(spec.params) - set(child.params)
+        if unknown:
+            raise ValueError(f"unknown params {sorted(unknown)}; known: {sorted({*spec.params, *child.params})}")
         self.tracker = Tracker(
-            decode_spec(), self.driver, params=params, clock=clock, observer=observer, on_anomaly=on_anomaly
-        )
+            spec, self.driver, clock=clock, observer=observer, on_anomaly=on_anomaly,
+            params={k: v for k, v in params.items() if k in spec.params},
+        )  # fmt: skip
+        self.handles = handles(self.driver)
+        self.reads = Tracker(
+            child, self.handles, clock=clock, on_anomaly=on_anomaly, parent=self.tracker,
+            params={k: v for k, v in params.items() if k in child.params},
+        )  # fmt: skip
+        """One ``nixl_read`` per READ, owned by its request: the request unpins only after its last READ stops."""
         self.driver.outbox.bind(self.tracker)
         self.outcomes: Counter[str] = Counter()
+        self.read_outcomes: Counter[str] = Counter()
+        """How the READs ended: ``done``, ``broken``."""
         self.errors: list[ActionError] = []
 
     def handshake(self, peers: Sequence[PeerInfo]) -> None:
@@ -333,7 +360,9 @@ class DecodeRank(Generic[M]):
         self, request_id: str, remote_request_id: str, remote_engine_id: str, block_ids: Sequence[int],
         remote_block_ids: Sequence[int],
     ) -> None:  # fmt: skip
-        """vLLM's start_load_kv for one request: pin the blocks and post the READs (a failure ends it ``failed``)."""
+        """vLLM's start_load_kv for one request: pin the blocks and post one READ per prefill rank it reads.
+
+        A READ that cannot be posted fails the request, which waits in ``failing`` for those already posted."""
         self._begin_then("read", request_id, remote_request_id, remote_engine_id, block_ids, remote_block_ids)
 
     def _begin_then(
@@ -353,28 +382,42 @@ class DecodeRank(Generic[M]):
         except ActionError as exc:
             self.errors.append(exc)
             return
+        if event == "read":
+            for rank in self.driver.ranks_to_read(request_id):
+                try:
+                    self.reads.begin((request_id, rank), request_id=request_id, rank=rank)
+                except ActionError as exc:  # not posted: nothing held for it; the request gives up
+                    self.errors.append(exc)
+                    event = "fail"
+                    break
         self._fire(request_id, event)
 
     def abort(self, request_id: str) -> None:
         self._fire(request_id, "abort")
 
     def step(self, now: float | None = None) -> Finished:
-        """Once per scheduler step: finish the READs that are done or failed (one batch each), fire due deadlines,
-        drain the report."""
+        """Once per scheduler step: end the READs that are DONE or broken (one batch each; their requests hear
+        of it from the engine), fire due deadlines, drain the report."""
         ended: dict[str, list[Hashable]] = {"DONE": [], "ERR": []}
-        for key in self.driver.reading():
-            state = self.driver.transfer_state(key)
-            if state != "PROC":
-                ended[state].append(key)
-        for state, event in (("DONE", "complete"), ("ERR", "fail")):
-            if ended[state]:
+        for key, state in self.reads.snapshot():
+            if state == "in_flight":
+                answer = self.handles.state(key)
+                if answer != "PROC":
+                    ended[answer].append(key)
+        for answer, event in (("DONE", "done"), ("ERR", "broken")):
+            if ended[answer]:
                 try:
-                    self.tracker.fire_many(event, ended[state])
-                except ActionError as exc:  # each key is already in a defined state (failed); keep the story
+                    self.reads.fire_many(event, ended[answer])
+                except ActionError as exc:  # each key is already in a defined state; keep the story
                     self.errors.append(exc)
         self.tracker.poll(now)
+        drain_outcomes(self.reads, self.read_outcomes)
         drain_outcomes(self.tracker, self.outcomes)
         return self.driver.report.take()
+
+    def reading(self) -> list[Hashable]:
+        """Requests with a READ in flight (reading, or giving up and waiting for it to stop)."""
+        return [key for key, _state in self.tracker.snapshot() if self.tracker.owned(key)]
 
     def leaked(self) -> dict[Hashable, tuple[int, ...]]:
         """Holders of blocks other than the scheduler's own allocations: empty unless the connector leaked."""

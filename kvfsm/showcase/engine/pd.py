@@ -161,7 +161,7 @@ class NixlPD:
             "scheduler": scheduler_connector.stats(),
             "worker": worker_connector.stats(),
             "live": worker_connector.live(),
-            "reading": 0 if decode is None else len(decode.driver.reading()),
+            "reading": 0 if decode is None else len(decode.reading()),
             "loads": 0 if decode is None else decode.tracker.live() + sum(decode.outcomes.values()),
         }
 
