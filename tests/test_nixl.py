@@ -207,6 +207,29 @@ def test_hung_peer_read_expires_but_keeps_the_blocks_until_the_read_stops() -> N
     assert c.held() == [0] and c.leaked() == 0
 
 
+def test_one_of_several_reads_failing_ends_the_load_only_after_the_others_have_stopped() -> None:
+    """Prefill TP 3 into decode TP 1: three READs in flight. One peer dies (its READ breaks), one is stopped
+    (its READ may land at any time): the load fails at once but keeps its blocks until the stopped READ is
+    DONE; the engine's own pool is whole afterwards."""
+    c = Cluster(Topology(prefill_tp=3, decode_tp=1, mla=False, kv_bytes=384))
+    d = c.decode[0]
+    c.fabric.stop("p1")
+    c.request("p-1")
+    assert len(d.tracker.owned("d0-p-1")) == 3
+    c.fabric.kill("p2")
+    c.step()
+    assert d.tracker.state("d0-p-1") == "failing" and d.read_outcomes == {"done": 1, "broken": 1}
+    assert d.blocks.pool.held_by(d.driver.holder("d0-p-1")) and d.driver.owes("d0-p-1")
+    c.clock.now = 100.0  # no deadline frees it either: only the READ stopping does
+    c.step()
+    assert d.tracker.state("d0-p-1") == "failing" and d.reading() == ["d0-p-1"]
+    c.fabric.resume("p1")
+    c.step()
+    assert d.outcomes == {"failed": 1} and d.read_outcomes == {"done": 2, "broken": 1}
+    assert d.leaked() == {} and c.fabric.agents["d0"].live_handles() == 0
+    assert d.blocks.pool.num_free == 32, "the engine's pool is not whole"
+
+
 def test_hung_peer_that_dies_ends_the_expired_load() -> None:
     c = Cluster(Topology(prefill_tp=1, decode_tp=1, mla=False, kv_bytes=256))
     c.fabric.stop("p0")
