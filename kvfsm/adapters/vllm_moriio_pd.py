@@ -51,6 +51,7 @@ class MoRIIOPD:
 
     name = "moriio"
     concurrent = True
+    abort_waits_for_transfer = False
 
     def __init__(self, host: str = "127.0.0.1") -> None:
         self.host = host

@@ -17,9 +17,12 @@ are reset between them, so every load is a whole prompt's):
 
 - ``serve``: every prompt, P then D.
 - ``abort``: the prefill process is stopped (SIGSTOP) so the decode side's
-  READs stay in flight, half the decode requests are aborted mid-READ, the
-  prefill resumes and the others finish; the prefill frees the blocks of the
-  aborted ones at its ``abort_timeout`` (nobody notified it).
+  transfers stay in flight, half the decode requests are aborted mid-transfer,
+  the prefill resumes and the others finish. A connector whose transfer cannot
+  be cancelled (NIXL's READ) keeps an aborted load's blocks until its
+  transfer has stopped, so those end after the prefill resumes; otherwise
+  they end while it is stopped, and the prefill frees their blocks at its
+  ``abort_timeout`` (nobody notified it).
 - ``kill``: the prefill process is stopped with READs in flight, then
   SIGKILLed, and more decode requests arrive naming it: every decode request
   must end (error, or recomputed under ``failure_policy="recompute"``)
@@ -105,6 +108,9 @@ class PDConnector(Protocol):
     concurrent: bool
     """False: a decode request carries what the prefill returned (NIXL's READ). True: both go out at once, with
     params the connector makes up front (a WRITE-mode connector such as MoRIIO's)."""
+    abort_waits_for_transfer: bool
+    """True: an aborted load ends only once its transfer has stopped (a NIXL READ cannot be cancelled:
+    docs/nixl.md §6), so the ``abort`` phase resumes the prefill before it waits for the aborted requests."""
 
     def kv_transfer_config(self, role: str, options: PDOptions) -> dict[str, Any]:
         """``KVTransferConfig(**...)`` of the ``prefill`` or ``decode`` engine."""
@@ -129,6 +135,7 @@ class NixlPD:
 
     name = "nixl"
     concurrent = False
+    abort_waits_for_transfer = True
 
     def kv_transfer_config(self, role: str, options: PDOptions) -> dict[str, Any]:
         extra: dict[str, Any] = {"fabric": "nixl", "side_channel_host": "127.0.0.1", "side_channel_port": 0}
@@ -683,10 +690,12 @@ def _abort(pair: Pair, table: dict[str, list[int]], order: dict[str, int], optio
         pair.wait_reading(len(keys))
         phase.aborted = [f"d-{k}" for k in keys[::2]]
         pair.decode.call("abort", ids=phase.aborted)
-        gone: list[dict[str, Any]] = pair.finished(DECODE, len(phase.aborted), timeout=options.decode_deadline + SLACK)
+        gone: list[dict[str, Any]] = []
+        if not pair.connector.abort_waits_for_transfer:
+            gone = pair.finished(DECODE, len(phase.aborted), timeout=options.decode_deadline + SLACK)
     finally:
         pair.prefill.signal(signal.SIGCONT)
-    gone += pair.finished(DECODE, len(keys) - len(phase.aborted), timeout=options.decode_deadline + 60)
+    gone += pair.finished(DECODE, len(keys) - len(gone), timeout=options.decode_deadline + 60)
     phase.requests = _requests(gone, order)
     phase.settled, phase.engines = pair.settle(timeout=options.abort_timeout + options.decode_deadline + 30)
     return phase
