@@ -14,7 +14,7 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 import itertools
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 from nixl_peer import PeerOutcomes
@@ -64,12 +64,16 @@ class Real(PeerOutcomes):
 
     def settle(self, until: float = 5.0) -> None:
         """Step the decode ranks until nothing is live or ``until`` seconds passed."""
+        self.step_while(lambda: any(d.tracker.live() for d in self.decode), until)
+
+    def step_while(self, busy: Callable[[], bool], until: float) -> None:
+        """Step the decode ranks (the scheduler freeing what each reports) while ``busy()``, at most ``until`` s."""
         deadline = time.monotonic() + until
         while True:
             for d in self.decode:
                 for key in d.step().recving:
                     d.blocks.pool.release(key)
-            if time.monotonic() > deadline or not any(d.tracker.live() for d in self.decode):
+            if time.monotonic() > deadline or not busy():
                 return
             time.sleep(0.002)
 
@@ -203,7 +207,7 @@ def test_nixl_real_hung_peer_read_is_expired_by_the_decode_deadline_once_it_stop
     time.sleep(0.2)
     d.step()
     assert d.tracker.state("d0-p-2") == "reading", "NIXL keeps a READ on a stopped peer in PROC"
-    r.settle(until=8.0)
+    r.step_while(lambda: d.tracker.state("d0-p-2") == "reading", until=8.0)
     assert d.tracker.state("d0-p-2") == "expiring" and d.reading() == ["d0-p-2"], "given up, the READ still in flight"
     r.peer.signal(signal.SIGCONT)
     r.settle(until=8.0)
@@ -227,10 +231,7 @@ def test_nixl_real_a_read_given_up_on_lands_only_while_the_request_still_holds_i
     d = r.decode[0]
     blocks = d.blocks.pool.allocate("d0-p-1", 3)
     d.start_load("d0-p-1", "p-1", r.peer.engine_id, blocks, remote)
-    deadline = time.monotonic() + 10.0
-    while d.tracker.state("d0-p-1") == "reading" and time.monotonic() < deadline:
-        d.step()
-        time.sleep(0.01)
+    r.step_while(lambda: d.tracker.state("d0-p-1") == "reading", until=10.0)
     assert d.tracker.state("d0-p-1") == "expiring" and d.reading() == ["d0-p-1"]
     assert d.driver.owes("d0-p-1") and d.blocks.pool.held_by(d.driver.holder("d0-p-1"))
     assert d.blocks.wrong(blocks, "p-1", 0) == blocks, "the READ landed before the peer ran again"
