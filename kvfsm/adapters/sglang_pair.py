@@ -17,11 +17,18 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from ..spec import Spec
+from ..spec.bundled import SPECS
+from ..spec.system import load_system
+
 HANG = 60.0
 """Seconds a wait may last before the run counts as hung (each wait returns as soon as its condition holds)."""
 
-DECODE_FINAL = ("received", "failed", "aborted", "expired", "released")
-PREFILL_FINAL = ("done", "failed", "aborted", "expired")
+
+
+def spec_of(protocol: str, role: str) -> Spec:
+    """The role's machine spec in ``specs/pd_abort/<protocol>.yaml``: what its rooms do, and where they end."""
+    return load_system(SPECS / "pd_abort" / f"{protocol}.yaml").roles[role].spec
 
 
 @dataclass(frozen=True)
@@ -142,6 +149,7 @@ class Pair:
             "decode", protocol, base_port, layout, pages_per_room, str(path), dict(decode_params or {}), dict(env or {})
         )
         self.protocol = protocol
+        self.decode_spec, self.prefill_spec = spec_of(protocol, "decode"), spec_of(protocol, "prefill")
         self.addrs = [f"127.0.0.1:{c.bootstrap_port}" for c in configs]
         self.prefills = [Server(c) for c in configs]
         self.decode = Server(decode)
@@ -169,10 +177,16 @@ class Pair:
         return state
 
     def wait_decode(self, room: int, *states: str) -> str | None:
-        return self.wait(self.decode, room, states or DECODE_FINAL)
+        """Until the decode room is in one of ``states`` (default: any final state of its spec)."""
+        return self.wait(self.decode, room, states or self.decode_spec.finals)
 
     def wait_prefill(self, room: int, *states: str, prefill: int = 0) -> str | None:
-        return self.wait(self.prefills[prefill], room, states or PREFILL_FINAL)
+        """Until the prefill room is in one of ``states`` (default: any final state of its spec)."""
+        return self.wait(self.prefills[prefill], room, states or self.prefill_spec.finals)
+
+    def received(self, state: str | None) -> bool:
+        """Whether a decode room in ``state`` got its pages: a ``final: success`` state of the decode spec."""
+        return state is not None and self.decode_spec.states[state].final == "success"
 
     def transfer(self, room: int, prefill: int = 0) -> tuple[str | None, str | None]:
         """A room from begin to both final states, nothing injected; returns (prefill's, decode's)."""
@@ -296,7 +310,7 @@ def soak(pair: Pair, rooms: int, *, seed: int = 0, first_room: int = 1000) -> di
             else:
                 pair.prefills[prefill].call("forward", room)
         pair.wait_prefill(room, prefill=prefill)
-        if pair.wait_decode(room) == "received":
+        if pair.received(pair.wait_decode(room)):
             corrupted[fault] += len(pair.decode.call("finish", room))
         room += 1
     return {"rooms": rooms, "drawn": drawn, "corrupted": corrupted}

@@ -63,9 +63,7 @@ from ..drivers.block_pool import BlockPool
 from ..engine import Tracker
 from ..errors import ActionError, IllegalTransition
 from ..replay import JsonlJournal
-from ..spec.bundled import SPECS
-from ..spec.system import load_system
-from .sglang_pair import Layout, RoleConfig, pattern
+from .sglang_pair import Layout, RoleConfig, pattern, spec_of
 
 os.environ.setdefault("MC_FORCE_TCP", "1")
 os.environ.setdefault("SGLANG_HOST_IP", "127.0.0.1")
@@ -88,11 +86,6 @@ from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
 from sglang.srt.server_args import ServerArgs
 
 PREFILL, DECODE = "prefill", "decode"
-
-
-def spec_of(protocol: str, role: str) -> Any:
-    """The role's machine spec in ``specs/pd_abort/<protocol>.yaml``."""
-    return load_system(SPECS / "pd_abort" / f"{protocol}.yaml").roles[role].spec
 
 
 # -- SGLang's classes on the CPU -------------------------------------------------
