@@ -110,3 +110,16 @@ def test_the_explorer_and_the_engine_agree_on_every_family_move(family_system: P
             tracker = requests if role.name == "request" else jobs
             assert tracker.state(keys[role.name]) == role.states[expected[r]], (seed, move, role.name)
         i = j
+
+
+def test_a_nixl_request_frees_its_blocks_only_once_no_read_can_write_them() -> None:
+    """docs/nixl.md §6: a released READ still lands. The bundled decode request keeps its blocks until its READs
+    have stopped, on every interleaving; the driver's old spec, which freed them on giving up, is caught."""
+    result = explore(load_system(ROOT / "specs" / "explore" / "nixl_reads.yaml"))
+    assert result.verdict == "verified", [(p.name, p.status) for p in result.properties]
+    system = load_system(ROOT / "tests" / "specs" / "owns" / "nixl_reads_frees_at_give_up.yaml")
+    caught = explore(system)
+    [trace] = [p.trace for p in caught.properties if p.name == "read_after_free" and p.trace is not None]
+    gave_up = [s for s in trace.steps if s.role == "decode" and s.event is not None]
+    assert gave_up and gave_up[-1].target in ("failed", "aborted", "expired"), trace.steps
+    check_trace(trace, system)
