@@ -214,8 +214,6 @@ class BlockReader(RecvReport):
         local, remote = read_extents(
             self.blocks.layout, load.blocks, piece.dst, peer.block_layout, remote_blocks, piece.src, piece.length
         )
-        self.stats["reads"] += 1
-        self.stats["descriptors"] += len(local)
         return peer.agent, local, remote, self._outgoing(key, self.notif(key, load))
 
     def notify_skipped(self, key: Hashable, /) -> None:
@@ -276,6 +274,8 @@ class ReadHandles:
     def post_read(self, key: Hashable, /, request_id: Hashable, rank: int) -> None:
         peer, local, remote, message = self.reader.read_for(request_id, rank)
         self._handles[key] = self.reader.agent.read(peer, local, remote, message)
+        self.reader.stats["reads"] += 1
+        self.reader.stats["descriptors"] += len(local)
 
     def release_read(self, key: Hashable, /) -> None:
         self.reader.agent.release(self._handles.pop(key))
