@@ -1,4 +1,5 @@
-"""``kvfsm inspect``: a spec, a system and a counterexample (or a live process) in a browser, or as one HTML file."""
+"""``kvfsm inspect``: a spec, a system, a counterexample or a trace set (or a live process) in a browser, or as one
+HTML file."""
 
 from __future__ import annotations
 
@@ -14,15 +15,22 @@ from .common import EXIT_OK, EXIT_USAGE, Subparsers, err, out, refuse, write_out
 def register(sub: Subparsers) -> None:
     p = sub.add_parser(
         "inspect",
-        help="a spec, system or explorer trace (or a live process) as a web page: served on 127.0.0.1, or --html",
+        help="a spec, system, explorer trace or trace set (or a live process) as a web page: served on 127.0.0.1, "
+        "or --html",
         description="Show a spec or system (its diagram, what each state holds and its deadline, kvfsm check's "
         "findings pinned to the states and edges they name) and, with --trace, step through an explorer "
-        "counterexample; or, with --live URL, watch a tracker debug endpoint. The page is served on 127.0.0.1 "
-        "until Ctrl-C (exit 130), or written with --html as one self-contained file. Exit 0 once it is written "
-        "or served: the findings are in the page (kvfsm check gives them an exit status).",
+        "counterexample, or with --trace-set through each trace of the system's trace set; or, with --live URL, "
+        "watch a tracker debug endpoint. The page is served on 127.0.0.1 until Ctrl-C (exit 130), or written with "
+        "--html as one self-contained file. Exit 0 once it is written or served: the findings are in the page "
+        "(kvfsm check gives them an exit status).",
     )
     p.add_argument("target", nargs="?", type=Path, metavar="SPEC_OR_SYSTEM", help="a machine spec or a system file")
     p.add_argument("--trace", type=Path, metavar="TRACE.json", help="a counterexample written by kvfsm explore --trace")
+    p.add_argument(
+        "--trace-set",
+        action="store_true",
+        help="step through the system's trace set (the traces kvfsm test SYSTEM replays), one trace at a time",
+    )
     p.add_argument("--html", type=Path, metavar="OUT.html", help="write the page to this file instead of serving it")
     p.add_argument("--live", metavar="URL", help="watch a tracker debug endpoint (e.g. kvfsm demo --metrics's)")
     p.add_argument(
@@ -52,13 +60,14 @@ def _seconds(text: str) -> float:
 
 def run(args: argparse.Namespace) -> int:
     from ..explore import read_trace
-    from ..inspect import InspectServer, build, html, live_page
+    from ..inspect import InspectServer, build, build_trace_set, html, live_page
     from ..inspect.live import Watch
 
     if args.html is not None and args.port is not None:
         return refuse("inspect", "--port", "--html, which writes a file")
     if args.live is not None:
-        for given, option in ((args.target, "SPEC_OR_SYSTEM"), (args.trace, "--trace"), (args.html, "--html")):
+        given_there = (args.target, args.trace, args.trace_set or None, args.html)
+        for given, option in zip(given_there, ("SPEC_OR_SYSTEM", "--trace", "--trace-set", "--html"), strict=True):
             if given is not None:
                 return refuse("inspect", option, "--live, which watches a running process")
         if not args.live.startswith(("http://", "https://")):
@@ -72,8 +81,12 @@ def run(args: argparse.Namespace) -> int:
             return EXIT_USAGE
         if args.interval is not None:
             return refuse("inspect", "--interval", "a spec or trace, which does not change")
-        trace = read_trace(args.trace) if args.trace is not None else None
-        page = build(args.target, trace)
+        if args.trace_set and args.trace is not None:
+            return refuse("inspect", "--trace", "--trace-set, which draws the system's own traces")
+        if args.trace_set:
+            page = build_trace_set(args.target)
+        else:
+            page = build(args.target, read_trace(args.trace) if args.trace is not None else None)
         watch = None
     document = html(page)
     if args.html is not None:

@@ -1,17 +1,18 @@
-"""``kvfsm inspect``: a spec, a system, a counterexample or a live process, seen in a browser.
+"""``kvfsm inspect``: a spec, a system, a counterexample, a trace set or a live process, seen in a browser.
 
 One page, self-contained (its script, stylesheet and diagrams inlined), built
 from what kvfsm already computes: the Graphviz diagram of :mod:`kvfsm.gen`,
 the findings of ``kvfsm check`` pinned to the states and edges they name, an
-explorer trace replayed into per-step snapshots (:mod:`.steps`), and a
-tracker debug endpoint's ``/state`` read for the live view (:mod:`.live`).
+explorer trace (or each trace of a system's trace set) replayed into per-step
+snapshots (:mod:`.steps`), and a tracker debug endpoint's ``/state`` read for
+the live view (:mod:`.live`).
 :mod:`.page` builds it, :mod:`.serve` serves it on loopback.
 """
 
 from __future__ import annotations
 
 from .findings import Pinned, pin
-from .page import InspectError, Page, build, html, live_page
+from .page import InspectError, Page, TraceView, build, build_trace_set, html, live_page
 from .serve import InspectServer
 from .steps import Snapshot, snapshots
 
@@ -21,7 +22,9 @@ __all__ = [
     "Page",
     "Pinned",
     "Snapshot",
+    "TraceView",
     "build",
+    "build_trace_set",
     "html",
     "live_page",
     "pin",

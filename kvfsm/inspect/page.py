@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from html import escape
 from importlib.resources import files
 from pathlib import Path
@@ -22,6 +22,7 @@ from ..explore import Trace, check_trace, format_trace
 from ..gen.diagram import render
 from ..spec import Finding, Spec, System, check, is_system_file, read
 from ..spec.system import read_system
+from ..testing.trace_set import covered_by, trace_set
 from .findings import Pinned, pin
 from .sequence import sequence_svg
 from .steps import Snapshot, snapshots
@@ -47,6 +48,45 @@ class StateRow:
     final: str | None
 
 
+@dataclass(frozen=True)
+class TraceView:
+    """One trace the page steps through: the trace, its snapshots, and what it is there for.
+
+    A counterexample (``--trace``) is one view; a trace set is one view per
+    trace, so a reviewer can tell them apart by what each exercises.
+    """
+
+    trace: Trace
+    snaps: tuple[Snapshot, ...]
+    purpose: str = ""
+    """What the trace was chosen for (a trace set's goal: ``decode: waiting --abort--> aborting``); empty for a
+    counterexample, whose property says it."""
+    covers: tuple[str, ...] = ()
+    """Every trace-set item (role edge, message, ignored delivery) its moves exercise, in the order they do."""
+
+    def label(self, number: int) -> str:
+        """The chooser's short line: ``3 · 6 moves · decode: waiting --abort--> aborting (+5)``."""
+        moves = len(self.snaps) - 1
+        what = self.purpose or f"{self.trace.prop}: {self.trace.violation}"
+        more = len([c for c in self.covers if c != self.purpose])
+        return f"{number} · {moves} move{'s' if moves != 1 else ''} · {what}" + (f" (+{more})" if more else "")
+
+    def as_dict(self, number: int) -> dict[str, Any]:
+        """The trace as the page's script reads it (JSON-ready)."""
+        t = self.trace
+        return {
+            "label": self.label(number),
+            "purpose": self.purpose,
+            "covers": list(self.covers),
+            "system": t.system,
+            "property": t.prop,
+            "violation": t.violation,
+            "request": t.request,
+            "loop": t.loop,
+            "snapshots": [s.as_dict() for s in self.snaps],
+        }
+
+
 @dataclass
 class Page:
     """What one inspect page shows; :func:`html` writes it."""
@@ -59,29 +99,18 @@ class Page:
     """The Graphviz SVG element (empty for the live view)."""
     states: list[StateRow] = field(default_factory=list)
     findings: list[Pinned] = field(default_factory=list)
-    trace: Trace | None = None
-    snaps: list[Snapshot] = field(default_factory=list)
+    traces: list[TraceView] = field(default_factory=list)
+    """The traces to step through: none, one counterexample, or a trace set (one chosen at a time)."""
     live: dict[str, Any] | None = None
     """For the live view: ``url`` watched and ``interval`` between polls."""
 
     def data(self) -> dict[str, Any]:
         """The JSON the page's script reads."""
-        trace = None
-        if self.trace is not None:
-            t = self.trace
-            trace = {
-                "system": t.system,
-                "property": t.prop,
-                "violation": t.violation,
-                "request": t.request,
-                "loop": t.loop,
-                "snapshots": [s.as_dict() for s in self.snaps],
-            }
         return {
             "kind": self.kind,
             "title": self.title,
             "findings": [p.as_dict() for p in self.findings],
-            "trace": trace,
+            "traces": [v.as_dict(n) for n, v in enumerate(self.traces, start=1)],
             "live": self.live,
         }
 
@@ -117,6 +146,30 @@ def _svg(drawing: Spec | System) -> str:
 
 def build(path: str | Path, trace: Trace | None = None) -> Page:
     """The page of a spec or system file, with its findings and, for a system, ``trace`` stepped through."""
+    return _page(path, [TraceView(trace, ())] if trace is not None else [], "--trace")
+
+
+def build_trace_set(path: str | Path) -> Page:
+    """The page of a system with its trace set (what ``kvfsm test SYSTEM`` replays), one trace at a time.
+
+    Raises :class:`~kvfsm.testing.trace_set.TraceSetError` for a system the
+    trace set does not model (ranks, crashes...), as ``kvfsm test`` does.
+    """
+    if not is_system_file(path):
+        raise InspectError(f"--trace-set needs a system file, and {path} is a machine spec")
+    chosen = trace_set(path)
+    views = [
+        TraceView(t, (), goal.name, tuple(dict.fromkeys(c.name for s in t.moves for c in covered_by(s))))
+        for goal, t in zip(chosen.goals, chosen.traces, strict=True)
+    ]
+    page = _page(path, views, "--trace-set")
+    page.title = f"trace set of {chosen.system.name} ({len(views)} traces)"
+    return page
+
+
+def _page(path: str | Path, views: list[TraceView], option: str) -> Page:
+    """The page of a spec or system file, with its findings and, for a system, each view's trace stepped through
+    (``option`` names the option that gave the traces, for the refusals)."""
     findings: list[Finding] = check(path)
     drawing: Spec | System
     if is_system_file(path):
@@ -124,23 +177,24 @@ def build(path: str | Path, trace: Trace | None = None) -> Page:
         rows = [r for name, role in drawing.roles.items() for r in _rows(role.spec, name, f"{name}/")]
         kind = "system"
     else:
-        if trace is not None:
-            raise InspectError(f"--trace needs the system file the trace ran on, and {path} is a machine spec")
+        if views:
+            raise InspectError(f"{option} needs the system file the trace ran on, and {path} is a machine spec")
         drawing = read(path)
         rows = _rows(drawing, "", "")
         kind = "spec"
     page = Page(f"{kind} {drawing.name}", kind, str(path), _svg(drawing), rows, pin(findings, drawing))
-    if trace is not None:
+    for view in views:
         assert isinstance(drawing, System)
+        trace = view.trace
         if trace.system != drawing.name:
             raise InspectError(
                 f"the trace is of system {trace.system!r} ({trace.path}), not {drawing.name!r} ({path}); "
                 f"inspect it with {trace.path}"
             )
         check_trace(trace, drawing)
-        page.trace = trace
-        page.snaps = snapshots(trace, frozenset(drawing.roles))
-        page.title = f"{trace.prop} in {drawing.name}"
+        page.traces.append(replace(view, snaps=tuple(snapshots(trace, frozenset(drawing.roles)))))
+    if len(views) == 1:
+        page.title = f"{views[0].trace.prop} in {drawing.name}"
     return page
 
 
@@ -194,12 +248,24 @@ def _json(data: dict[str, Any]) -> str:
     return json.dumps(data).replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 
 
+def _sequence(n: int, view: TraceView) -> str:
+    """Trace ``n``'s sequence diagram and, for a counterexample, its chart as ``kvfsm explore`` prints it (a trace
+    set's traces break nothing, so explore never prints them); all but the first start hidden (the script shows the
+    chosen one)."""
+    hidden = " hidden" if n else ""
+    chart = ""
+    if view.trace.violation:
+        chart = (
+            "<details><summary>as kvfsm explore prints it</summary>"
+            f'<pre class="chart">{escape(format_trace(view.trace))}</pre></details>'
+        )
+    svg = sequence_svg(view.trace, view.snaps, f"seq{n}")
+    return f'<div class="trace" data-trace="{n}"{hidden}>{svg}{chart}</div>'
+
+
 def html(page: Page) -> str:
     """The page as one HTML document with every asset inlined."""
-    sequence = sequence_svg(page.trace, page.snaps) if page.trace is not None else ""
-    summary = ""
-    if page.trace is not None:
-        summary = f'<pre class="chart">{escape(format_trace(page.trace))}</pre>'
+    sequence = "".join(_sequence(n, v) for n, v in enumerate(page.traces))
     parts = {
         "title": escape(page.title),
         "subtitle": escape(page.path),
@@ -210,7 +276,6 @@ def html(page: Page) -> str:
         "states": _state_table(page),
         "findings": _finding_list(page),
         "sequence": sequence,
-        "chart": summary,
         "kind": page.kind,
     }
     return PLACEHOLDER.sub(lambda m: parts[m.group(1)], _asset("page.html"))

@@ -8,6 +8,7 @@ highlights the current row and a click on a row steps there.
 from __future__ import annotations
 
 import textwrap
+from collections.abc import Sequence
 from html import escape
 
 from ..explore import Trace
@@ -36,8 +37,8 @@ def _text(x: int, y: int, lines: list[str], cls: str) -> str:
     return f'<text class="{cls}" x="{x}" y="{y}" text-anchor="middle">{spans}</text>'
 
 
-def _arrow(x1: int, x2: int, y: int, label: str, cls: str, lost: bool = False) -> str:
-    tip = "" if lost else ' marker-end="url(#seq-arrow)"'
+def _arrow(x1: int, x2: int, y: int, label: str, cls: str, marker: str, lost: bool = False) -> str:
+    tip = "" if lost else f' marker-end="url(#{marker})"'
     end = f'<text class="lost" x="{x2}" y="{y + 4}" text-anchor="middle">╳</text>' if lost else ""
     mid = (x1 + x2) // 2
     return (
@@ -46,15 +47,17 @@ def _arrow(x1: int, x2: int, y: int, label: str, cls: str, lost: bool = False) -
     )
 
 
-def sequence_svg(trace: Trace, snaps: list[Snapshot]) -> str:
-    """The SVG element (no XML prolog: it is inlined in the page)."""
+def sequence_svg(trace: Trace, snaps: Sequence[Snapshot], ident: str = "seq") -> str:
+    """The SVG element (no XML prolog: it is inlined in the page); ``ident`` prefixes its ids, unique per page (an
+    arrowhead defined in a hidden diagram of a trace set would draw nothing in the shown one)."""
     cols = columns(trace)
+    marker = f"{ident}-arrow"
     width = LANE_W * len(cols)
     height = HEAD_H + ROW_H * len(snaps) + 10
     parts = [
         f'<svg xmlns="http://www.w3.org/2000/svg" class="sequence" width="{width}" height="{height}" '
         f'viewBox="0 0 {width} {height}">',
-        '<defs><marker id="seq-arrow" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="7" markerHeight="7" '
+        f'<defs><marker id="{marker}" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="7" markerHeight="7" '
         'orient="auto-start-reverse"><path d="M0,0 L10,5 L0,10 z"/></marker></defs>',
     ]
     for name in cols:
@@ -80,9 +83,9 @@ def sequence_svg(trace: Trace, snaps: list[Snapshot]) -> str:
                 lines.append(f"({snap.note})"[: TEXT_W + 4])
             parts.append(_text(x, top + 27, lines[:3], "move"))
             if snap.delivered is not None:
-                parts.append(_arrow(channel, x, top + 14, f"✉ {snap.delivered}", "deliver"))
+                parts.append(_arrow(channel, x, top + 14, f"✉ {snap.delivered}", "deliver", marker))
             for n, (message, _to, lost) in enumerate(snap.sent):
-                parts.append(_arrow(x, channel, top + ROW_H - 4 - 12 * n, f"✉ {message}", "send", lost))
+                parts.append(_arrow(x, channel, top + ROW_H - 4 - 12 * n, f"✉ {message}", "send", marker, lost))
         parts.append("</g>")
     parts.append("</svg>")
     return "".join(parts)

@@ -52,7 +52,8 @@ class Snapshot:
     in_flight: dict[str, tuple[str, ...]]
     """Per request, the messages in flight."""
     violation: bool
-    """The property is broken here (the last move of a safety trace; the cycle's start and end of a lasso)."""
+    """The property is broken here (the last move of a safety trace; the cycle's start and end of a lasso); never in
+    a trace that names no violation (a trace set's)."""
     in_cycle: bool
 
     def as_dict(self) -> dict[str, Any]:
@@ -119,8 +120,19 @@ def snapshots(trace: Trace, roles: set[str] | frozenset[str] | None = None) -> l
         )
 
     last = len(moves)
+    breaks = bool(trace.violation)  # a trace set's traces break nothing: no move of theirs is marked
     start = Snapshot(
-        0, "the instances begin", trace.request, None, "", (), None, instances(), dict(flight), last == 0, False
+        0,
+        "the instances begin",
+        trace.request,
+        None,
+        "",
+        (),
+        None,
+        instances(),
+        dict(flight),
+        breaks and last == 0,
+        False,
     )
     out = [start]
     for i, s in enumerate(moves, start=1):
@@ -134,13 +146,15 @@ def snapshots(trace: Trace, roles: set[str] | frozenset[str] | None = None) -> l
         where[key] = (s.target, s.holds)
         flight[s.request] = s.in_flight
         in_cycle = trace.loop is not None and i > trace.loop
-        broken = i == last if trace.loop is None else (i == trace.loop or i == last)
+        broken = breaks and (i == last if trace.loop is None else (i == trace.loop or i == last))
         text = describe_step(s) + (" (a copy stays in flight)" if s.duplicate else "")
         sent = tuple((x.message, x.to, x.lost) for x in s.sent)
         delivered = s.event if s.cause == "message" else None
         out.append(
             Snapshot(i, text, s.request, s.role, s.note, sent, delivered, instances(), dict(flight), broken, in_cycle)
         )
-    if trace.loop is not None and trace.loop == 0:  # a lasso whose cycle starts at once: the start is where it breaks
+    if (
+        breaks and trace.loop is not None and trace.loop == 0
+    ):  # a lasso whose cycle starts at once: the start is where it breaks
         out[0] = replace(out[0], violation=True)
     return out

@@ -16,13 +16,15 @@ import pytest
 
 from kvfsm.explore import explore
 from kvfsm.explore.trace import Trace
-from kvfsm.inspect import InspectError, build, html, pin, snapshots
+from kvfsm.inspect import InspectError, build, build_trace_set, html, pin, snapshots
 from kvfsm.inspect.live import anomalies
 from kvfsm.spec import check, read
 from kvfsm.spec.system import read_system
+from kvfsm.testing.trace_set import trace_set
 
 ROOT = Path(__file__).resolve().parents[2]
 MERGED_FIX = ROOT / "kvfsm/specs/pd_abort/merged_fix.yaml"
+CORRECTED = ROOT / "kvfsm/specs/pd_abort/corrected.yaml"
 PRE_FIX = ROOT / "kvfsm/specs/moriio/write_pre_fix.yaml"
 needs_dot = pytest.mark.skipif(
     shutil.which("dot") is None, reason="Graphviz dot is not installed (./dev.sh installs it)"
@@ -88,6 +90,30 @@ def test_a_trace_of_another_system_or_on_a_machine_spec_is_refused(merged_fix_tr
         build(ROOT / "kvfsm/specs/pd_abort/corrected.yaml", merged_fix_trace)
     with pytest.raises(InspectError, match="machine spec"):
         build(ROOT / "specs/kv_request.yaml", merged_fix_trace)
+
+
+@needs_dot
+def test_the_corrected_systems_page_holds_every_trace_of_its_trace_set() -> None:
+    chosen = trace_set(CORRECTED)
+    page = build_trace_set(CORRECTED)
+    assert [v.trace for v in page.traces] == list(chosen.traces) and len(page.traces) > 1
+    assert [v.purpose for v in page.traces] == [g.name for g in chosen.goals]
+    for view in page.traces:
+        assert len(view.snaps) == len(view.trace.moves) + 1
+        assert view.purpose in view.covers  # each is the shortest trace for its goal, which it covers
+        assert not any(s.violation for s in view.snaps)  # a trace set breaks nothing
+    data = page.data()["traces"]
+    assert [t["label"].split(" · ")[0] for t in data] == [str(n) for n in range(1, len(chosen.traces) + 1)]
+    text = html(page)
+    assert all(f'data-trace="{n}"' in text for n in range(len(chosen.traces)))
+    assert "as kvfsm explore prints it" not in text  # no chart: explore prints counterexamples, not these
+
+
+@needs_dot
+def test_one_counterexample_is_the_one_trace_case(merged_fix_trace: Trace) -> None:
+    (view,) = build(MERGED_FIX, merged_fix_trace).traces
+    assert view.purpose == "" and view.snaps[-1].violation
+    assert view.label(1) == "1 · 4 moves · write_after_free: " + merged_fix_trace.violation
 
 
 def test_anomalies_are_read_by_machine_and_kind_from_metrics_text() -> None:

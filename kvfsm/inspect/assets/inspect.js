@@ -1,5 +1,5 @@
 // kvfsm inspect: shows what Python computed (the JSON in #kvfsm-data). It only marks the diagram,
-// steps through a trace's snapshots and polls /live; nothing is fetched from anywhere else.
+// steps through each trace's snapshots and polls /live; nothing is fetched from anywhere else.
 "use strict";
 (function () {
   const data = JSON.parse(document.getElementById("kvfsm-data").textContent);
@@ -49,18 +49,36 @@
     });
   }
 
-  // A trace: snapshot i is everything after move i (0: the start).
-  const trace = data.trace;
-  if (trace) {
+  // Traces: one counterexample, or a trace set chosen one at a time. Snapshot i of the chosen trace is
+  // everything after its move i (0: the start).
+  const traces = data.traces;
+  if (traces.length) {
     document.body.classList.add("has-trace");
-    const snaps = trace.snapshots;
-    const rows = document.querySelectorAll("#sequence .row");
-    let at = 0;
+    if (traces.length > 1) document.body.classList.add("has-traces");
+    const choice = $("trace-choice");
+    traces.forEach((t, k) => {
+      const option = el("option", t.label);
+      option.value = String(k);
+      choice.appendChild(option);
+    });
+    const boxes = document.querySelectorAll("#sequence .trace");
+    let t = 0, trace = traces[0], snaps = trace.snapshots, rows = [], at = 0;
+    const choose = (k, i) => {
+      t = Math.max(0, Math.min(traces.length - 1, k));
+      trace = traces[t];
+      snaps = trace.snapshots;
+      choice.value = String(t);
+      boxes.forEach((b) => { b.hidden = Number(b.dataset.trace) !== t; });
+      rows = document.querySelectorAll(`#sequence .trace[data-trace="${t}"] .row`);
+      $("covers").textContent = trace.covers.length ? `covers: ${trace.covers.join(" · ")}` : "";
+      show(i);
+    };
     const show = (i) => {
       at = Math.max(0, Math.min(snaps.length - 1, i));
       const s = snaps[at];
       $("counter").textContent = at === 0 ? `start / ${snaps.length - 1}` : `step ${at} / ${snaps.length - 1}`;
       $("counter").dataset.step = String(at);
+      $("counter").dataset.trace = String(t);
       $("move").textContent = at === 0 ? "the instances begin" : `${s.role} (${s.request}): ${s.text}`;
       const v = $("violation");
       v.hidden = !s.violation;
@@ -73,7 +91,7 @@
       s.instances.forEach((inst) => {
         const tr = el("tr");
         [inst.request, inst.role, inst.state, inst.holds.join(", ") || "nothing",
-          inst.freed.map(([r, n]) => `${r} (move ${n})`).join(", ")].forEach((t) => tr.appendChild(el("td", t)));
+          inst.freed.map(([r, n]) => `${r} (move ${n})`).join(", ")].forEach((x) => tr.appendChild(el("td", x)));
         tr.dataset.instance = inst.role;
         tr.dataset.request = inst.request;
         if (inst.role === s.role && inst.request === s.request) tr.className = "current";
@@ -96,24 +114,35 @@
           if (g) g.classList.add("taken");
         }
       }
+      document.querySelectorAll("#sequence .row.current, #sequence .row.future")
+        .forEach((r) => r.classList.remove("current", "future"));
       rows.forEach((r) => {
         const n = Number(r.dataset.step);
         r.classList.toggle("current", n === at);
         r.classList.toggle("future", n > at);
       });
-      try { history.replaceState(null, "", `#step=${at}`); } catch (e) { /* a sandboxed frame: no history */ }
+      const where = traces.length > 1 ? `#trace=${t + 1}&step=${at}` : `#step=${at}`;
+      try { history.replaceState(null, "", where); } catch (e) { /* a sandboxed frame: no history */ }
     };
     $("first").onclick = () => show(0);
     $("prev").onclick = () => show(at - 1);
     $("next").onclick = () => show(at + 1);
     $("last").onclick = () => show(snaps.length - 1);
-    rows.forEach((r) => r.addEventListener("click", () => show(Number(r.dataset.step))));
+    $("prev-trace").onclick = () => choose(t - 1, 0);
+    $("next-trace").onclick = () => choose(t + 1, 0);
+    choice.addEventListener("change", () => { choose(Number(choice.value), 0); choice.blur(); });
+    document.querySelectorAll("#sequence .row")
+      .forEach((r) => r.addEventListener("click", () => show(Number(r.dataset.step))));
     document.addEventListener("keydown", (e) => {
+      if (e.ctrlKey || e.metaKey || e.altKey) return;
+      const other = { PageDown: t + 1, n: t + 1, PageUp: t - 1, p: t - 1 }[e.key];
+      if (other !== undefined && traces.length > 1) { e.preventDefault(); choose(other, 0); return; }
+      if (e.target === choice) return; // the chooser's own keys pick a trace
       const go = { ArrowRight: at + 1, ArrowDown: at + 1, ArrowLeft: at - 1, ArrowUp: at - 1, Home: 0, End: snaps.length - 1 }[e.key];
       if (go !== undefined) { e.preventDefault(); show(go); }
     });
-    const m = /step=(\d+)/.exec(location.hash);
-    show(m ? Number(m[1]) : 0);
+    const k = /trace=(\d+)/.exec(location.hash), m = /step=(\d+)/.exec(location.hash);
+    choose(k ? Number(k[1]) - 1 : 0, m ? Number(m[1]) : 0);
   }
 
   // The live view: the server reads the tracker endpoint; this polls the server.
