@@ -4,7 +4,8 @@ The seed-002 merged-fix counterexample, written by ``kvfsm explore --trace``
 and drawn by ``kvfsm inspect --html``, is stepped with the keys and buttons
 to the write_after_free move, where both roles' states, what each holds and
 has freed, and the message in flight are on the page; the same file opens
-with every network request refused and asks for none. The spec view pins
+with every network request refused and asks for none. The corrected
+system's trace set is stepped trace by trace, each to its last move. The spec view pins
 findings on the diagram; the served page and the live view of a running
 ``kvfsm demo --metrics`` are read the same way.
 """
@@ -89,6 +90,48 @@ def test_the_merged_fix_trace_steps_to_write_after_free(
     page.click("#sequence .row[data-step='2']")  # a row of the sequence diagram steps there
     assert page.locator("#counter").get_attribute("data-step") == "2"
     assert page.inner_text("#flight") == "r0: metadata, abort_req"
+
+
+def test_the_corrected_systems_trace_set_steps_through_every_trace(
+    page: Any, tmp_path: Path, screenshot: Callable[[Any, str], Path]
+) -> None:
+    from kvfsm.testing.trace_set import trace_set
+
+    out = tmp_path / "trace_set.html"
+    drawn = kvfsm("inspect", "specs/pd_abort/corrected.yaml", "--trace-set", "--html", str(out))
+    assert drawn.returncode == 0, drawn.stdout + drawn.stderr
+    chosen = trace_set(ROOT / "specs/pd_abort/corrected.yaml")
+    page.goto(out.as_uri())
+    options = page.locator("#trace-choice option").all_inner_texts()
+    assert [o.split(" · ")[:2] for o in options] == [
+        [str(n), f"{len(t.moves)} move{'s' if len(t.moves) != 1 else ''}"] for n, t in enumerate(chosen.traces, 1)
+    ]
+    for k, (goal, trace) in enumerate(zip(chosen.goals, chosen.traces, strict=True)):
+        if k == 1:
+            page.select_option("#trace-choice", "1")  # the chooser...
+        elif k:
+            page.keyboard.press("PageDown" if k % 2 else "n")  # ...or its keys
+        assert page.locator("#counter").get_attribute("data-trace") == str(k)
+        assert page.locator("#counter").inner_text() == f"start / {len(trace.moves)}"
+        assert goal.name in page.inner_text("#covers")
+        for _ in trace.moves:
+            page.keyboard.press("ArrowRight")
+        assert page.locator("#counter").get_attribute("data-step") == str(len(trace.moves)), goal.name
+        end = {s.role: (s.target, ", ".join(s.holds) or "nothing") for s in trace.steps}  # each role's last step
+        assert {r: (cells[0], cells[1]) for r, cells in instances(page).items()} == end, goal.name
+        assert current_nodes(page) == {f"{role}/{state}" for role, (state, _held) in end.items()}, goal.name
+        shown = page.locator(f"#sequence .trace[data-trace='{k}']")
+        assert shown.is_visible() and shown.locator(".row.current").get_attribute("data-step") == str(len(trace.moves))
+        assert not page.locator("#violation").is_visible() and page.locator("#sequence .row.violation").count() == 0
+        if goal.name == "prefill: transferring --abort_req--> draining":  # the corrected abort, acknowledged
+            screenshot(page, "trace_set")
+    page.keyboard.press("p")
+    assert page.locator("#counter").get_attribute("data-trace") == str(len(chosen.traces) - 2)
+    assert page.locator("#sequence .trace:visible").count() == 1
+    page.goto("about:blank")
+    page.goto(out.as_uri() + "#trace=2&step=1")  # the address names a trace and a move
+    assert page.locator("#counter").get_attribute("data-trace") == "1"
+    assert page.locator("#counter").get_attribute("data-step") == "1"
 
 
 def test_the_html_file_opens_offline_and_fetches_nothing(browser_context: Any, trace_page: Path) -> None:
