@@ -254,6 +254,32 @@ def test_read_mode_blocks_wait_for_every_release_and_are_reaped_without_it() -> 
     assert pair.p.outcomes == {"expired": 2} and pair.p.stats()["held_blocks"] == 0
 
 
+@pytest.mark.parametrize("give_up", ["expire", "abort"])
+def test_read_mode_a_load_given_up_keeps_its_blocks_until_its_reads_have_stopped(give_up: str) -> None:
+    """Giving up does not stop a read (docs/moriio.md §6): an expired or aborted load sends its release at once
+    but keeps its blocks pinned and its report owed until the batch's status ends; then the pool is whole."""
+    pair = Pair(mode="read")
+    assert isinstance(pair.p.blocks, KVBlocks)
+    source = Source("prefill", pair.p.blocks.base, 256, tuple(pair.p.compute("p-1", "t-1", 2)))
+    pair.fabric.stopped.add("prefill")  # the read stays pending
+    pair.d.start("d-1", "t-1", 2, source)
+    pair.d.step()
+    reading = pair.d.stats()["held_blocks"]  # the scheduler's allocation and the load's pin
+    if give_up == "abort":
+        pair.d.abort("d-1")
+    else:
+        pair.clock.advance(1.5)  # past transfer_timeout
+        pair.d.step()
+    d = pair.d
+    assert d.tracker.state("d-1") == ("aborting" if give_up == "abort" else "expiring")
+    assert d.stats()["held_blocks"] == reading, "unpinned while the read may still write the blocks"
+    assert "d-1" not in d.driver.report.take().recving, "reported to vLLM while the read may still write"
+    pair.fabric.stopped.discard("prefill")  # the read lands now, into blocks the load still holds
+    pair.d.step()
+    assert d.outcomes == {"aborted" if give_up == "abort" else "expired": 1}
+    assert d.stats()["held_blocks"] == 0 and d.blocks.pool.num_free == 16
+
+
 def test_acks_is_the_specs_count_of_ranks_and_a_spec_that_cannot_take_it_refuses() -> None:
     fabric = Fabric()
     p = PrefillEngine(fabric.endpoint("p"), 4, 256, mode="read", acks=2)
