@@ -51,15 +51,13 @@ import argparse
 import contextlib
 import json
 import os
-import select
-import signal
-import subprocess
 import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
+
+from pipe_peer import PipePeer
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
@@ -71,10 +69,6 @@ VARIANTS = ("stopped", "in_flight", "kept", "killed", "timeout")
 PENDING, DONE = 0, 1
 TIMEOUT_ENV = ("MC_TCP_PROGRESS_TIMEOUT_SEC", "MC_TCP_STATUS_TIMEOUT_SEC")
 """The TransferEngine's tcp deadlines (30 s each by default), read from the environment per transfer."""
-
-
-def _proc_state(pid: int) -> str:
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
 
 
 def _engine() -> Any:
@@ -110,68 +104,12 @@ def _serve_peer(size: int, reply_fd: int) -> None:
     os._exit(0)  # skip the engine's teardown at interpreter exit
 
 
-class Peer:
-    """The prefill process: started from this file, answers on its own pipe, stopped and killed by pid."""
+class Peer(PipePeer):
+    """The prefill process: this file run with ``--peer``."""
 
     def __init__(self, size: int) -> None:
-        read_fd, write_fd = os.pipe()
-        args = [sys.executable, __file__, "--peer", str(size), str(write_fd)]
-        self.proc = subprocess.Popen(
-            args, stdin=subprocess.PIPE, pass_fds=(write_fd,), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
-        os.close(write_fd)
-        self._replies = os.fdopen(read_fd, "rb")
-        try:
-            self.hello = self._answer(60.0)
-        except BaseException:
-            self.close()
-            raise
+        super().__init__(__file__, size)
         self.session: str = self.hello["session"]
-
-    def _answer(self, timeout: float) -> dict[str, Any]:
-        ready, _, _ = select.select([self._replies], [], [], timeout)
-        line = self._replies.readline() if ready else b""
-        if not line:
-            raise RuntimeError(f"the prefill peer (pid {self.proc.pid}) did not answer within {timeout} s")
-        answer: dict[str, Any] = json.loads(line)
-        return answer
-
-    def call(self, op: str, **args: Any) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"op": op, **args}).encode() + b"\n")
-        self.proc.stdin.flush()
-        return self._answer(10.0)
-
-    def stop(self) -> None:
-        os.kill(self.proc.pid, signal.SIGSTOP)
-        deadline = time.monotonic() + 5.0
-        while _proc_state(self.proc.pid) != "T":
-            if time.monotonic() > deadline:
-                raise RuntimeError("SIGSTOP was not delivered within 5 s")
-            time.sleep(0.002)
-
-    def cont(self) -> None:
-        os.kill(self.proc.pid, signal.SIGCONT)
-        deadline = time.monotonic() + 5.0
-        while _proc_state(self.proc.pid) == "T" and time.monotonic() < deadline:
-            time.sleep(0.002)
-
-    def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(timeout=10)
-
-    def close(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.proc.pid, signal.SIGCONT)
-        if self.proc.stdin is not None:
-            with contextlib.suppress(BrokenPipeError):
-                self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.kill()
-        self._replies.close()
 
 
 # ---------------------------------------------------------------- the decode side (the READ's initiator)
