@@ -13,7 +13,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Literal
+from typing import Any, Literal
 
 from ..errors import KvfsmError
 
@@ -545,6 +545,17 @@ class Spec:
             if r.acquire:
                 names.add(r.acquire)
         return tuple(sorted(names))
+
+
+def split_params(params: Mapping[str, Any] | None, *specs: Spec) -> list[dict[str, Any]]:
+    """``params`` for machines run side by side, each spec's own share; a name none declares is a ValueError
+    naming the known ones (a typo must not run with a default)."""
+    given = dict(params or {})
+    known = {name for spec in specs for name in spec.params}
+    unknown = set(given) - known
+    if unknown:
+        raise ValueError(f"unknown params {sorted(unknown)}; known: {sorted(known)}")
+    return [{k: v for k, v in given.items() if k in spec.params} for spec in specs]
 
 
 def _minus(have: tuple[str, ...], keep: tuple[str, ...]) -> tuple[str, ...]:

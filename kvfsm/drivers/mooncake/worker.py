@@ -35,6 +35,7 @@ from ...errors import ActionError, Failure, IllegalTransition
 from ...observe import drain_outcomes
 from ...spec import Spec, load
 from ...spec.bundled import SPECS
+from ...spec.model import split_params
 from ..report import Finished, Report
 from .buffer import BlockBuffer
 from .driver import BlockHash, StoreLoader, StoreRequests, StoreSender
@@ -88,29 +89,12 @@ class MooncakeStoreWorker:
         self.sender = sender or StoreSender(store, buffer, prefix=prefix)
         self.loader = loader or StoreLoader(store, buffer, prefix=prefix)
         self.loader.report = self.report
-        params = dict(params or {})
         send_spec, load_spec = bundled_spec(SEND_SPEC), bundled_spec(LOAD_SPEC)
+        send_params, load_params = split_params(params, send_spec, load_spec)
         self.requests = Tracker(bundled_spec(REQUEST_SPEC), StoreRequests(self.report), clock=clock)
         """One instance per request that saved, owning its store jobs: reports finished_sending after the last."""
-        self.send = Tracker(
-            send_spec,
-            self.sender,
-            clock=clock,
-            params={k: v for k, v in params.items() if k in send_spec.params},
-            parent=self.requests,
-        )
-        self.load = Tracker(
-            load_spec,
-            self.loader,
-            clock=clock,
-            params={k: v for k, v in params.items() if k in load_spec.params},
-            spaces=["request_id"],
-        )
-        unknown = set(params) - set(send_spec.params) - set(load_spec.params)
-        if unknown:
-            raise ValueError(
-                f"unknown params {sorted(unknown)}; known: {sorted({*send_spec.params, *load_spec.params})}"
-            )
+        self.send = Tracker(send_spec, self.sender, clock=clock, params=send_params, parent=self.requests)
+        self.load = Tracker(load_spec, self.loader, clock=clock, params=load_params, spaces=["request_id"])
         self.failures: list[Failure] = []
         """Every action failure the trackers reported (store errors, injected faults), oldest first."""
         self.bugs: list[BaseException] = []

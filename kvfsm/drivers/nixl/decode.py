@@ -33,6 +33,7 @@ from ...errors import ActionError, Anomaly
 from ...observe import drain_outcomes
 from ...spec import Spec, load
 from ...spec.bundled import SPECS
+from ...spec.model import split_params
 from ..report import Finished, RecvReport, Report
 from .blocks import M, own_blocks
 from .memory import BlockLayout, BlockMemory, read_extents
@@ -316,20 +317,11 @@ class DecodeRank(Generic[M]):
         for tensor in self.blocks.tensors():
             agent.register(tensor)
         self.driver = reader(rank, topology, agent, self.blocks)
-        params = dict(params or {})
         spec, child = decode_spec(), read_spec()
-        unknown = set(params) - set(spec.params) - set(child.params)
-        if unknown:
-            raise ValueError(f"unknown params {sorted(unknown)}; known: {sorted({*spec.params, *child.params})}")
-        self.tracker = Tracker(
-            spec, self.driver, clock=clock, observer=observer, on_anomaly=on_anomaly,
-            params={k: v for k, v in params.items() if k in spec.params},
-        )  # fmt: skip
+        own, reads = split_params(params, spec, child)
+        self.tracker = Tracker(spec, self.driver, params=own, clock=clock, observer=observer, on_anomaly=on_anomaly)
         self.handles = handles(self.driver)
-        self.reads = Tracker(
-            child, self.handles, clock=clock, on_anomaly=on_anomaly, parent=self.tracker,
-            params={k: v for k, v in params.items() if k in child.params},
-        )  # fmt: skip
+        self.reads = Tracker(child, self.handles, params=reads, clock=clock, on_anomaly=on_anomaly, parent=self.tracker)
         """One ``nixl_read`` per READ, owned by its request: the request unpins only after its last READ stops."""
         self.driver.outbox.bind(self.tracker)
         self.outcomes: Counter[str] = Counter()
