@@ -13,8 +13,8 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from kvfsm.adapters.vllm import CpuOffloadScheduler, CpuOffloadWorker
 from kvfsm.adapters.vllm_api import KVConnectorOutput, RequestStatus
+from kvfsm.adapters.vllm_cpu_offload import CpuOffloadScheduler, CpuOffloadWorker
 from kvfsm.drivers.block_pool import BlockPool
 from kvfsm.drivers.cpu_offload import CpuOffload, LoadDriver
 from kvfsm.drivers.kv_cache import KVLayout

@@ -16,7 +16,7 @@ from types import ModuleType
 
 import pytest
 
-import kvfsm.adapters.vllm
+import kvfsm.adapters.vllm_cpu_offload
 from kvfsm import Tracker
 from kvfsm.drivers import pd_loopback
 from kvfsm.drivers.cpu_offload import LOAD_SPEC, STORE_SPEC, CpuOffload
@@ -81,4 +81,4 @@ def constants_outside_docstrings(module: ModuleType) -> set[object]:
 def test_the_vllm_adapter_names_no_live_state_of_its_specs() -> None:
     """The adapter asks the Tracker (accepts) and the spec (live) instead of comparing state names."""
     live = {s for spec in (LOAD_SPEC, STORE_SPEC) for s in load(spec).live}
-    assert constants_outside_docstrings(kvfsm.adapters.vllm) & live == set()
+    assert constants_outside_docstrings(kvfsm.adapters.vllm_cpu_offload) & live == set()

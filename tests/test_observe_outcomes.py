@@ -86,14 +86,14 @@ DRAINERS = [
     "kvfsm.drivers.nixl.decode",
     "kvfsm.drivers.moriio.side",
     "kvfsm.drivers.mooncake.worker",
-    "kvfsm.adapters.vllm",
+    "kvfsm.adapters.vllm_cpu_offload",
 ]
 
 
 @pytest.mark.parametrize("name", DRAINERS)
 def test_no_driver_writes_its_own_loop_over_finished_or_anomalies(name: str) -> None:
     """Each counted its tracker's outcomes in a loop of its own; they all drain through kvfsm.observe now."""
-    if name == "kvfsm.adapters.vllm":
+    if name == "kvfsm.adapters.vllm_cpu_offload":
         pytest.importorskip("vllm", reason="the vLLM adapter needs vllm")
     source = ast.parse(Path(inspect.getfile(importlib.import_module(name))).read_text())
     loops = [

@@ -234,7 +234,9 @@ def test_kvfsm_testing_imports_without_torch(light: LightInstall) -> None:
 
 
 @pytest.mark.packaging
-@pytest.mark.parametrize("module", ["kvfsm.drivers.cpu_offload", "kvfsm.drivers.mooncake", "kvfsm.adapters.vllm"])
+@pytest.mark.parametrize(
+    "module", ["kvfsm.drivers.cpu_offload", "kvfsm.drivers.mooncake", "kvfsm.adapters.vllm_cpu_offload"]
+)
 def test_importing_a_driver_without_torch_names_the_torch_extra(light: LightInstall, module: str) -> None:
     result = light.run(light.python, "-c", f"import {module}")
     assert result.returncode != 0

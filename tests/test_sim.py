@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvfsm.adapters.vllm import CpuOffloadScheduler
+from kvfsm.adapters.vllm_cpu_offload import CpuOffloadScheduler
 from kvfsm.drivers.cpu_offload import StoreDriver
 from kvfsm.showcase.sim import SimConfig, SimReport, Simulation, Workload, simulate
 

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from kvfsm.adapters.vllm import CpuOffloadScheduler, CpuOffloadWorker, CpuOffloadWorkerMeta
 from kvfsm.adapters.vllm_api import KVConnectorOutput, RequestStatus
+from kvfsm.adapters.vllm_cpu_offload import CpuOffloadScheduler, CpuOffloadWorker, CpuOffloadWorkerMeta
 from kvfsm.drivers.cpu_offload import CpuOffload
 from kvfsm.drivers.kv_cache import Copy, Done, KVLayout, copy_blocks
 from kvfsm.showcase.sim import StepOutput, run_worker
@@ -310,9 +310,19 @@ def test_the_worker_reports_nothing_when_nothing_ended() -> None:
 
 
 def test_the_adapter_imports_without_vllm() -> None:
-    code = "import sys; sys.modules['vllm'] = None; import kvfsm.adapters.vllm; print('ok')"
+    code = "import sys; sys.modules['vllm'] = None; import kvfsm.adapters.vllm_cpu_offload; print('ok')"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+def test_the_module_path_vllm_is_given_imports_neither_vllm_nor_torch() -> None:
+    code = (
+        "import sys; sys.modules['vllm'] = sys.modules['torch'] = None\n"
+        "import kvfsm.adapters.vllm\n"
+        "print(sorted(m for m in sys.modules if m.startswith('kvfsm.adapters.')))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0 and done.stdout.strip() == "['kvfsm.adapters.vllm']", done.stderr
 
 
 def test_a_vllm_connector_asked_for_without_vllm_says_how_to_install_it() -> None:

@@ -1,6 +1,9 @@
 """Adapters: kvfsm Trackers behind the connector interfaces of serving engines (vLLM).
 
-- :mod:`.vllm` / :mod:`.vllm_connector`: the CPU-offload connector;
+- :mod:`.vllm`: the module path vLLM is given (``kv_connector_module_path="kvfsm.adapters.vllm"``); it loads
+  each kvfsm connector class when vLLM asks for it, and imports neither vLLM nor torch;
+- :mod:`.vllm_cpu_offload` / :mod:`.vllm_connector`: the CPU-offload connector (its two halves, and the two as one
+  ``KVConnectorBase_V1``);
 - :mod:`.vllm_mooncake`: the Mooncake store connector;
 - :mod:`.vllm_nixl`: the NIXL P/D connector, shaped like vLLM's ``NixlConnector``
   (``kv_connector_module_path="kvfsm.adapters.vllm_nixl"``);
@@ -10,5 +13,5 @@ What they share is written once: :mod:`.vllm_kv_cache` (vLLM's KV cache, adopted
 checks of ``kv_connector_extra_config``), :mod:`.vllm_async` (whole-request transfers between steps) and
 :mod:`.vllm_pd` (a P/D worker's prefill and decode ranks).
 
-They run drivers, so they need the ``kvfsm[torch]`` extra; importing one without it says so.
+The connectors run drivers, so they need the ``kvfsm[torch]`` extra; importing one without it says so.
 """

@@ -6,9 +6,9 @@ Configure vLLM with::
                      kv_role="kv_both", kv_connector_extra_config={"num_cpu_blocks": 4096})
 
 vLLM builds this class twice: the SCHEDULER role wraps
-:class:`~kvfsm.adapters.vllm.CpuOffloadScheduler` (two Trackers, on vLLM's own
+:class:`~kvfsm.adapters.vllm_cpu_offload.CpuOffloadScheduler` (two Trackers, on vLLM's own
 GPU block pool once vLLM binds it), the WORKER role wraps
-:class:`~kvfsm.adapters.vllm.CpuOffloadWorker`. Every call is forwarded; this
+:class:`~kvfsm.adapters.vllm_cpu_offload.CpuOffloadWorker`. Every call is forwarded; this
 module only converts between vLLM's types and the halves' plain ones. It
 imports vLLM: :mod:`kvfsm.adapters.vllm` loads it only when vLLM asks for the
 class, so kvfsm itself never needs vLLM.
@@ -32,8 +32,8 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ..drivers.block_pool import BlockPool
 from ..drivers.cpu_offload import CpuOffload
-from .vllm import CpuOffloadMetadata, CpuOffloadScheduler, CpuOffloadWorker, CpuOffloadWorkerMeta
 from .vllm_blocks import VllmGpuBlocks
+from .vllm_cpu_offload import CpuOffloadMetadata, CpuOffloadScheduler, CpuOffloadWorker, CpuOffloadWorkerMeta
 from .vllm_kv_cache import adopt_cross_layers, adopt_layers, layout_of
 from .vllm_settings import check_keys
 

@@ -20,8 +20,8 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm_utils import create_vllm_config
 
-from kvfsm.adapters.vllm import CpuOffloadMetadata, TransferJob
 from kvfsm.adapters.vllm_connector import CpuOffloadConnector
+from kvfsm.adapters.vllm_cpu_offload import CpuOffloadMetadata, TransferJob
 from kvfsm.adapters.vllm_kv_cache import layout_of
 
 N, LAYERS, BS, HEADS, HEAD = 10, 2, 16, 2, 8

@@ -30,8 +30,8 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
 from vllm_utils import create_vllm_config
 
-from kvfsm.adapters.vllm import CpuOffloadMetadata
 from kvfsm.adapters.vllm_connector import CpuOffloadConnector
+from kvfsm.adapters.vllm_cpu_offload import CpuOffloadMetadata
 
 
 def _make_empty_scheduler_output():

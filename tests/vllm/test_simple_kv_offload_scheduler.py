@@ -85,8 +85,8 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
-from kvfsm.adapters.vllm import CpuOffloadMetadata
 from kvfsm.adapters.vllm_connector import CpuOffloadConnector, CpuOffloadWorkerReport
+from kvfsm.adapters.vllm_cpu_offload import CpuOffloadMetadata
 from kvfsm.drivers.block_pool import BlockPool as KvfsmBlockPool
 
 # ---------------------------------------------------------------------------

@@ -28,8 +28,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ...adapters.vllm import CpuOffloadMetadata, CpuOffloadScheduler, CpuOffloadWorker
 from ...adapters.vllm_api import KVConnectorOutput, RequestStatus
+from ...adapters.vllm_cpu_offload import CpuOffloadMetadata, CpuOffloadScheduler, CpuOffloadWorker
 from ...drivers.cpu_offload import CpuOffload
 from ...drivers.kv_cache import Copy, Done, KVCache, KVLayout, copy_blocks
 from ..sim.runner import run_worker

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ...adapters.vllm import ConnectorStats
+from ...adapters.vllm_cpu_offload import ConnectorStats
 
 
 @dataclass

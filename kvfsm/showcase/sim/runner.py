@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ...adapters.vllm import CpuOffloadMetadata, CpuOffloadWorker, CpuOffloadWorkerMeta
 from ...adapters.vllm_api import KVConnectorOutput
+from ...adapters.vllm_cpu_offload import CpuOffloadMetadata, CpuOffloadWorker, CpuOffloadWorkerMeta
 from ...drivers.kv_cache import Copy, Done, KVCache, KVLayout, copy_blocks
 
 _MOD = 65_521

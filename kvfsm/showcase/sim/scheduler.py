@@ -22,8 +22,8 @@ from typing import cast
 
 import torch
 
-from ...adapters.vllm import CpuOffloadMetadata, CpuOffloadScheduler, CpuOffloadWorker
 from ...adapters.vllm_api import KVConnectorOutput, RequestStatus
+from ...adapters.vllm_cpu_offload import CpuOffloadMetadata, CpuOffloadScheduler, CpuOffloadWorker
 from ...drivers.block_pool import BlockPool
 from ...drivers.cpu_offload import CpuOffload
 from ...drivers.kv_cache import KVLayout
