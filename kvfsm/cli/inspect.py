@@ -1,5 +1,5 @@
-"""``kvfsm inspect``: a spec, a system, a counterexample or a trace set (or a live process) in a browser, or as one
-HTML file."""
+"""``kvfsm inspect``: a spec, a system, a counterexample, a trace set, a test story or a journal (or a live process)
+in a browser, or as one HTML file."""
 
 from __future__ import annotations
 
@@ -15,12 +15,13 @@ from .common import EXIT_OK, EXIT_USAGE, Subparsers, err, out, refuse, write_out
 def register(sub: Subparsers) -> None:
     p = sub.add_parser(
         "inspect",
-        help="a spec, system, explorer trace or trace set (or a live process) as a web page: served on 127.0.0.1, "
-        "or --html",
+        help="a spec, system, explorer trace, trace set, test story or journal (or a live process) as a web page: "
+        "served on 127.0.0.1, or --html",
         description="Show a spec or system (its diagram, what each state holds and its deadline, kvfsm check's "
         "findings pinned to the states and edges they name) and, with --trace, step through an explorer "
-        "counterexample, or with --trace-set through each trace of the system's trace set; or, with --live URL, "
-        "watch a tracker debug endpoint. The page is served on 127.0.0.1 until Ctrl-C (exit 130), or written with "
+        "counterexample, or with --trace-set through each trace of the system's trace set; for a machine spec, with "
+        "--story through a failing kvfsm test run's story, or with --journal through a journal's transitions with "
+        "kvfsm replay's findings at their lines; or, with --live URL, watch a tracker debug endpoint. The page is served on 127.0.0.1 until Ctrl-C (exit 130), or written with "
         "--html as one self-contained file. Exit 0 once it is written or served: the findings are in the page "
         "(kvfsm check gives them an exit status).",
     )
@@ -30,6 +31,25 @@ def register(sub: Subparsers) -> None:
         "--trace-set",
         action="store_true",
         help="step through the system's trace set (the traces kvfsm test SYSTEM replays), one trace at a time",
+    )
+    p.add_argument(
+        "--story",
+        type=Path,
+        metavar="RESULT.json",
+        help="step through the story of a failing 'kvfsm test SPEC --format json' run written to this file",
+    )
+    p.add_argument(
+        "--journal",
+        type=Path,
+        metavar="LOG",
+        help="step through a transition journal (plain or gzip) with kvfsm replay's findings at their lines",
+    )
+    p.add_argument(
+        "--key",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="--journal: show this key's instances (repeatable; default: the keys with findings, else every key)",
     )
     p.add_argument("--html", type=Path, metavar="OUT.html", help="write the page to this file instead of serving it")
     p.add_argument("--live", metavar="URL", help="watch a tracker debug endpoint (e.g. kvfsm demo --metrics's)")
@@ -60,14 +80,17 @@ def _seconds(text: str) -> float:
 
 def run(args: argparse.Namespace) -> int:
     from ..explore import read_trace
-    from ..inspect import InspectServer, build, build_trace_set, html, live_page
+    from ..inspect import InspectServer, build, build_journal, build_story, build_trace_set, html, live_page
     from ..inspect.live import Watch
 
     if args.html is not None and args.port is not None:
         return refuse("inspect", "--port", "--html, which writes a file")
+    if args.key and args.journal is None:
+        return refuse("inspect", "--key", "a page without --journal, whose keys it picks")
     if args.live is not None:
-        given_there = (args.target, args.trace, args.trace_set or None, args.html)
-        for given, option in zip(given_there, ("SPEC_OR_SYSTEM", "--trace", "--trace-set", "--html"), strict=True):
+        given_there = (args.target, args.trace, args.trace_set or None, args.story, args.journal, args.html)
+        options = ("SPEC_OR_SYSTEM", "--trace", "--trace-set", "--story", "--journal", "--html")
+        for given, option in zip(given_there, options, strict=True):
             if given is not None:
                 return refuse("inspect", option, "--live, which watches a running process")
         if not args.live.startswith(("http://", "https://")):
@@ -81,10 +104,16 @@ def run(args: argparse.Namespace) -> int:
             return EXIT_USAGE
         if args.interval is not None:
             return refuse("inspect", "--interval", "a spec or trace, which does not change")
-        if args.trace_set and args.trace is not None:
-            return refuse("inspect", "--trace", "--trace-set, which draws the system's own traces")
+        runs = [o for o, v in (("--trace", args.trace), ("--trace-set", args.trace_set or None),
+                                 ("--story", args.story), ("--journal", args.journal)) if v is not None]  # fmt: skip
+        if len(runs) > 1:
+            return refuse("inspect", runs[1], f"{runs[0]}: the page steps through one kind of run")
         if args.trace_set:
             page = build_trace_set(args.target)
+        elif args.story is not None:
+            page = build_story(args.target, args.story)
+        elif args.journal is not None:
+            page = build_journal(args.target, args.journal, args.key)
         else:
             page = build(args.target, read_trace(args.trace) if args.trace is not None else None)
         watch = None

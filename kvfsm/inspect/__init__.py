@@ -1,11 +1,13 @@
-"""``kvfsm inspect``: a spec, a system, a counterexample, a trace set or a live process, seen in a browser.
+"""``kvfsm inspect``: a spec, a system, a counterexample, a trace set, a test story, a journal or a live process,
+seen in a browser.
 
 One page, self-contained (its script, stylesheet and diagrams inlined), built
 from what kvfsm already computes: the Graphviz diagram of :mod:`kvfsm.gen`,
 the findings of ``kvfsm check`` pinned to the states and edges they name, an
 explorer trace (or each trace of a system's trace set) replayed into per-step
-snapshots (:mod:`.steps`), and a tracker debug endpoint's ``/state`` read for
-the live view (:mod:`.live`).
+snapshots (:mod:`.steps`), one machine's failing ``kvfsm test`` story or
+checked journal as a timeline (:mod:`.timelines`), and a tracker debug
+endpoint's ``/state`` read for the live view (:mod:`.live`).
 :mod:`.page` builds it, :mod:`.serve` serves it on loopback.
 """
 
@@ -14,7 +16,8 @@ from __future__ import annotations
 from .findings import Pinned, pin
 from .page import InspectError, Page, TraceView, build, build_trace_set, html, live_page
 from .serve import InspectServer
-from .steps import Snapshot, snapshots
+from .steps import Snapshot, snapshots, timeline
+from .timelines import build_journal, build_story
 
 __all__ = [
     "InspectError",
@@ -24,9 +27,12 @@ __all__ = [
     "Snapshot",
     "TraceView",
     "build",
+    "build_journal",
+    "build_story",
     "build_trace_set",
     "html",
     "live_page",
     "pin",
     "snapshots",
+    "timeline",
 ]

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field, replace
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from html import escape
 from importlib.resources import files
 from pathlib import Path
@@ -25,7 +26,7 @@ from ..spec.system import read_system
 from ..testing.trace_set import covered_by, trace_set
 from .findings import Pinned, pin
 from .sequence import sequence_svg
-from .steps import Snapshot, snapshots
+from .steps import Snapshot, lanes, snapshots
 
 ASSETS = files("kvfsm.inspect") / "assets"
 PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
@@ -50,39 +51,63 @@ class StateRow:
 
 @dataclass(frozen=True)
 class TraceView:
-    """One trace the page steps through: the trace, its snapshots, and what it is there for.
+    """One run the page steps through: its snapshots, its lanes, and what it is there for.
 
     A counterexample (``--trace``) is one view; a trace set is one view per
-    trace, so a reviewer can tell them apart by what each exercises.
+    trace, so a reviewer can tell them apart by what each exercises; a
+    ``kvfsm test`` story or a journal is one view of one machine, a lane per key.
     """
 
-    trace: Trace
     snaps: tuple[Snapshot, ...]
+    lanes: tuple[str, ...]
+    request: str
+    """The request whose instances the start row shows (a timeline's start shows none)."""
+    prop: str
+    """What was checked: a property, ``kvfsm test``, ``kvfsm replay``."""
+    violation: str
+    """What broke, in one line; empty for a trace that breaks nothing (a trace set's)."""
+    system: str = ""
+    loop: int | None = None
+    """A lasso's cycle starts after this move."""
+    channel: bool = True
+    """Messages cross a channel lane (a composition's trace); one machine's timeline has none."""
+    chart: str = ""
+    """The run as its command printed it (``kvfsm explore``'s chart, the story), shown under the diagram."""
+    chart_from: str = ""
+    """The command that printed :attr:`chart`."""
     purpose: str = ""
     """What the trace was chosen for (a trace set's goal: ``decode: waiting --abort--> aborting``); empty for a
     counterexample, whose property says it."""
     covers: tuple[str, ...] = ()
     """Every trace-set item (role edge, message, ignored delivery) its moves exercise, in the order they do."""
 
+    @classmethod
+    def of(cls, trace: Trace, snaps: Sequence[Snapshot], purpose: str = "", covers: tuple[str, ...] = ()) -> TraceView:
+        """The view of an explorer trace (a counterexample carries the chart ``kvfsm explore`` prints for it)."""
+        chart = format_trace(trace) if trace.violation else ""  # explore prints counterexamples, not trace sets
+        return cls(
+            tuple(snaps), tuple(lanes(trace)), trace.request, trace.prop, trace.violation, trace.system, trace.loop,
+            chart=chart, chart_from="kvfsm explore" if chart else "", purpose=purpose, covers=covers,
+        )  # fmt: skip
+
     def label(self, number: int) -> str:
         """The chooser's short line: ``3 · 6 moves · decode: waiting --abort--> aborting (+5)``."""
         moves = len(self.snaps) - 1
-        what = self.purpose or f"{self.trace.prop}: {self.trace.violation}"
+        what = self.purpose or f"{self.prop}: {self.violation}"
         more = len([c for c in self.covers if c != self.purpose])
         return f"{number} · {moves} move{'s' if moves != 1 else ''} · {what}" + (f" (+{more})" if more else "")
 
     def as_dict(self, number: int) -> dict[str, Any]:
-        """The trace as the page's script reads it (JSON-ready)."""
-        t = self.trace
+        """The run as the page's script reads it (JSON-ready)."""
         return {
             "label": self.label(number),
             "purpose": self.purpose,
             "covers": list(self.covers),
-            "system": t.system,
-            "property": t.prop,
-            "violation": t.violation,
-            "request": t.request,
-            "loop": t.loop,
+            "system": self.system,
+            "property": self.prop,
+            "violation": self.violation,
+            "request": self.request,
+            "loop": self.loop,
             "snapshots": [s.as_dict() for s in self.snaps],
         }
 
@@ -100,7 +125,7 @@ class Page:
     states: list[StateRow] = field(default_factory=list)
     findings: list[Pinned] = field(default_factory=list)
     traces: list[TraceView] = field(default_factory=list)
-    """The traces to step through: none, one counterexample, or a trace set (one chosen at a time)."""
+    """The runs to step through: none, one counterexample, a trace set (one chosen at a time), a story or a log."""
     live: dict[str, Any] | None = None
     """For the live view: ``url`` watched and ``interval`` between polls."""
 
@@ -146,7 +171,7 @@ def _svg(drawing: Spec | System) -> str:
 
 def build(path: str | Path, trace: Trace | None = None) -> Page:
     """The page of a spec or system file, with its findings and, for a system, ``trace`` stepped through."""
-    return _page(path, [TraceView(trace, ())] if trace is not None else [], "--trace")
+    return drawn(path, [(trace, "", ())] if trace is not None else [], "--trace")
 
 
 def build_trace_set(path: str | Path) -> Page:
@@ -158,18 +183,18 @@ def build_trace_set(path: str | Path) -> Page:
     if not is_system_file(path):
         raise InspectError(f"--trace-set needs a system file, and {path} is a machine spec")
     chosen = trace_set(path)
-    views = [
-        TraceView(t, (), goal.name, tuple(dict.fromkeys(c.name for s in t.moves for c in covered_by(s))))
+    traces = [
+        (t, goal.name, tuple(dict.fromkeys(c.name for s in t.moves for c in covered_by(s))))
         for goal, t in zip(chosen.goals, chosen.traces, strict=True)
     ]
-    page = _page(path, views, "--trace-set")
-    page.title = f"trace set of {chosen.system.name} ({len(views)} traces)"
+    page = drawn(path, traces, "--trace-set")
+    page.title = f"trace set of {chosen.system.name} ({len(traces)} traces)"
     return page
 
 
-def _page(path: str | Path, views: list[TraceView], option: str) -> Page:
-    """The page of a spec or system file, with its findings and, for a system, each view's trace stepped through
-    (``option`` names the option that gave the traces, for the refusals)."""
+def drawn(path: str | Path, traces: list[tuple[Trace, str, tuple[str, ...]]], option: str) -> Page:
+    """The page of a spec or system file, with its findings and, for a system, each trace stepped through (with
+    what it was chosen for and covers; ``option`` names the option that gave the traces, for the refusals)."""
     findings: list[Finding] = check(path)
     drawing: Spec | System
     if is_system_file(path):
@@ -177,24 +202,23 @@ def _page(path: str | Path, views: list[TraceView], option: str) -> Page:
         rows = [r for name, role in drawing.roles.items() for r in _rows(role.spec, name, f"{name}/")]
         kind = "system"
     else:
-        if views:
+        if traces:
             raise InspectError(f"{option} needs the system file the trace ran on, and {path} is a machine spec")
         drawing = read(path)
         rows = _rows(drawing, "", "")
         kind = "spec"
     page = Page(f"{kind} {drawing.name}", kind, str(path), _svg(drawing), rows, pin(findings, drawing))
-    for view in views:
+    for trace, purpose, covers in traces:
         assert isinstance(drawing, System)
-        trace = view.trace
         if trace.system != drawing.name:
             raise InspectError(
                 f"the trace is of system {trace.system!r} ({trace.path}), not {drawing.name!r} ({path}); "
                 f"inspect it with {trace.path}"
             )
         check_trace(trace, drawing)
-        page.traces.append(replace(view, snaps=tuple(snapshots(trace, frozenset(drawing.roles)))))
-    if len(views) == 1:
-        page.title = f"{views[0].trace.prop} in {drawing.name}"
+        page.traces.append(TraceView.of(trace, snapshots(trace, frozenset(drawing.roles)), purpose, covers))
+    if len(traces) == 1:
+        page.title = f"{traces[0][0].prop} in {drawing.name}"
     return page
 
 
@@ -249,17 +273,17 @@ def _json(data: dict[str, Any]) -> str:
 
 
 def _sequence(n: int, view: TraceView) -> str:
-    """Trace ``n``'s sequence diagram and, for a counterexample, its chart as ``kvfsm explore`` prints it (a trace
-    set's traces break nothing, so explore never prints them); all but the first start hidden (the script shows the
-    chosen one)."""
+    """Run ``n``'s sequence diagram and the run as its command printed it, if it has a chart (``kvfsm explore``
+    prints counterexamples, not a trace set's traces); all but the first start hidden (the script shows the chosen
+    one)."""
     hidden = " hidden" if n else ""
     chart = ""
-    if view.trace.violation:
+    if view.chart:
         chart = (
-            "<details><summary>as kvfsm explore prints it</summary>"
-            f'<pre class="chart">{escape(format_trace(view.trace))}</pre></details>'
+            f"<details><summary>as {escape(view.chart_from)} prints it</summary>"
+            f'<pre class="chart">{escape(view.chart)}</pre></details>'
         )
-    svg = sequence_svg(view.trace, view.snaps, f"seq{n}")
+    svg = sequence_svg(view.lanes, view.request, view.snaps, f"seq{n}", view.channel)
     return f'<div class="trace" data-trace="{n}"{hidden}>{svg}{chart}</div>'
 
 

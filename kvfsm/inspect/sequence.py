@@ -11,8 +11,7 @@ import textwrap
 from collections.abc import Sequence
 from html import escape
 
-from ..explore import Trace
-from .steps import CHANNEL, Snapshot, lanes
+from .steps import CHANNEL, Snapshot
 
 LANE_W = 240
 ROW_H = 66
@@ -21,15 +20,20 @@ TEXT_W = 36
 """Characters per line of a move's text inside its lane."""
 
 
-def columns(trace: Trace) -> list[str]:
-    """Lanes left to right: the first half of the instances, the channel, the rest (messages cross the middle)."""
-    names = lanes(trace)
-    half = (len(names) + 1) // 2
-    return [*names[:half], CHANNEL, *names[half:]]
+def columns(lanes: Sequence[str], channel: bool = True) -> list[str]:
+    """Lanes left to right: the first half of the instances, the channel, the rest (messages cross the middle); one
+    machine's timeline has no channel."""
+    if not channel:
+        return list(lanes)
+    half = (len(lanes) + 1) // 2
+    return [*lanes[:half], CHANNEL, *lanes[half:]]
 
 
 def _x(cols: list[str], name: str) -> int:
-    return cols.index(name) * LANE_W + LANE_W // 2 if name in cols else cols.index(CHANNEL) * LANE_W + LANE_W // 2
+    """The lane's middle; a name with no lane of its own (no instance moved) is drawn across the middle."""
+    if name in cols:
+        return cols.index(name) * LANE_W + LANE_W // 2
+    return cols.index(CHANNEL) * LANE_W + LANE_W // 2 if CHANNEL in cols else len(cols) * LANE_W // 2
 
 
 def _text(x: int, y: int, lines: list[str], cls: str) -> str:
@@ -47,10 +51,15 @@ def _arrow(x1: int, x2: int, y: int, label: str, cls: str, marker: str, lost: bo
     )
 
 
-def sequence_svg(trace: Trace, snaps: Sequence[Snapshot], ident: str = "seq") -> str:
-    """The SVG element (no XML prolog: it is inlined in the page); ``ident`` prefixes its ids, unique per page (an
-    arrowhead defined in a hidden diagram of a trace set would draw nothing in the shown one)."""
-    cols = columns(trace)
+def sequence_svg(
+    lanes: Sequence[str], request: str, snaps: Sequence[Snapshot], ident: str = "seq", channel: bool = True
+) -> str:
+    """The SVG element (no XML prolog: it is inlined in the page); the start row shows ``request``'s instances.
+
+    ``ident`` prefixes its ids, unique per page (an arrowhead defined in a
+    hidden diagram of a trace set would draw nothing in the shown one).
+    """
+    cols = columns(lanes, channel)
     marker = f"{ident}-arrow"
     width = LANE_W * len(cols)
     height = HEAD_H + ROW_H * len(snaps) + 10
@@ -73,19 +82,20 @@ def sequence_svg(trace: Trace, snaps: Sequence[Snapshot], ident: str = "seq") ->
         parts.append(f'<text class="num" x="4" y="{top + 14}">{snap.index or "start"}</text>')
         if snap.role is None:
             for inst in snap.instances:
-                if inst.request == trace.request and inst.role in cols:
+                if inst.request == request and inst.role in cols:
                     parts.append(_text(_x(cols, inst.role), top + 30, [inst.state], "state"))
         else:
             x = _x(cols, snap.role)
-            channel = _x(cols, CHANNEL)
-            lines = textwrap.wrap(f"{snap.request}: {snap.text}", TEXT_W)[:2]
+            middle = _x(cols, CHANNEL)
+            told = snap.text if snap.role == snap.request else f"{snap.request}: {snap.text}"
+            lines = textwrap.wrap(told, TEXT_W)[:2]
             if snap.note:
                 lines.append(f"({snap.note})"[: TEXT_W + 4])
             parts.append(_text(x, top + 27, lines[:3], "move"))
             if snap.delivered is not None:
-                parts.append(_arrow(channel, x, top + 14, f"✉ {snap.delivered}", "deliver", marker))
+                parts.append(_arrow(middle, x, top + 14, f"✉ {snap.delivered}", "deliver", marker))
             for n, (message, _to, lost) in enumerate(snap.sent):
-                parts.append(_arrow(x, channel, top + ROW_H - 4 - 12 * n, f"✉ {message}", "send", marker, lost))
+                parts.append(_arrow(x, middle, top + ROW_H - 4 - 12 * n, f"✉ {message}", "send", marker, lost))
         parts.append("</g>")
     parts.append("</svg>")
     return "".join(parts)

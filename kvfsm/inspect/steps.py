@@ -4,10 +4,13 @@ A kvfsm-trace/1 step says what one instance did and what that instance holds
 afterwards; a reviewer stepping through it needs the whole picture at each
 move (every role's state, every holding, the channel). That picture is built
 here once, in Python, so the page's script only shows snapshot ``i``.
+One machine's timeline (a ``kvfsm test`` story, a journal ``kvfsm replay``
+checked) is told the same way by :func:`timeline`, with each key its own lane.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -55,6 +58,8 @@ class Snapshot:
     """The property is broken here (the last move of a safety trace; the cycle's start and end of a lasso); never in
     a trace that names no violation (a trace set's)."""
     in_cycle: bool
+    problem: str = ""
+    """What broke at this move, when it is not the trace's one violation (a story's divergence, a log's finding)."""
 
     def as_dict(self) -> dict[str, Any]:
         """The snapshot as the page's script reads it (JSON-ready)."""
@@ -80,6 +85,7 @@ class Snapshot:
             "in_flight": {req: list(msgs) for req, msgs in self.in_flight.items()},
             "violation": self.violation,
             "in_cycle": self.in_cycle,
+            "problem": self.problem,
         }
 
 
@@ -157,4 +163,57 @@ def snapshots(trace: Trace, roles: set[str] | frozenset[str] | None = None) -> l
         breaks and trace.loop is not None and trace.loop == 0
     ):  # a lasso whose cycle starts at once: the start is where it breaks
         out[0] = replace(out[0], violation=True)
+    return out
+
+
+@dataclass(frozen=True)
+class Moved:
+    """One transition of one instance of a single machine (``source`` is ``""`` for begin)."""
+
+    key: str
+    event: str
+    source: str
+    target: str
+
+    def __str__(self) -> str:
+        return f"begin → {self.target}" if not self.source else f"{self.event}: {self.source} → {self.target}"
+
+
+@dataclass(frozen=True)
+class Moment:
+    """One moment of a single machine's timeline: what happened in words, the transitions it made, what broke there."""
+
+    text: str
+    moves: tuple[Moved, ...] = ()
+    problem: str = ""
+
+
+def timeline(moments: Sequence[Moment], holds: Callable[[str], tuple[str, ...]]) -> list[Snapshot]:
+    """One snapshot for the start (nothing begun) and one per moment; each key is its own instance and lane.
+
+    ``holds`` says what a state holds (the spec's promise, which a story's
+    divergence or a log's finding is read against).
+    """
+    where: dict[str, tuple[str, tuple[str, ...]]] = {}
+    freed: dict[str, dict[str, int]] = {}
+
+    def instances() -> tuple[Instance, ...]:
+        return tuple(Instance(k, k, "", *where[k], tuple(freed.get(k, {}).items())) for k in where)
+
+    out = [Snapshot(0, "nothing has begun", "", None, "", (), None, (), {}, False, False)]
+    for i, moment in enumerate(moments, start=1):
+        for m in moment.moves:
+            let_go = freed.setdefault(m.key, {})
+            if not m.source:
+                let_go.clear()  # a new instance of the key: what the old one held and freed is history
+            now = holds(m.target)
+            for resource in where[m.key][1] if m.key in where and m.source else ():
+                if resource not in now:
+                    let_go[resource] = i
+            for resource in now:
+                let_go.pop(resource, None)
+            where[m.key] = (m.target, now)
+        key = moment.moves[0].key if moment.moves else ""
+        problem = moment.problem
+        out.append(Snapshot(i, moment.text, key, key, "", (), None, instances(), {}, bool(problem), False, problem))
     return out

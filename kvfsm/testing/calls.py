@@ -35,9 +35,12 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import KvfsmError
+
+if TYPE_CHECKING:
+    from .oracle import Move
 
 SHOWN = 40
 """Most characters of an argument shown in the name of a hung call."""
@@ -65,9 +68,15 @@ class DriverFault(BaseException):
     runner turns it into a failing report.
     """
 
-    def __init__(self, problem: str, story: Sequence[str] = (), trace: Sequence[tuple[str, tuple[object, ...]]] = ()):
+    def __init__(
+        self,
+        problem: str,
+        story: Sequence[str] = (),
+        trace: Sequence[tuple[str, tuple[object, ...]]] = (),
+        moved: Sequence[tuple[Move, ...]] = (),
+    ):
         super().__init__(problem)
-        self.problem, self.story, self.trace = problem, tuple(story), tuple(trace)
+        self.problem, self.story, self.trace, self.moved = problem, tuple(story), tuple(trace), tuple(moved)
 
 
 def describe(factory: object) -> str:

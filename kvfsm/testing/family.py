@@ -380,6 +380,7 @@ class FamilyMachine(SpecMachine):
         )
         first, second = (self.child_coverage, self.coverage) if self._own else (self.coverage, self.child_coverage)
         self.story.append(f"{clock(self.clock.now)} {_then(line, outcome)}")
+        self.moved.append(tuple(outcome.moves))
         first.record(ours)
         second.record(theirs)
         self.coverage.steps += 1

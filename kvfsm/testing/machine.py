@@ -53,7 +53,7 @@ from .clock import VirtualClock
 from .contract import DriverFactory, ObservableDriver, OwnedFactory, can_inject_faults
 from .cover import Pair, blocked_edges, caller_taken, routes
 from .coverage import Coverage
-from .oracle import Outcome, SpecModel
+from .oracle import Move, Outcome, SpecModel
 from .story import SpecViolation, begin_line, clock, close_line, deliver_line, drain_line, fire_line, poll_line
 
 KEYS = 3
@@ -155,6 +155,8 @@ class SpecMachine(RuleBasedStateMachine):
         cls = type(self)
         self.clock = VirtualClock()
         self.story: list[str] = []
+        self.moved: list[tuple[Move, ...]] = []
+        """The transitions each story line made, line by line (``kvfsm inspect --story`` draws them)."""
         self.trace: list[tuple[str, tuple[object, ...]]] = []
         """Each step as (method, arguments): replaying it on a fresh machine repeats the example."""
         if cls.on_example is not None:
@@ -585,6 +587,7 @@ class SpecMachine(RuleBasedStateMachine):
 
     def _tell(self, line: str, outcome: Outcome) -> None:
         self.story.append(f"{clock(self.clock.now)} {line}")
+        self.moved.append(tuple(outcome.moves))
         self.coverage.record(outcome)
         self.coverage.steps += 1
 
@@ -609,7 +612,7 @@ class SpecMachine(RuleBasedStateMachine):
         type(self).failed = True
         story = list(self.story) or ["(before any step)"]
         story[-1] = f"{story[-1]}; {problem}"
-        raise DriverFault(problem, story, self.trace)
+        raise DriverFault(problem, story, self.trace, self.moved)
 
     def _call(self, outcome: Outcome, call: Callable[[], T]) -> T | None:
         """Run one Tracker call; only what the spec predicts may come out of it."""
@@ -669,7 +672,7 @@ class SpecMachine(RuleBasedStateMachine):
         type(self).failed = True
         story = list(self.story) or ["(before any step)"]
         story[-1] = f"{story[-1]}; " + "; ".join(problems)
-        raise SpecViolation(self.spec.name, story, problems, self.trace)
+        raise SpecViolation(self.spec.name, story, problems, self.trace, self.moved)
 
 
 def _same_drain(got: list[tuple[Hashable, str]] | None, outcome: Outcome) -> bool:

@@ -35,6 +35,7 @@ from .cover import TraceStep, blocked_edges, path_cover
 from .coverage import Coverage
 from .family import FamilyMachine, engine_edges, family_cover, with_children
 from .machine import KEYS, BudgetSpent, SpecMachine, check_driver, fault_targets, spec_machine
+from .oracle import Move
 from .story import SpecViolation
 
 STEPS = 50
@@ -71,6 +72,8 @@ class RunReport:
     driver_error: str = ""
     """The driver failed at run time (its factory raised, a call hung): which call of which object, and how.
     Set with :attr:`error`; :attr:`story` is then the example up to that call."""
+    moved: tuple[tuple[Move, ...], ...] = ()
+    """The transitions each line of :attr:`story` made, line by line (``kvfsm inspect --story`` draws them)."""
     owned: Coverage | None = None
     """The owned machine's coverage, when the spec owns one and its driver was given (``owned``); reported, not
     judged: the bar is the tested spec's, and the owned machine's own run (``kvfsm test`` of its spec) plans its
@@ -94,6 +97,10 @@ class RunReport:
             if not self.diverged
             else {
                 "story": list(self.story),
+                "moves": [
+                    [{"key": str(m.key), "event": m.event, "from": m.source, "to": m.target} for m in moves]
+                    for moves in self.moved
+                ],
                 "problems": list(self.problems),
                 "error": self.error,
                 "found_in_example": self.coverage.examples,
@@ -240,7 +247,7 @@ def run(
                 found = tidy(machine, found)
                 return RunReport(
                     spec, False, chosen, budget, steps, machine.coverage, found.story, found.problems, str(found),
-                    planned=n, found_by=plan.goal,
+                    planned=n, found_by=plan.goal, moved=found.moved,
                 )  # fmt: skip
         machine.limit, machine.failed = total, False
         try:
@@ -255,7 +262,7 @@ def run(
             exc = tidy(machine, exc)
             return RunReport(
                 spec, False, chosen, budget, steps, machine.coverage, exc.story, exc.problems, str(exc),
-                planned=len(plans),
+                planned=len(plans), moved=exc.moved,
             )  # fmt: skip
         except Exception as exc:  # Hypothesis' own verdicts (e.g. a driver that does not repeat itself)
             error = f"{type(exc).__name__}: {exc}"
@@ -277,7 +284,7 @@ def _driver_failed(
     budget = examples if examples is not None else Settings().max_examples
     return RunReport(
         spec, False, seed, budget, steps, coverage, fault.story, (fault.problem,), fault.problem,
-        planned=planned, driver_error=fault.problem,
+        planned=planned, driver_error=fault.problem, moved=fault.moved,
     )  # fmt: skip
 
 

@@ -152,7 +152,8 @@ class SpecViolation(AssertionError):
 
     ``story`` holds one line per step of the (shrunk) example; the last line
     ends with what went wrong. ``problems`` lists those findings alone;
-    ``trace`` the steps as (method, arguments) of :class:`SpecMachine`.
+    ``trace`` the steps as (method, arguments) of :class:`SpecMachine`;
+    ``moved`` the transitions each story line made, line by line.
     """
 
     def __init__(
@@ -161,11 +162,13 @@ class SpecViolation(AssertionError):
         story: Sequence[str],
         problems: Sequence[str],
         trace: Sequence[tuple[str, tuple[object, ...]]] = (),
+        moved: Sequence[tuple[Move, ...]] = (),
     ) -> None:
         self.machine = machine
         self.story = tuple(story)
         self.problems = tuple(problems)
         self.trace = tuple(trace)
         """The steps as (machine method, arguments), to replay the example."""
+        self.moved = tuple(moved)
         steps = "\n  ".join(self.story)
         super().__init__(f"the driver diverged from spec {machine!r}:\n  {steps}")

@@ -1,4 +1,5 @@
-"""Headless Chromium for the inspect page: Debian's ``chromium`` driven by Playwright (never its own browsers).
+"""Headless Chromium for the inspect page: Debian's ``chromium`` driven by Playwright (never its own browsers); and
+a real Tracker's journal whose poll loop stalled, which the journal view is tested on.
 
 Tests marked ``browser`` run with ``--run-browser`` (``./dev.sh test`` runs
 them as a step of their own). Without Chromium or Playwright they skip,
@@ -17,6 +18,10 @@ from typing import Any
 
 import pytest
 
+import kvfsm
+from kvfsm.replay import JsonlJournal
+
+KV_REQUEST = Path(__file__).resolve().parents[2] / "specs/kv_request.yaml"
 CHROMIUM = "/usr/bin/chromium"
 ARGS = [
     "--headless",
@@ -89,3 +94,39 @@ def screenshot(tmp_path: Path) -> Callable[[Any, str], Path]:
         return path
 
     return take
+
+
+class Quiet:
+    """kv_request's actions, doing nothing: the journal records what the Tracker did."""
+
+    def __getattr__(self, action: str) -> object:
+        return lambda key: None
+
+
+@pytest.fixture
+def quiet() -> Quiet:
+    return Quiet()
+
+
+@pytest.fixture
+def stalled(tmp_path: Path) -> Path:
+    """A real Tracker's journal: req-2's transfer completes 45 s after it started, with a 30 s deadline, because
+    nothing polled; req-3 is still queued when the log ends."""
+    now = [100.0]
+    log = tmp_path / "kv.jsonl"
+    journal = JsonlJournal(log, append=False)
+    spec = kvfsm.load(KV_REQUEST)
+    tracker = kvfsm.Tracker(spec, Quiet(), params={"transfer_timeout": 30.0}, observer=journal, clock=lambda: now[0])
+    journal.attach(tracker)
+    for key in ("req-1", "req-2"):
+        tracker.begin(key)
+        tracker.fire(key, "enqueue")
+        tracker.fire(key, "start")
+    now[0] = 100.4
+    tracker.fire("req-1", "complete")
+    now[0] = 145.0
+    tracker.fire("req-2", "complete")
+    tracker.begin("req-3")
+    tracker.fire("req-3", "enqueue")
+    journal.close()
+    return log

@@ -5,7 +5,9 @@ and drawn by ``kvfsm inspect --html``, is stepped with the keys and buttons
 to the write_after_free move, where both roles' states, what each holds and
 has freed, and the message in flight are on the page; the same file opens
 with every network request refused and asks for none. The corrected
-system's trace set is stepped trace by trace, each to its last move. The spec view pins
+system's trace set is stepped trace by trace, each to its last move. A failing
+``kvfsm test`` story steps to its divergence, a stalled Tracker's journal to
+each ``kvfsm replay`` finding. The spec view pins
 findings on the diagram; the served page and the live view of a running
 ``kvfsm demo --metrics`` are read the same way.
 """
@@ -173,6 +175,55 @@ def test_findings_are_pinned_on_the_diagram(page: Any, tmp_path: Path, screensho
     assert "KVF107" in page.inner_text(".findings li.focus")
     assert not page.locator("#stepper").is_visible()  # no trace: no stepper
     screenshot(page, "findings")
+
+
+def test_a_kvfsm_test_story_steps_to_where_the_driver_diverged(
+    page: Any, tmp_path: Path, screenshot: Callable[[Any, str], Path]
+) -> None:
+    result, out = tmp_path / "run.json", tmp_path / "story.html"
+    tested = subprocess.run(
+        [*KVFSM, "test", "../specs/kv_request.yaml", "--driver", "buggy_drivers:SkipsDecOnPutError", "--seed", "4",
+         "--format", "json"],
+        cwd=ROOT / "tests", capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert tested.returncode == 1, tested.stderr
+    result.write_text(tested.stdout)
+    assert kvfsm("inspect", "specs/kv_request.yaml", "--story", str(result), "--html", str(out)).returncode == 0
+    page.goto(out.as_uri())
+    assert page.locator("#counter").inner_text() == "start / 3" and instances(page) == {}
+    page.keyboard.press("End")
+    assert page.inner_text("#move").startswith("t=0.0 start req-1: start_transfer() raised (injected fault)")
+    assert "✗ observe says gpu_blocks still held by req-1" in page.inner_text("#violation")
+    assert instances(page) == {"req-1": ["failed", "nothing", "gpu_blocks (move 3), queue_slot (move 3)"]}
+    assert current_nodes(page) == {"failed"}
+    assert page.locator("#sequence .row.violation").get_attribute("data-step") == "3"
+    screenshot(page, "story")
+    page.keyboard.press("ArrowLeft")
+    assert not page.locator("#violation").is_visible()
+    assert instances(page) == {"req-1": ["queued", "gpu_blocks, queue_slot", ""]}
+    assert current_nodes(page) == {"queued"}
+    assert page.eval_on_selector_all("#diagram g.edge.taken", "gs => gs.map(g => g.dataset.edge)") == ["pinned->queued"]
+
+
+def test_a_journal_steps_to_each_finding_of_kvfsm_replay(
+    page: Any, tmp_path: Path, stalled: Path, screenshot: Callable[[Any, str], Path]
+) -> None:
+    out = tmp_path / "journal.html"
+    assert kvfsm("inspect", "specs/kv_request.yaml", "--journal", str(stalled), "--html", str(out)).returncode == 0
+    page.goto(out.as_uri())
+    assert page.eval_on_selector_all("#sequence .head", "ts => ts.map(t => t.textContent)") == ["req-2", "req-3"]
+    broken = [
+        int(n) for n in page.eval_on_selector_all("#sequence .row.violation", "rs => rs.map(r => r.dataset.step)")
+    ]
+    assert broken == [4, 6]
+    page.click("#sequence .row[data-step='4']")
+    assert page.inner_text("#move") == "t=145.000 complete: transferring → done"
+    assert "KVF310 key \"req-2\" stayed in 'transferring'" in page.inner_text("#violation")
+    assert instances(page)["req-2"] == ["done", "nothing", "gpu_blocks (move 4), queue_slot (move 4)"]
+    page.evaluate("window.scrollTo(0, 0)")  # the click scrolled to the row
+    screenshot(page, "journal")
+    page.keyboard.press("End")
+    assert "KVF312" in page.inner_text("#violation") and current_nodes(page) == {"queued"}
 
 
 def _serve(*args: str) -> tuple[subprocess.Popen[str], str]:

@@ -79,11 +79,14 @@
       $("counter").textContent = at === 0 ? `start / ${snaps.length - 1}` : `step ${at} / ${snaps.length - 1}`;
       $("counter").dataset.step = String(at);
       $("counter").dataset.trace = String(t);
-      $("move").textContent = at === 0 ? "the instances begin" : `${s.role} (${s.request}): ${s.text}`;
+      // A composition's move names its role and request; one machine's timeline has a lane per key, named in the text.
+      const who = !s.role || s.role === s.request ? "" : `${s.role} (${s.request}): `;
+      $("move").textContent = who + s.text;
       const v = $("violation");
       v.hidden = !s.violation;
-      v.textContent = s.violation ? `✗ ${trace.property} (${trace.request}): ${trace.violation}` +
-        (trace.loop !== null ? ` — repeats forever from move ${trace.loop + 1}` : "") : "";
+      v.textContent = !s.violation ? "" : s.problem ? `✗ ${s.problem}` :
+        `✗ ${trace.property} (${trace.request}): ${trace.violation}` +
+        (trace.loop !== null ? ` — repeats forever from move ${trace.loop + 1}` : "");
       nodes.forEach((g) => g.classList.remove("current"));
       edges.forEach((g) => g.classList.remove("taken"));
       const body = $("instances").tBodies[0];
@@ -110,7 +113,8 @@
         const prev = snaps[at - 1].instances.find((x) => x.role === s.role && x.request === s.request);
         const now = s.instances.find((x) => x.role === s.role && x.request === s.request);
         if (prev && now) {
-          const g = edges.get(`${now.base}/${prev.state}->${now.base}/${now.state}`);
+          const g = edges.get(`${now.base}/${prev.state}->${now.base}/${now.state}`) ||
+            edges.get(`${prev.state}->${now.state}`);
           if (g) g.classList.add("taken");
         }
       }
