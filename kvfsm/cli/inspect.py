@@ -36,7 +36,8 @@ def register(sub: Subparsers) -> None:
         "--story",
         type=Path,
         metavar="RESULT.json",
-        help="step through the story of a failing 'kvfsm test SPEC --format json' run written to this file",
+        help="step through the story of a failing 'kvfsm test SPEC --format json' run written to this file; with "
+        "--trace, mark where 'kvfsm test SYSTEM --trace TRACE.json --format json' found the drivers diverge",
     )
     p.add_argument(
         "--journal",
@@ -80,7 +81,16 @@ def _seconds(text: str) -> float:
 
 def run(args: argparse.Namespace) -> int:
     from ..explore import read_trace
-    from ..inspect import InspectServer, build, build_journal, build_story, build_trace_set, html, live_page
+    from ..inspect import (
+        InspectServer,
+        build,
+        build_journal,
+        build_replayed,
+        build_story,
+        build_trace_set,
+        html,
+        live_page,
+    )
     from ..inspect.live import Watch
 
     if args.html is not None and args.port is not None:
@@ -106,10 +116,13 @@ def run(args: argparse.Namespace) -> int:
             return refuse("inspect", "--interval", "a spec or trace, which does not change")
         runs = [o for o, v in (("--trace", args.trace), ("--trace-set", args.trace_set or None),
                                  ("--story", args.story), ("--journal", args.journal)) if v is not None]  # fmt: skip
-        if len(runs) > 1:
+        replayed = runs == ["--trace", "--story"]  # the trace, and what replaying it on the drivers found
+        if len(runs) > 1 and not replayed:
             return refuse("inspect", runs[1], f"{runs[0]}: the page steps through one kind of run")
         if args.trace_set:
             page = build_trace_set(args.target)
+        elif replayed:
+            page = build_replayed(args.target, read_trace(args.trace), args.story)
         elif args.story is not None:
             page = build_story(args.target, args.story)
         elif args.journal is not None:

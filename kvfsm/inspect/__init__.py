@@ -5,8 +5,9 @@ One page, self-contained (its script, stylesheet and diagrams inlined), built
 from what kvfsm already computes: the Graphviz diagram of :mod:`kvfsm.gen`,
 the findings of ``kvfsm check`` pinned to the states and edges they name, an
 explorer trace (or each trace of a system's trace set) replayed into per-step
-snapshots (:mod:`.steps`), one machine's failing ``kvfsm test`` story or
-checked journal as a timeline (:mod:`.timelines`), and a tracker debug
+snapshots (:mod:`.steps`), what ``kvfsm test`` and ``kvfsm replay`` found
+read back onto it (:mod:`.runs`: a story or a journal as one machine's
+timeline, a trace's replay on drivers), and a tracker debug
 endpoint's ``/state`` read for the live view (:mod:`.live`).
 :mod:`.page` builds it, :mod:`.serve` serves it on loopback.
 """
@@ -15,9 +16,9 @@ from __future__ import annotations
 
 from .findings import Pinned, pin
 from .page import InspectError, Page, TraceView, build, build_trace_set, html, live_page
+from .runs import build_journal, build_replayed, build_story
 from .serve import InspectServer
 from .steps import Snapshot, snapshots, timeline
-from .timelines import build_journal, build_story
 
 __all__ = [
     "InspectError",
@@ -28,6 +29,7 @@ __all__ = [
     "TraceView",
     "build",
     "build_journal",
+    "build_replayed",
     "build_story",
     "build_trace_set",
     "html",

@@ -16,18 +16,24 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import kvfsm
-from kvfsm.inspect import InspectError, build_journal, build_story, html
-from kvfsm.inspect.timelines import MAX_LANES
+from kvfsm.drivers import pd_loopback
+from kvfsm.explore import explore
+from kvfsm.explore.trace import Trace
+from kvfsm.inspect import InspectError, build_journal, build_replayed, build_story, html
+from kvfsm.inspect.runs import MAX_LANES
 from kvfsm.replay import JsonlJournal
 from kvfsm.testing.runner import run
+from kvfsm.testing.trace_replay import replay_trace
 
 ROOT = Path(__file__).resolve().parents[2]
 TESTS = ROOT / "tests"
 KV_REQUEST = ROOT / "specs/kv_request.yaml"
+MERGED_FIX = ROOT / "specs/pd_abort/merged_fix.yaml"
 pytestmark = pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz dot is not installed (./dev.sh does)")
 sys.path.insert(0, str(TESTS))
 
@@ -150,3 +156,43 @@ def test_the_cli_writes_both_pages_and_refuses_what_does_not_fit(stalled: Path, 
     assert refused.returncode == 2 and "--journal does not apply to --story" in refused.stderr
     refused = call("--key", "req-1", "--html", str(tmp_path / "p.html"))
     assert refused.returncode == 2 and "--key does not apply" in refused.stderr
+
+
+@pytest.fixture(scope="module")
+def merged_fix_trace() -> Trace:
+    (violated,) = [p for p in explore(MERGED_FIX, requests=1).properties if p.trace is not None]
+    assert violated.trace is not None
+    return violated.trace
+
+
+def replayed(trace: Trace, drivers: dict[str, Any], folder: Path) -> Path:
+    out = folder / "replayed.json"
+    out.write_text(json.dumps(replay_trace(MERGED_FIX, trace, drivers).as_dict()))
+    return out
+
+
+def test_a_trace_replay_that_diverged_is_marked_at_its_step(merged_fix_trace: Trace, tmp_path: Path) -> None:
+    result = replayed(merged_fix_trace, {"decode": buggy_drivers.frees_only_on_ack}, tmp_path)
+    page = build_replayed(MERGED_FIX, merged_fix_trace, result)
+    (view,) = page.traces
+    (diverged,) = [s for s in view.snaps if s.problem]
+    assert diverged.index == 2 and diverged.violation and diverged.text == "abort: waiting → aborted"
+    assert diverged.problem == (
+        "the drivers diverged from the trace at step 2: observe: expected nothing, "
+        "got FreesOnlyOnAck.observe says kv_pages"
+    )
+    assert view.snaps[-1].violation  # the trace's own violation stays where the explorer found it
+    assert page.title == "write_after_free in pd_abort_merged_fix, diverged on the drivers"
+
+
+def test_a_reproduced_trace_marks_nothing_more_and_another_trace_is_refused(
+    merged_fix_trace: Trace, tmp_path: Path
+) -> None:
+    result = replayed(merged_fix_trace, dict(pd_loopback.factories()), tmp_path)
+    page = build_replayed(MERGED_FIX, merged_fix_trace, result)
+    assert not any(s.problem for s in page.traces[0].snaps) and page.title.endswith("reproduced on the drivers")
+    data = json.loads(result.read_text())
+    data["steps"][2]["step"]["event"] = "teleport"
+    result.write_text(json.dumps(data))
+    with pytest.raises(InspectError, match="replayed another trace: its step 2 differs"):
+        build_replayed(MERGED_FIX, merged_fix_trace, result)

@@ -1,26 +1,31 @@
-"""One machine's run as a timeline on the page: a failing ``kvfsm test`` story, or a journal ``kvfsm replay`` checks.
+"""What ``kvfsm test`` and ``kvfsm replay`` found, read back onto the page at the step where it happened.
 
-Both are many keys of one spec over time, not one request across roles, so
-each key is its own lane and there is no channel. The story comes from
-``kvfsm test SPEC --format json`` (its ``failure.story`` and the transitions
-each line made, ``failure.moves``), the divergence shown at its last line; a
-journal's lines are its transitions, each finding of :func:`kvfsm.replay.check_log`
-shown at the line it names.
+A failing story and a journal are one machine's run: many keys of one spec
+over time, not one request across roles, so each key is its own lane and
+there is no channel. The story comes from ``kvfsm test SPEC --format json``
+(its ``failure.story`` and the transitions each line made,
+``failure.moves``), the divergence shown at its last line; a journal's lines
+are its transitions, each finding of :func:`kvfsm.replay.check_log` shown at
+the line it names. A trace replayed on a system's drivers (``kvfsm test
+SYSTEM --trace T --format json``) is the trace itself, with the step where
+the drivers parted from it marked.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
+from ..explore import Trace
 from ..replay import Record, check_log
 from ..replay.read import STOPS, log_lines
 from ..spec import Finding, Spec, is_system_file, read
-from .page import InspectError, Page, TraceView, drawn
+from .page import InspectError, Page, TraceView, build, drawn
 from .steps import Moment, Moved, timeline
 
 MAX_LANES = 8
@@ -43,7 +48,7 @@ def build_story(path: str | Path, result: str | Path) -> Page:
     """The page of a spec with the story of a failing ``kvfsm test SPEC --format json`` run (``result``) stepped
     through, the divergence at the line where it happened."""
     page, spec = _spec_page(path, "--story")
-    data = _json(result)
+    data = _json(result, "machine", "kvfsm test SPEC --format json")
     failure = data.get("failure")
     if data.get("machine") != spec.name:
         raise InspectError(
@@ -76,15 +81,16 @@ def build_story(path: str | Path, result: str | Path) -> Page:
     return page
 
 
-def _json(path: str | Path) -> dict[str, Any]:
+def _json(path: str | Path, field: str, how: str) -> dict[str, Any]:
+    """The JSON object in ``path``, which must have ``field`` (what ``how`` writes)."""
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except OSError as exc:
         raise InspectError(f"cannot read {path}: {exc.strerror or exc}") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InspectError(f"{path} is not JSON ({exc}); write it with kvfsm test SPEC --format json > FILE") from None
-    if not isinstance(data, dict) or "machine" not in data:
-        raise InspectError(f"{path} is no kvfsm test result (no 'machine'); write it with kvfsm test --format json")
+        raise InspectError(f"{path} is not JSON ({exc}); write it with {how} > FILE") from None
+    if not isinstance(data, dict) or field not in data:
+        raise InspectError(f"{path} has no '{field}': write it with {how} > FILE")
     return data
 
 
@@ -190,3 +196,37 @@ def _journal_rows(
 
 def _told(findings: Iterable[Finding]) -> str:
     return "; ".join(f"line {f.line}: {f.code} {f.message}" for f in findings)
+
+
+def build_replayed(path: str | Path, trace: Trace, result: str | Path) -> Page:
+    """The page of a system with ``trace`` stepped through and what replaying it on the drivers found (``result``,
+    from ``kvfsm test SYSTEM --trace T --format json``) at its step: where they diverged, or that it reproduced."""
+    data = _json(result, "trace_system", "kvfsm test SYSTEM --trace TRACE.json --format json")
+    page = build(path, trace)
+    if (data.get("trace_system"), data.get("property")) != (trace.system, trace.prop):
+        raise InspectError(
+            f"{result} replayed {data.get('property')!r} of {data.get('trace_system')!r}, not {trace.prop!r} of "
+            f"{trace.system!r}: give the trace it replayed"
+        )
+    steps = data.get("steps")
+    if not isinstance(steps, list) or len(steps) > len(trace.steps):
+        raise InspectError(f"{result}: 'steps' is no list of at most the trace's {len(trace.steps)} steps")
+    for n, (done, step) in enumerate(zip(steps, trace.steps, strict=False)):
+        if not isinstance(done, Mapping) or done.get("step") != step.as_dict():
+            raise InspectError(f"{result} replayed another trace: its step {n} differs from {trace.path}'s")
+    (view,) = page.traces
+    snaps = list(view.snaps)
+    mismatch = data.get("mismatch")
+    if isinstance(mismatch, Mapping) and isinstance(mismatch.get("index"), int):
+        index = min(mismatch["index"], len(trace.steps) - 1)
+        at = sum(1 for s in trace.steps[: index + 1] if s.action != "begin")  # begins are all in the start
+        told = (
+            f"{mismatch.get('label')}: {mismatch.get('what')}: expected {mismatch.get('expected')}, "
+            f"got {mismatch.get('actual')}"
+        )
+        snaps[at] = replace(snaps[at], violation=True, problem=f"the drivers diverged from the trace at {told}")
+    page.traces[0] = replace(
+        view, snaps=tuple(snaps), purpose=f"{data.get('verdict')} on the drivers: {data.get('summary')}"
+    )
+    page.title = f"{trace.prop} in {trace.system}, {data.get('verdict')} on the drivers"
+    return page
