@@ -51,13 +51,14 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipe_peer import PipePeer
+from kvfsm.harness.peer import PeerProcess, say, serve
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
@@ -80,7 +81,7 @@ def _engine() -> Any:
 # ---------------------------------------------------------------- the prefill side (the READ's target)
 
 
-def _serve_peer(size: int, reply_fd: int) -> None:
+def _serve_peer(size: int) -> None:
     import torch
 
     engine = _engine()
@@ -89,26 +90,22 @@ def _serve_peer(size: int, reply_fd: int) -> None:
     for buf in (src, probe):
         if engine.register_memory(buf.data_ptr(), buf.numel()) != 0:
             raise RuntimeError("register_memory failed")
-    reply = os.fdopen(reply_fd, "wb")
 
-    def answer(msg: dict[str, Any]) -> None:
-        reply.write(json.dumps(msg).encode() + b"\n")
-        reply.flush()
-
-    answer({"session": f"127.0.0.1:{engine.get_rpc_port()}", "src": src.data_ptr(), "probe": probe.data_ptr()})
-    for line in sys.stdin.buffer:
-        cmd = json.loads(line)
+    def handle(cmd: dict[str, Any]) -> dict[str, Any]:
         if cmd["op"] == "fill":
             src.fill_(cmd["value"])
-            answer({})
+        return {}
+
+    say({"session": f"127.0.0.1:{engine.get_rpc_port()}", "src": src.data_ptr(), "probe": probe.data_ptr()})
+    serve(handle)
     os._exit(0)  # skip the engine's teardown at interpreter exit
 
 
-class Peer(PipePeer):
+class Peer(PeerProcess):
     """The prefill process: this file run with ``--peer``."""
 
     def __init__(self, size: int) -> None:
-        super().__init__(__file__, size)
+        super().__init__(__file__, ["--peer", str(size)])
         self.session: str = self.hello["session"]
 
 
@@ -218,10 +215,10 @@ class Decode:
         self.dst.zero_()
         if variant == "in_flight":
             read = self.post(peer, size, blocks)
-            peer.stop()
+            peer.signal(signal.SIGSTOP)
             posted = time.monotonic()
         else:
-            peer.stop()
+            peer.signal(signal.SIGSTOP)
             read = self.post(peer, size, blocks)
             posted = time.monotonic()
             time.sleep(0.2)
@@ -246,7 +243,7 @@ class Decode:
         t.at_give_up, t.pending = _answers(answers), answers.count(PENDING)
         t.before = self.count(value, size)
         if variant == "kept":
-            peer.cont()
+            peer.signal(signal.SIGCONT)
             answers = self.wait(read, opts.settle + 5.0)
             t.ended = _answers(answers) if len(read.final) == len(read.ids) else f"- ({_answers(answers)})"
             t.after = self.count(value, size)
@@ -254,7 +251,7 @@ class Decode:
         # give up as release_reads does: forget the batch ids (no engine call), the blocks go to a new owner
         del read
         self.dst.fill_(AFTER_GIVE_UP)
-        peer.cont()
+        peer.signal(signal.SIGCONT)
         t.probe_ms = self.probe_until(peer, opts.settle)
         t.after = self.count(value, size)
         return t
@@ -303,7 +300,7 @@ def measure(opts: argparse.Namespace, variants: list[str]) -> list[Trial]:
                 fresh = variant in ("killed", "timeout")
                 if peer is None or fresh:
                     if peer is not None:
-                        peer.close()
+                        peer.stop()
                     peer = Peer(size)
                     _warm(decode, peer)
                 n += 1
@@ -315,11 +312,11 @@ def measure(opts: argparse.Namespace, variants: list[str]) -> list[Trial]:
                 trials.append(t)
                 print(f"  {variant:9} #{i}: {t}", file=sys.stderr, flush=True)
                 if fresh:
-                    peer.close()
+                    peer.stop()
                     peer = None
     finally:
         if peer is not None:
-            peer.close()
+            peer.stop()
     return trials
 
 
@@ -395,6 +392,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "--peer":
-        _serve_peer(int(sys.argv[2]), int(sys.argv[3]))
+    if len(sys.argv) == 3 and sys.argv[1] == "--peer":
+        _serve_peer(int(sys.argv[2]))
     sys.exit(main())

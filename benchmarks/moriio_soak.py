@@ -23,8 +23,8 @@ import time
 from collections.abc import Hashable, Sequence
 
 from kvfsm.drivers.moriio import moriio_spec
-from kvfsm.drivers.moriio.cluster import FAST, MOONCAKE, embedded_run, mooncake_run
 from kvfsm.engine import Tracker
+from kvfsm.harness.moriio.cluster import FAST, MOONCAKE, embedded_run, mooncake_run
 from kvfsm.showcase.moriio_seed import PRE_FIX_PREFILL
 
 

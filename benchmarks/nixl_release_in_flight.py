@@ -44,14 +44,14 @@ import argparse
 import base64
 import json
 import os
-import select
+import signal
 import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipe_peer import PipePeer
+from kvfsm.harness.peer import PeerProcess, say, serve
 
 os.environ.setdefault("UCX_MODULES", "^ib")
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
@@ -66,7 +66,7 @@ VARIANTS = ("stopped", "in_flight", "kept", "killed", "removed")
 # ---------------------------------------------------------------- the prefill side (the READ's target)
 
 
-def _serve_peer(size: int, reply_fd: int) -> None:
+def _serve_peer(size: int) -> None:
     import torch
     from nixl._api import nixl_agent, nixl_agent_config
 
@@ -74,49 +74,36 @@ def _serve_peer(size: int, reply_fd: int) -> None:
     src = torch.zeros(size, dtype=torch.uint8)
     probe = torch.full((PROBE,), 0x77, dtype=torch.uint8)
     keep = [agent.register_memory(src), agent.register_memory(probe)]
-    reply = os.fdopen(reply_fd, "wb")
     notifs: list[list[Any]] = []
 
-    def answer(msg: dict[str, Any]) -> None:
-        reply.write(json.dumps(msg).encode() + b"\n")
-        reply.flush()
+    def collect() -> None:
+        for messages in agent.get_new_notifs().values():
+            notifs.extend([m.decode(errors="replace"), time.monotonic()] for m in messages)
 
-    answer({
+    def handle(cmd: dict[str, Any]) -> dict[str, Any]:
+        if cmd["op"] == "add_peer":
+            agent.add_remote_agent(base64.b64decode(cmd["metadata"]))
+        elif cmd["op"] == "fill":
+            src.fill_(cmd["value"])
+        elif cmd["op"] == "notifs":
+            collect()
+            return {"notifs": notifs}
+        return {}
+
+    say({
         "metadata": base64.b64encode(bytes(agent.get_agent_metadata())).decode(),
         "src": src.data_ptr(), "probe": probe.data_ptr(),
     })  # fmt: skip
-    stdin = sys.stdin.buffer
-    pending = b""
-    while True:
-        ready, _, _ = select.select([stdin], [], [], 0.002)
-        for messages in agent.get_new_notifs().values():
-            notifs.extend([m.decode(errors="replace"), time.monotonic()] for m in messages)
-        if not ready:
-            continue
-        chunk = os.read(stdin.fileno(), 1 << 16)
-        if not chunk:
-            break
-        pending += chunk
-        while b"\n" in pending:
-            line, _, pending = pending.partition(b"\n")
-            cmd = json.loads(line)
-            if cmd["op"] == "add_peer":
-                agent.add_remote_agent(base64.b64decode(cmd["metadata"]))
-                answer({})
-            elif cmd["op"] == "fill":
-                src.fill_(cmd["value"])
-                answer({})
-            elif cmd["op"] == "notifs":
-                answer({"notifs": notifs})
+    serve(handle, tick=collect)
     del keep
     os._exit(0)  # skip UCX's teardown at interpreter exit
 
 
-class Peer(PipePeer):
+class Peer(PeerProcess):
     """The prefill process: this file run with ``--peer``."""
 
     def __init__(self, size: int) -> None:
-        super().__init__(__file__, size)
+        super().__init__(__file__, ["--peer", str(size)])
 
 
 # ---------------------------------------------------------------- the decode side (the READ's initiator)
@@ -222,13 +209,12 @@ class Decode:
         t = Trial("killed", size)
         self.peer.call("fill", value=value)
         self.dst.zero_()
-        self.peer.stop()
+        self.peer.signal(signal.SIGSTOP)
         handle = self.post(size, b"killed")
         time.sleep(0.2)
         t.state_at_release = self.agent.check_xfer_state(handle)
         t.before = self.count(value, size)
-        self.peer.proc.kill()
-        self.peer.proc.wait(timeout=10)
+        self.peer.kill()
         self.watch_end(t, handle, settle)
         t.after = self.count(value, size) - t.before
         try:
@@ -255,9 +241,9 @@ class Decode:
         tag = f"{variant}-{i}"
         if variant == "in_flight":
             handle = self.post(size, tag.encode())
-            self.peer.stop()
+            self.peer.signal(signal.SIGSTOP)
         else:
-            self.peer.stop()
+            self.peer.signal(signal.SIGSTOP)
             handle = self.post(size, tag.encode())
             time.sleep(0.2)
         t.state_at_release = self.agent.check_xfer_state(handle)
@@ -266,7 +252,7 @@ class Decode:
             self.agent.remove_remote_agent(self.name)
             self.watch_end(t, handle, settle)
         if variant == "kept":
-            self.peer.cont()
+            self.peer.signal(signal.SIGCONT)
             cont = time.monotonic()
             state = self.wait(handle, settle)
             self.agent.release_xfer_handle(handle)
@@ -278,7 +264,7 @@ class Decode:
             except Exception as exc:  # the measured answer
                 t.released = f"{type(exc).__name__}: {exc}"[:60]
             self.dst.fill_(AFTER_RELEASE)
-            self.peer.cont()
+            self.peer.signal(signal.SIGCONT)
             cont = time.monotonic()
             if variant == "removed":  # no connection left to probe on: just wait
                 time.sleep(settle)
@@ -318,12 +304,12 @@ def measure(
                 else:
                     t = decode.trial(variant, i, value, large if variant == "in_flight" else small, settle, notif_wait)
             except BaseException:
-                peer.close()
+                peer.stop()
                 raise
             out.trials.append(t)
             print(f"  {variant:9} #{i}: {t}", file=sys.stderr, flush=True)
             if fresh or i == trials - 1:
-                peer.close()
+                peer.stop()
     return out
 
 
@@ -337,7 +323,7 @@ def _pair(size: int) -> tuple[Peer, Decode]:
             raise RuntimeError("the warm-up READ did not complete")
         decode.agent.release_xfer_handle(warm)
     except BaseException:
-        peer.close()
+        peer.stop()
         raise
     return peer, decode
 
@@ -408,6 +394,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "--peer":
-        _serve_peer(int(sys.argv[2]), int(sys.argv[3]))
+    if len(sys.argv) == 3 and sys.argv[1] == "--peer":
+        _serve_peer(int(sys.argv[2]))
     sys.exit(main())

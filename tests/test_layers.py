@@ -1,9 +1,10 @@
 """The layer contracts (``.importlinter``, run by ``./dev.sh test``) fail on an upward import.
 
 A scratch copy of the package gets one import that breaks the README's
-layering (the engine importing the showcase, the core importing a driver);
-``lint-imports`` must exit non-zero and name the import. The real tree must
-pass, so a contract that matches nothing (a renamed layer) fails here too.
+layering (the engine importing the showcase, the core importing a driver, a
+driver importing the harness); ``lint-imports`` must exit non-zero and name
+the import. The real tree must pass, so a contract that matches nothing (a
+renamed layer) fails here too.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ def test_the_tree_as_it_is_keeps_its_layers(scratch: Path) -> None:
         ("kvfsm/engine/tracker.py", "from ..showcase import moriio_seed"),  # the core importing the showcase
         ("kvfsm/spec/model.py", "from ..drivers import block_pool"),  # the spec layer importing a driver
         ("kvfsm/drivers/block_pool.py", "from ..adapters import vllm"),  # a driver importing an engine adapter
+        ("kvfsm/drivers/block_pool.py", "from ..harness import peer"),  # a driver importing the harness
     ],
 )
 def test_an_upward_import_breaks_the_contract_and_is_named(scratch: Path, module: str, upward: str) -> None:

@@ -35,12 +35,12 @@ from kvfsm.drivers.moriio import (
     expected_acks,
     moriio_spec,
 )
-from kvfsm.drivers.moriio.cluster import embedded_run
 from kvfsm.drivers.moriio.model import FACTORIES
 from kvfsm.drivers.moriio.producer import BlockWriter
 from kvfsm.drivers.nixl.blocks import KVBlocks
 from kvfsm.drivers.nixl.memory import CacheBlocks
 from kvfsm.explore import explore
+from kvfsm.harness.moriio.cluster import embedded_run
 from kvfsm.showcase.moriio_seed import PRE_FIX_PREFILL, PreFixModelReader, PreFixModelWriter, pre_fix_spec
 from kvfsm.spec.system.loader import read_system_file
 from kvfsm.testing import VirtualClock

@@ -1,6 +1,6 @@
 """The MoRIIO drivers on real transfer engines: Mooncake's TransferEngine across two processes, and NIXL agents.
 
-The prefill engine runs in its own process (:mod:`kvfsm.drivers.moriio.peer`)
+The prefill engine runs in its own process (:mod:`kvfsm.harness.moriio.peer`)
 with its own TransferEngine (tcp, P2PHANDSHAKE); the decode engine runs here
 with another. Writes are ``transfer_submit_write`` polled with
 ``transfer_check_status``; ``remote_blocks`` / ``write_done`` go over ZMQ.
@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("zmq")
 
-from kvfsm.drivers.moriio.cluster import Timeouts, mooncake_run
+from kvfsm.harness.moriio.cluster import Timeouts, mooncake_run
 from kvfsm.showcase.moriio_seed import PRE_FIX_PREFILL
 
 QUICK = Timeouts(defer=0.5, transfer=1.0, recv=2.0)
@@ -37,7 +37,7 @@ def test_600_requests_at_concurrency_128_with_10_percent_faults_across_processes
 
 KILLED_MID_RUN = """
 import json
-from kvfsm.drivers.moriio.cluster import Timeouts, mooncake_run
+from kvfsm.harness.moriio.cluster import Timeouts, mooncake_run
 quick = Timeouts(defer=0.5, transfer=1.0, recv=2.0)
 result = mooncake_run(requests=1024, concurrency=512, fault_rate=0.1, timeouts=quick, kill_after=300)
 print(json.dumps({**result.summary(), "decode": result.decode}, default=str))
@@ -85,7 +85,7 @@ def test_read_mode_on_real_nixl_agents_with_faults() -> None:
     """Two NIXL agents in a child process (NIXL's teardown stays out of pytest); the run's summary comes back as JSON."""
     pytest.importorskip("nixl")
     code = (
-        "import json, os; from kvfsm.drivers.moriio.cluster import nixl_run; "
+        "import json, os; from kvfsm.harness.moriio.cluster import nixl_run; "
         "print(json.dumps(nixl_run().summary()), flush=True); os._exit(0)"
     )
     env = {**os.environ, "UCX_MODULES": "^ib", "NIXL_LOG_LEVEL": "WARN"}

@@ -225,7 +225,7 @@ class Real(PeerOutcomes):
         reader: type[BlockReader] = BlockReader,
     ) -> None:  # fmt: skip
         from kvfsm.drivers.nixl.agent import NixlAgent
-        from kvfsm.drivers.nixl.peer import PeerProcess
+        from kvfsm.harness.nixl.peer import PeerProcess
 
         self.topology = topology
         self.peer = PeerProcess(topology, blocks, abort_timeout=abort_timeout, early_within=early_within)

@@ -25,7 +25,7 @@ from kvfsm.drivers.nixl import DecodeRank, Topology
 from kvfsm.drivers.nixl.agent import NixlAgent
 from kvfsm.drivers.nixl.decode import BlockReader
 from kvfsm.drivers.nixl.faults import FaultyAgent
-from kvfsm.drivers.nixl.peer import PeerProcess
+from kvfsm.harness.nixl.peer import PeerProcess
 from kvfsm.showcase.bench.nixl import soak
 from kvfsm.showcase.nixl_seed import LocalIdReader
 

@@ -285,7 +285,7 @@ def _render_engines(ledger: Any) -> None:
 def run_moriio(args: argparse.Namespace) -> int:
     """The MoRIIO job: a 1P1D run (two processes on the real backend) and its ledger."""
     try:
-        from ..drivers.moriio.cluster import embedded_run, mooncake_run
+        from ..harness.moriio.cluster import embedded_run, mooncake_run
     except ImportError as exc:
         return missing_extra("demo", "showcase", exc)
     if not 0.0 <= args.fault_rate <= 1.0:

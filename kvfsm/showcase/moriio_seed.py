@@ -34,7 +34,7 @@ PRE_FIX = {
 
 
 PRE_FIX_PREFILL = "kvfsm.showcase.moriio_seed:pre_fix_prefill"
-"""Seed 001's prefill as the MoRIIO load runner's ``prefill=`` names it (``kvfsm.drivers.moriio.cluster``)."""
+"""Seed 001's prefill as the MoRIIO load runner's ``prefill=`` names it (``kvfsm.harness.moriio.cluster``)."""
 
 
 def pre_fix_prefill(mode: str) -> dict[str, Any]:

@@ -12,7 +12,6 @@
 - :mod:`.notif`: the ``remote_request_id:world_size`` message, parsed with a guard;
 - :class:`Fabric` / :class:`EmbeddedAgent`: an in-process stand-in for NIXL
   agents; ``kvfsm.drivers.nixl.agent.NixlAgent`` the real one (imports ``nixl``);
-- :class:`PeerProcess`: prefill ranks with real agents in a subprocess;
 - :mod:`.side_channel`: the handshake across engine processes over pyzmq
   (imports ``zmq``).
 """

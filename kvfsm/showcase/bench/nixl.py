@@ -2,7 +2,7 @@
 
 :func:`soak` keeps ``concurrency`` requests in flight on one decode rank
 (this process) against a prefill engine of ``prefill_tp`` ranks (a
-:class:`~kvfsm.drivers.nixl.peer.PeerProcess` with real NIXL agents, or
+:class:`~kvfsm.harness.nixl.peer.PeerProcess` with real NIXL agents, or
 :class:`~kvfsm.drivers.nixl.Fabric` agents in process), with a fraction of
 READs hit by :class:`~kvfsm.drivers.nixl.faults.FaultyAgent`. At the end it
 waits out the prefill expiry and counts leaked blocks (holders left in either
@@ -119,7 +119,7 @@ def soak(
     result = SoakResult("nixl" if real else "embedded", requests, concurrency, fault_rate)
     if real:
         from ...drivers.nixl.agent import NixlAgent
-        from ...drivers.nixl.peer import PeerProcess
+        from ...harness.nixl.peer import PeerProcess
 
         prefill: Any = PeerProcess(topo, pool, abort_timeout=abort_timeout, log=None if log is None else Path(log))
         inner: Transport = NixlAgent(f"decode-soak-{seed}")

@@ -2,12 +2,12 @@
 
 What the tests, the soak benchmark and ``kvfsm demo --driver moriio`` run:
 :func:`embedded_run` and :func:`mooncake_run` build a prefill and a decode
-engine with a shared :class:`~.faults.FaultPlan`, optionally a prefill the
-caller names (seed 001's pre-fix shape), optionally a prefill that dies
-mid-run, and return the
-:class:`~.load.LoadResult`. Timeouts are scaled down from vLLM's 30 s / 60 s
-so a run takes seconds; their order is the one the specs ask for (the decode
-side waits longer than the prefill side may still write).
+engine with a shared :class:`~kvfsm.drivers.moriio.faults.FaultPlan`,
+optionally a prefill the caller names (seed 001's pre-fix shape), optionally a
+prefill that dies mid-run, and return the
+:class:`~kvfsm.drivers.moriio.load.LoadResult`. Timeouts are scaled down from
+vLLM's 30 s / 60 s so a run takes seconds; their order is the one the specs ask
+for (the decode side waits longer than the prefill side may still write).
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .consumer import DecodeEngine
-from .embedded import Fabric
-from .faults import READ_FAULTS, WRITE_FAULTS, FaultPlan, FaultyTransport
-from .load import LoadResult, run_load
-from .producer import PrefillEngine
+from ...drivers.moriio.consumer import DecodeEngine
+from ...drivers.moriio.embedded import Fabric
+from ...drivers.moriio.faults import READ_FAULTS, WRITE_FAULTS, FaultPlan, FaultyTransport
+from ...drivers.moriio.load import LoadResult, run_load
+from ...drivers.moriio.producer import PrefillEngine
 
 
 @dataclass(frozen=True)
@@ -142,7 +142,7 @@ def mooncake_run(
 ) -> LoadResult:
     """One WRITE-mode run on real TransferEngines: the prefill in a process of its own, the decode side here.
     ``prefill`` as for :func:`embedded_run`."""
-    from .mooncake import UNREACHABLE, MooncakeTransport
+    from ...drivers.moriio.mooncake import UNREACHABLE, MooncakeTransport
     from .peer import PeerProcess
 
     plan = FaultPlan(fault_rate, faults, seed)
@@ -201,7 +201,7 @@ def nixl_run(
     Run it in a process of its own and leave with ``os._exit``: NIXL's UCX
     teardown at interpreter exit is not needed and can fault.
     """
-    from .nixl import NixlTransport
+    from ...drivers.moriio.nixl import NixlTransport
 
     plan = FaultPlan(fault_rate, READ_FAULTS, seed)
     p, d = NixlTransport("moriio-prefill"), NixlTransport("moriio-decode")

@@ -1,0 +1,16 @@
+"""What runs the drivers for tests, demos and benchmarks, and is no driver itself: peer processes and ready-made runs.
+
+- :class:`PeerProcess` / :class:`PeerError` (:mod:`.peer`): a Python module in
+  a subprocess of its own, talked to in JSON lines with a deadline on every
+  answer, paused, resumed, stopped and killed by pid; :func:`~.peer.say` and
+  :func:`~.peer.serve` are the peer's half;
+- :mod:`.moriio`: a MoRIIO prefill engine on the real Mooncake TransferEngine
+  in a peer process, and the ready-made 1P1D runs (embedded, Mooncake, NIXL);
+- :mod:`.nixl`: NIXL prefill ranks with real agents in a peer process.
+
+The harness imports the drivers; no driver imports the harness.
+"""
+
+from .peer import PeerError, PeerProcess
+
+__all__ = ["PeerError", "PeerProcess"]
