@@ -4,14 +4,15 @@
 quiescence, late and unexpected messages, overflow, and every ``never``) and
 returns an :class:`ExploreResult` with the shortest counterexample of each
 violated property as a :class:`Trace`; :func:`check_trace` tells whether a
-trace can happen in a system.
+trace can happen in a system; :func:`shortest_runs` gives every move one
+request can make with a shortest run to it (what a trace set is chosen from).
 """
 
 from __future__ import annotations
 
 from .limits import MAX_REQUESTS, ExploreError, check_sizes
 from .local import LocalLimit
-from .run import ExploreResult, PropertyResult, explore
+from .run import ExploreResult, PropertyResult, explore, shortest_runs
 from .search import Progress, ProgressFn
 from .trace import (
     Sent,
@@ -48,4 +49,5 @@ __all__ = [
     "explore",
     "format_trace",
     "read_trace",
+    "shortest_runs",
 ]

@@ -1,9 +1,14 @@
-"""``explore(system)``: build the local system, search it for N requests, and turn what was found into traces."""
+"""``explore(system)``: build the local system, search it for N requests, and turn what was found into traces.
+
+:func:`shortest_runs` reads the same local system of one request without a
+search: every move it can make, each with a shortest run that ends with it.
+"""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -257,6 +262,57 @@ def _unbuilt(
     )
 
 
+def shortest_runs(
+    system: System | str | Path, *, max_states: int | None = None, time_limit: float | None = None
+) -> tuple[tuple[Step, ...], ...]:
+    """Every move one request can make, each once, with a shortest run of request ``r0`` that ends with it.
+
+    The explorer's local system of one request (:class:`~kvfsm.explore.local.LocalSystem`)
+    is read breadth first from its initial state; for each distinct move (the
+    same role, action, event, states, sends and fates, wherever the request
+    is), the first run found that ends with it is kept. A run is the steps of
+    a ``kvfsm-trace/1`` trace: each role's ``begin``, then one step per move
+    (and one per transition the engine fired for a family in the same move).
+    Runs come shortest first. A move that itself breaks a property (a
+    delivery the receiver rejects, a send that overflows the channel) is a
+    counterexample, found by :func:`explore`: it is neither kept nor taken.
+
+    Sizes are checked first (:func:`check_sizes`); ``max_states`` and
+    ``time_limit`` (seconds) bound the local system, which raises
+    :class:`~kvfsm.explore.local.LocalLimit` past either.
+    """
+    if not isinstance(system, System):
+        system = load_system(system)
+    check_sizes(system, 1)
+    system = system.expanded()
+    deadline = time.perf_counter() + time_limit if time_limit is not None else None
+    local = LocalSystem(system, limit=max_states, deadline=deadline)
+    parent: dict[int, tuple[int, Move] | None] = {local.initial: None}
+    kept: dict[Move, tuple[int, Move, int]] = {}
+    """A move, as it is wherever the request is (its in-flight count aside) → (from, the move, to) of its first."""
+    todo = deque([local.initial])
+    while todo:
+        i = todo.popleft()
+        for j, move in (*local.moves[i], *((i, loop) for loop in local.loops[i])):
+            if move.violation is not None or j < 0:
+                continue
+            kept.setdefault(replace(move, in_flight=0), (i, move, j))
+            if j not in parent:
+                parent[j] = (i, move)
+                todo.append(j)
+
+    def run(i: int, move: Move, j: int) -> tuple[Step, ...]:
+        taken = [(0, move, j)]
+        here = parent[i]
+        while here is not None:
+            before, step = here
+            taken.append((0, step, i))
+            i, here = before, parent[before]
+        return tuple(_steps(local, taken[::-1]))
+
+    return tuple(run(*first) for first in kept.values())
+
+
 # -- from node steps back to concrete requests --------------------------------------
 
 
@@ -299,7 +355,9 @@ def _freed(before: tuple[str, ...], after: tuple[str, ...]) -> str:
     """What a move takes and frees, in words."""
     taken = [x for x in after if x not in before]
     freed = [x for x in before if x not in after]
-    return "; ".join(([f"takes {', '.join(taken)}"] if taken else []) + ([f"frees {', '.join(freed)}"] if freed else []))
+    return "; ".join(
+        ([f"takes {', '.join(taken)}"] if taken else []) + ([f"frees {', '.join(freed)}"] if freed else [])
+    )
 
 
 def _words(local: LocalSystem, move: Move) -> str:

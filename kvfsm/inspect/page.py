@@ -23,7 +23,7 @@ from ..explore import Trace, check_trace, format_trace
 from ..gen.diagram import render
 from ..spec import Finding, Spec, System, check, is_system_file, read
 from ..spec.system import read_system
-from ..testing.trace_set import covered_by, trace_set
+from ..testing.trace_set import trace_set
 from .findings import Pinned, pin
 from .sequence import sequence_svg
 from .steps import Snapshot, lanes, snapshots
@@ -177,14 +177,14 @@ def build(path: str | Path, trace: Trace | None = None) -> Page:
 def build_trace_set(path: str | Path) -> Page:
     """The page of a system with its trace set (what ``kvfsm test SYSTEM`` replays), one trace at a time.
 
-    Raises :class:`~kvfsm.testing.trace_set.TraceSetError` for a system the
-    trace set does not model (ranks, crashes...), as ``kvfsm test`` does.
+    Raises :class:`~kvfsm.testing.trace_set.TraceSetError` for a system too
+    large to build a trace set of, as ``kvfsm test`` does.
     """
     if not is_system_file(path):
         raise InspectError(f"--trace-set needs a system file, and {path} is a machine spec")
     chosen = trace_set(path)
     traces = [
-        (t, goal.name, tuple(dict.fromkeys(c.name for s in t.moves for c in covered_by(s))))
+        (t, goal.name, tuple(dict.fromkeys(c.name for s in t.moves for c in chosen.covered_by(s))))
         for goal, t in zip(chosen.goals, chosen.traces, strict=True)
     ]
     page = drawn(path, traces, "--trace-set")

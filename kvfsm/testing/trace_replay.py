@@ -1,13 +1,17 @@
-"""Run an explorer trace (``kvfsm-trace/1``) on real Trackers and drivers, one per role, and say where they part.
+"""Run an explorer trace (``kvfsm-trace/1``) on real Trackers and drivers, one per role instance, and say where they part.
 
 The explorer proves a violation on the spec model; running its trace shows it
-on your code. Each role gets a Tracker over its spec, a driver from your factory (or a
-:class:`~kvfsm.testing.ledger.LedgerDriver`) and a virtual clock. Each step of
-the trace is performed the way a deployment would make it happen:
+on your code. Each role's instance (one per rank of a role with ranks:
+``decode#0``, ``decode#1``) gets a Tracker over its spec, a driver from the
+role's factory (or a :class:`~kvfsm.testing.ledger.LedgerDriver`) and a
+virtual clock. Each step of the trace is performed the way a deployment
+would make it happen:
 
 - ``begin`` → ``tracker.begin(request)``;
-- ``fire`` or ``ignore`` → ``tracker.fire(request, event)``; a delivered
-  message is fired on the receiving role's tracker. A ``timeout`` step moves
+- ``fire``, ``ignore`` or ``count`` → ``tracker.fire(request, event)``; a
+  delivered message (a copy of it, from one sender rank to one receiver
+  rank) fires the message's event on the receiving instance's tracker, with
+  its sending instance as the ``sender`` a count tells apart. A ``timeout`` step moves
   that role's clock to the instance's deadline that fires the step's event
   (its state's own, or a phase's it is in: due at the phase's entry plus its
   ``after``, whatever moves inside the phase came since) and calls
@@ -17,6 +21,11 @@ the trace is performed the way a deployment would make it happen:
   timeout's event is fired directly instead, and the step says so;
 - ``reject`` → ``fire`` must raise :class:`~kvfsm.errors.IllegalTransition`;
 - ``reply`` → the finished instance's server answers; no tracker is called.
+
+A step a trace run cannot perform yet is refused before any driver is made
+(:func:`check_replayable`): a ``crash`` step (a role's process dying), and
+any trace of a system whose roles own instances of another machine
+(``owns:``: the steps the engine fires for a family).
 
 After every step the instance's state must be the step's ``to``, and both the
 Tracker's ledger and ``driver.observe(request)`` must equal its ``holds``;
@@ -206,14 +215,9 @@ class TraceRun:
     ) -> None:
         self.system = system if isinstance(system, System) else load_system(system)
         self.trace = as_trace(trace)
-        check_trace(self.trace, self.system)
-        owners = [name for name, r in self.system.roles.items() if r.spec.owns]
-        if owners:
-            raise TraceError(
-                f"roles.{owners[0]}",
-                f"{self.system.name}: role {owners[0]} owns instances of another machine (owns:), and replaying a "
-                "trace does not link a family's trackers yet; test each machine with kvfsm test instead",
-            )
+        check_replayable(self.trace, self.system)
+        self._wide = self.system.expanded()
+        """The system with one role per rank's instance, as the trace names them (``decode#1``)."""
         factories = dict(drivers or {})
         unknown = sorted(set(factories) - set(self.system.roles))
         if unknown:
@@ -224,27 +228,32 @@ class TraceRun:
         self.hung = ""
         """What a call that did not return in time was (the run ends there); "" if none did."""
         self.drivers: dict[str, object] = {}
+        """Per role instance (``decode``, or ``decode#0``, ``decode#1`` for a role with ranks): its own driver."""
         self.driven_by: dict[str, str] = {}
-        for name, role in self.system.roles.items():
-            if name in factories:
-                given = factories[name]
-                made = given if isinstance(given, Factory) else Factory(given, timer, role=name)
-                driver = made.make(purpose)
+        """Per declared role: what drove its instances."""
+        made = {
+            name: given if isinstance(given, Factory) else Factory(given, timer, role=name)
+            for name, given in factories.items()
+        }
+        for name, role in self._wide.roles.items():
+            base = self._wide.base_of(name)
+            if base in made:
+                driver = made[base].make(purpose)
                 check_driver(role.spec, driver)
                 _check_before_fire(role.spec, driver)
-                self.driven_by[name] = type(driver).__name__
+                self.driven_by[base] = type(driver).__name__
             else:
                 driver = LedgerDriver(role.spec)
-                self.driven_by[name] = "ledger (built in)"
+                self.driven_by[base] = "ledger (built in)"
             self.drivers[name] = driver
-        self.clocks = {name: VirtualClock() for name in self.system.roles}
+        self.clocks = {name: VirtualClock() for name in self._wide.roles}
         self.trackers = {
             name: Tracker(role.spec, self.drivers[name], clock=self.clocks[name], threadsafe=False)
-            for name, role in self.system.roles.items()
+            for name, role in self._wide.roles.items()
         }
-        self._models = {name: SpecModel(role.spec) for name, role in self.system.roles.items()}
+        self._models = {name: SpecModel(role.spec) for name, role in self._wide.roles.items()}
         """The spec's own view of each role: where its deadlines stand, which transition an event takes."""
-        self._traffic = Traffic(self.system.wire)
+        self._traffic = Traffic(self._wide.wire)
         self._done: list[TraceStepResult] = []
         self._numbers: list[int | None] = []
         n = 0
@@ -298,12 +307,21 @@ class TraceRun:
 
     # -- performing a step -------------------------------------------------------
 
-    def _counted(self, role: str, req: str, event: str) -> dict[str, Any]:
-        """Who sent a message the role's spec counts: its sending role (a replayed trace has one instance per
-        role, so K = 1 where the arrival gives K)."""
-        message = self.system.messages.get(event)
+    def _event(self, step: Step) -> str:
+        """The event a step fires on its role's tracker: a delivered copy of a message (``read@prefill#1``) fires
+        the message's event (``read``)."""
+        assert step.event is not None  # check_trace: only a begin has no event
+        message = self._wide.messages.get(step.event) if step.cause == "message" else None
+        return message.event if message is not None else step.event
+
+    def _counted(self, step: Step, event: str) -> dict[str, Any]:
+        """Who sent a message the role's spec counts: its sending role's instance (one per rank), and K where the
+        arrival gives it: the senders the system counts (``count:``), else 1."""
+        role, req = step.role, step.request
+        message = self._wide.messages.get(step.event or "") if step.cause == "message" else None
         sender = message.sender if message is not None else role
-        return self._models[role].count_payload(self.trackers[role].state(req), event, sender, 1)
+        need = max(message.count, 1) if message is not None else 1
+        return self._models[role].count_payload(self.trackers[role].state(req), event, sender, need)
 
     def _perform(self, step: Step) -> str:
         """Make the step happen on the role's tracker; returns what was called."""
@@ -319,8 +337,7 @@ class TraceRun:
             self._call(lambda: tracker.begin(req), step)
             model.begin(req)
             return "begin"
-        event = step.event
-        assert event is not None  # check_trace
+        event = self._event(step)
         edge = model.edges.get((tracker.state(req) or "", event))
         if step.action == "fire" and edge is not None:
             given = caller_taken(model.spec, edge.source, edge.target)
@@ -332,7 +349,7 @@ class TraceRun:
             if polled:
                 return polled
         ignored = tracker.counts["ignored"]
-        payload = self._counted(role, req, event)
+        payload = self._counted(step, event)
         got = self._call(lambda: tracker.fire(req, event, **payload), step)
         model.fire(req, event, payload)
         call = f"fire ({why})" if why else "fire"
@@ -373,6 +390,10 @@ class TraceRun:
             raise _Diverged("timeout", f"poll() fires [({req!r}, {event!r}, {step.target!r})]", f"{fired}")
         return f"poll at t={clock.now:g}", ""
 
+    def _named(self, role: str) -> str:
+        """What drives a role's instance (its driver's class, or the built-in ledger)."""
+        return self.driven_by[self._wide.base_of(role)]
+
     def _timed(self, role: str, what: str) -> AbstractContextManager[None]:
         """The call timer's guard for one call into ``role``'s driver (nothing when calls are not timed)."""
         return self.timer.call(what, self.drivers[role]) if self.timer is not None else nullcontext()
@@ -380,7 +401,7 @@ class TraceRun:
     def _hook(self, role: str, name: str, *args: Any) -> None:
         hook: Callable[..., object] = getattr(self.drivers[role], name)
         try:
-            with self._guard(role, f"{self.driven_by[role]}.{name}{args!r}"):
+            with self._guard(role, f"{self._named(role)}.{name}{args!r}"):
                 hook(*args)
         except _Diverged:
             raise
@@ -426,13 +447,13 @@ class TraceRun:
             raise _Diverged("holds", _held(want), f"the Tracker's ledger says {_held(tracker.held(step.request))}")
         seen = self._observe(step.role, step.request)
         if set(seen) != want:
-            raise _Diverged("observe", _held(want), f"{self.driven_by[step.role]}.observe says {_held(seen)}")
+            raise _Diverged("observe", _held(want), f"{self._named(step.role)}.observe says {_held(seen)}")
         return state, seen
 
     def _observe(self, role: str, request: str) -> tuple[str, ...]:
         observe: Callable[[str], Collection[str]] = getattr(self.drivers[role], "observe")  # noqa: B009
         try:
-            with self._guard(role, f"{self.driven_by[role]}.observe({request!r})"):
+            with self._guard(role, f"{self._named(role)}.observe({request!r})"):
                 return tuple(sorted(observe(request)))
         except _Diverged:
             raise
@@ -484,9 +505,9 @@ class TraceRun:
 
     def _violation(self) -> str:
         """The trace's violation as it shows on the real trackers and drivers, in words; diverges if it does not."""
-        prop = self.system.property_named(self.trace.prop)
+        prop = self._wide.property_named(self.trace.prop)
         snap = self._snapshot()
-        found = violation(self.system, prop, snap)
+        found = violation(self._wide, prop, snap)
         if found is None:
             raise _Diverged("violation", prop.describe(), _describe(snap))
         return found
@@ -502,6 +523,29 @@ class TraceRun:
             kept = tuple(s.message for s in last.sent if not s.lost)
             step = LastStep(last.role, last.event, rejected=self._rejected, sent=kept)
         return Snapshot(states, held, self._traffic.of(req), self._traffic.total(), step)
+
+
+def check_replayable(trace: Trace, system: System) -> None:
+    """Raise :class:`TraceError` unless ``trace`` can happen in ``system`` (:func:`check_trace`) and a trace run
+    can perform each of its steps: not yet a step that crashes a role's process, nor a system whose roles own
+    instances of another machine (``owns:``, whose ``owner`` steps need a family's trackers linked)."""
+    check_trace(trace, system)
+    owners = [name for name, r in system.roles.items() if r.spec.owns]
+    if owners:
+        raise TraceError(
+            f"roles.{owners[0]}",
+            f"{system.name}: role {owners[0]} owns instances of another machine (owns:), and a trace run does not "
+            "link a family's trackers yet, so it cannot perform the steps the engine fires for the family "
+            "(cause 'owner'); test each machine with kvfsm test instead",
+        )
+    for i, step in enumerate(trace.steps):
+        if step.cause == "crash":
+            raise TraceError(
+                f"steps[{i}].cause",
+                f"{system.name}: this step crashes {step.role}'s process ({step.source} → {step.target}), and a "
+                "trace run does not crash a driver's process yet; replay the traces without a crash, and test the "
+                "crash path against the real process",
+            )
 
 
 def _describe(snap: Snapshot) -> str:
@@ -551,5 +595,6 @@ __all__ = [
     "TraceResult",
     "TraceRun",
     "TraceStepResult",
+    "check_replayable",
     "replay_trace",
 ]
