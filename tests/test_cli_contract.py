@@ -106,7 +106,7 @@ ROWS: list[Row] = [
     ("test missing driver module", ["test", KV, "--driver", "no_such_module:make"], 2),
     ("test --trace option on a machine spec", ["test", KV, "--driver", GOOD_DRIVER, "--trace", "{TRACE}"], 2),
     ("test system option on --trace", ["test", CORRECTED, "--trace", "{TRACE}", "--examples", "5"], 2),
-    ("test --trace on a ranked system", ["test", RANKED, "--trace", "{TRACE}"], 2),
+    ("test --trace with a file that is no trace", ["test", RANKED, "--trace", "{TRACE}"], 2),
     ("test unknown option", ["test", KV, "--bogus"], 2),
     # replay
     ("replay conforms", ["replay", KV, "{GOOD_LOG}", "--format", "json"], 0),
@@ -227,10 +227,13 @@ def test_kvfsm_test_runs_exactly_the_examples_asked_for(
     assert status == 0 and doc["examples"] == 40 and doc["coverage"]["examples"] == 40
 
 
-def test_a_trace_of_a_system_with_ranks_is_refused_in_one_line(
-    capsys: pytest.CaptureFixture[str], files: dict[str, str]
+def test_a_trace_of_a_system_with_ranks_is_replayed_one_tracker_per_rank(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    """It used to fail with "internal error KeyError: 'decode#0'"."""
-    status, _out, err = run(["test", RANKED, "--trace", files["TRACE"]], capsys)
-    text = " ".join(err.split())
-    assert status == 2 and "role prefill has 2 ranks" in text and "internal error" not in text
+    """It once failed with "internal error KeyError: 'decode#0'", then was refused; each rank now has its tracker."""
+    system, trace = str(SPECS / "explore" / "nixl_mla_reversed.yaml"), str(tmp_path / "t.json")
+    assert run(["explore", system, "--trace", trace], capsys)[0] == 1
+    status, out, err = run(["test", system, "--trace", trace, "--format", "json"], capsys)
+    doc = json.loads(out)
+    assert status == 0 and doc["verdict"] == "reproduced" and doc["property"] == "read_after_free", err
+    assert {s["step"]["role"] for s in doc["steps"]} >= {"prefill#0", "prefill#1"}

@@ -417,15 +417,6 @@ def _replay(args: argparse.Namespace) -> int:
 
     system = load_system(args.spec)
     check_sizes(system, None)  # a size too big to build says so first, before anything is expanded
-    ranked = [f"role {r.name} has {r.ranks} ranks" for r in system.roles.values() if r.ranks > 1]
-    ranked += [f"the timeout relation {rel.text!r}" for rel in system.relations]
-    if ranked:  # the replay drives one Tracker per role and has no rank or relation to give a step
-        err.print(
-            f"[red]kvfsm test: --trace replays one Tracker per role, and {escape(system.name)} has "
-            f"{escape('; '.join(ranked))}, which the replay does not model yet; explore it with "
-            "'kvfsm explore' alone[/]"
-        )
-        return EXIT_USAGE
     trace = read_trace(args.trace)  # before importing drivers, which may take seconds
     roles = _role_drivers(args, "with --trace")
     if roles is None:
