@@ -21,7 +21,7 @@ def register(sub: Subparsers) -> None:
         "findings pinned to the states and edges they name) and, with --trace, step through an explorer "
         "counterexample, or with --trace-set through each trace of the system's trace set; for a machine spec, with "
         "--story through a failing kvfsm test run's story, or with --journal through a journal's transitions with "
-        "kvfsm replay's findings at their lines; or, with --live URL, watch a tracker debug endpoint. The page is served on 127.0.0.1 until Ctrl-C (exit 130), or written with "
+        "kvfsm replay's findings at their lines; or, with --live URL (repeatable), watch tracker debug endpoints. The page is served on 127.0.0.1 until Ctrl-C (exit 130), or written with "
         "--html as one self-contained file. Exit 0 once it is written or served: the findings are in the page "
         "(kvfsm check gives them an exit status).",
     )
@@ -53,7 +53,12 @@ def register(sub: Subparsers) -> None:
         help="--journal: show this key's instances (repeatable; default: the keys with findings, else every key)",
     )
     p.add_argument("--html", type=Path, metavar="OUT.html", help="write the page to this file instead of serving it")
-    p.add_argument("--live", metavar="URL", help="watch a tracker debug endpoint (e.g. kvfsm demo --metrics's)")
+    p.add_argument(
+        "--live",
+        action="append",
+        metavar="URL",
+        help="watch a tracker debug endpoint (e.g. kvfsm demo --metrics's); repeat it to watch several on one page",
+    )
     p.add_argument(
         "--port", type=_port, default=None, metavar="PORT", help="serve on 127.0.0.1:PORT (default: any free)"
     )
@@ -103,11 +108,13 @@ def run(args: argparse.Namespace) -> int:
         for given, option in zip(given_there, options, strict=True):
             if given is not None:
                 return refuse("inspect", option, "--live, which watches a running process")
-        if not args.live.startswith(("http://", "https://")):
-            err.print(f"[red]kvfsm inspect: --live {escape(args.live)} is no http:// URL of a debug endpoint[/]")
-            return EXIT_USAGE
-        page = live_page(args.live, args.interval or 1.0)
-        watch: Watch | None = Watch(args.live)
+        for url in args.live:
+            if not url.startswith(("http://", "https://")):
+                err.print(f"[red]kvfsm inspect: --live {escape(url)} is no http:// URL of a debug endpoint[/]")
+                return EXIT_USAGE
+        urls = list(dict.fromkeys(args.live))
+        page = live_page(urls, args.interval or 1.0)
+        watch: Watch | None = Watch(urls)
     else:
         if args.target is None:
             err.print("[red]kvfsm inspect: name a spec or system file, or --live URL[/]")

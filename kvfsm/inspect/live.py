@@ -3,7 +3,7 @@
 The page cannot read the endpoint itself (another origin, and the page is
 served on loopback with nothing else allowed), so its server reads it, with
 the same bounds ``kvfsm top`` reads it with, and hands the page one JSON
-document per poll. Only the URL given on the command line is ever read.
+document per poll. Only the URLs given on the command line are ever read.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 from ..observe.client import EndpointError, read
@@ -34,27 +35,36 @@ def anomalies(metrics: str) -> dict[str, dict[str, float]]:
 
 
 class Watch:
-    """The endpoint at ``url``, read on demand: what the page's next poll gets."""
+    """The endpoints at ``urls``, read on demand and in order: what the page's next poll gets.
 
-    def __init__(self, url: str) -> None:
-        self.url = url.rstrip("/")
+    One page can watch a deployment's processes together (a P/D pair's
+    prefill and decode endpoints); an endpoint that cannot be read is shown
+    as such, and the others still are.
+    """
+
+    def __init__(self, urls: Sequence[str]) -> None:
+        self.urls = tuple(u.rstrip("/") for u in urls)
         self.reads = 0
         self._lock = threading.Lock()
 
     def read(self) -> dict[str, Any]:
-        """``{"state": /state, "anomalies": {machine: {kind: n}}, "metrics": bool, "reads": n}`` or ``{"error"}``."""
+        """``{"endpoints": [one per URL], "reads": n}``; each is ``{"url", "state": /state, "anomalies": {machine:
+        {kind: n}}, "metrics": bool}``, or ``{"url", "error"}``."""
         with self._lock:  # one read at a time, however many pages poll
-            try:
-                state = json.loads(read(f"{self.url}/state?limit={LIMIT}"))
-                if not isinstance(state, dict) or not isinstance(state.get("trackers"), dict):
-                    raise EndpointError(f"{self.url}/state is not a kvfsm tracker dump")
-            except (EndpointError, ValueError, RecursionError) as exc:
-                return {"error": str(exc), "reads": self.reads}
-            try:
-                found: dict[str, dict[str, float]] | None = anomalies(
-                    read(f"{self.url}/metrics").decode("utf-8", "replace")
-                )
-            except EndpointError:
-                found = None  # an endpoint without a registry has no /metrics (404)
+            endpoints = [_endpoint(url) for url in self.urls]
             self.reads += 1
-            return {"state": state, "anomalies": found or {}, "metrics": found is not None, "reads": self.reads}
+            return {"endpoints": endpoints, "reads": self.reads}
+
+
+def _endpoint(url: str) -> dict[str, Any]:
+    try:
+        state = json.loads(read(f"{url}/state?limit={LIMIT}"))
+        if not isinstance(state, dict) or not isinstance(state.get("trackers"), dict):
+            raise EndpointError(f"{url}/state is not a kvfsm tracker dump")
+    except (EndpointError, ValueError, RecursionError) as exc:
+        return {"url": url, "error": str(exc)}
+    try:
+        found: dict[str, dict[str, float]] | None = anomalies(read(f"{url}/metrics").decode("utf-8", "replace"))
+    except EndpointError:
+        found = None  # an endpoint without a registry has no /metrics (404)
+    return {"url": url, "state": state, "anomalies": found or {}, "metrics": found is not None}

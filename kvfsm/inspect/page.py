@@ -127,7 +127,7 @@ class Page:
     traces: list[TraceView] = field(default_factory=list)
     """The runs to step through: none, one counterexample, a trace set (one chosen at a time), a story or a log."""
     live: dict[str, Any] | None = None
-    """For the live view: ``url`` watched and ``interval`` between polls."""
+    """For the live view: the ``urls`` watched and ``interval`` between polls."""
 
     def data(self) -> dict[str, Any]:
         """The JSON the page's script reads."""
@@ -222,9 +222,9 @@ def drawn(path: str | Path, traces: list[tuple[Trace, str, tuple[str, ...]]], op
     return page
 
 
-def live_page(url: str, interval: float) -> Page:
-    """The page that polls its server's ``/live`` for the tracker endpoint at ``url``."""
-    return Page(f"live {url}", "live", live={"url": url, "interval": interval})
+def live_page(urls: Sequence[str], interval: float) -> Page:
+    """The page that polls its server's ``/live`` for the tracker endpoints at ``urls``, shown together."""
+    return Page(f"live {', '.join(urls)}", "live", live={"urls": list(urls), "interval": interval})
 
 
 def _asset(name: str) -> str:

@@ -303,7 +303,8 @@ def test_the_live_view_of_a_running_demo_changes(
         while "state and metrics at" not in log.read_text() and demo.poll() is None:
             assert time.monotonic() < deadline, log.read_text()
             time.sleep(0.2)
-        server, url = _serve("--live", f"http://127.0.0.1:{port}", "--interval", "0.3")
+        prefill, decode = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}"
+        server, url = _serve("--live", prefill, "--live", decode, "--interval", "0.3")
         page.goto(url)
         page.wait_for_selector(".tracker table")
         first, reads = _counts(page), _reads(page)
@@ -313,7 +314,9 @@ def test_the_live_view_of_a_running_demo_changes(
             changed = _counts(page)
         assert changed != first, f"the counts stayed {first}"
         assert _reads(page) > reads
-        assert list(changed) == ["pd_prefill_corrected"], changed  # prefill's endpoint (decode's is the next port)
+        assert list(changed) == ["pd_prefill_corrected", "pd_decode_corrected"], changed  # both processes, one page
+        endpoints = page.eval_on_selector_all(".tracker", "ts => ts.map(t => t.dataset.endpoint)")
+        assert endpoints == [prefill, decode]
         screenshot(page, "live")
     finally:
         if server is not None:

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import re
 import shutil
+import socket
 from pathlib import Path
 
 import pytest
 
+import kvfsm
 from kvfsm.explore import explore
 from kvfsm.explore.trace import Trace
 from kvfsm.inspect import InspectError, build, build_trace_set, html, pin, snapshots
@@ -125,3 +127,27 @@ def test_anomalies_are_read_by_machine_and_kind_from_metrics_text() -> None:
         'kvfsm_instances{machine="pd_decode",state="waiting"} 4.0\n'
     )
     assert anomalies(text) == {"pd_prefill": {"late": 5.0}, "pd_decode": {"unknown": 1.0}}
+
+
+def test_one_live_page_reads_every_endpoint_and_says_which_is_down() -> None:
+    from kvfsm.inspect.live import Watch
+    from kvfsm.observe import serve
+
+    class Quiet:
+        def __getattr__(self, action: str) -> object:
+            return lambda key: None
+
+    tracker = kvfsm.Tracker(kvfsm.load(ROOT / "specs/kv_request.yaml"), Quiet())
+    tracker.begin("req-1")
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        gone = f"http://127.0.0.1:{s.getsockname()[1]}"
+    with serve([tracker]) as endpoint:
+        doc = Watch([endpoint.url, gone]).read()
+    up, down = doc["endpoints"]
+    assert (
+        up["url"] == endpoint.url.rstrip("/")
+        and up["state"]["trackers"]["kv_request"]["states"]["pinned"]["count"] == 1
+    )
+    assert down["url"] == gone and "error" in down and "state" not in down
+    assert doc["reads"] == 1

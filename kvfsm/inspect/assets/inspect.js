@@ -165,45 +165,54 @@
     poll();
   }
   function drawLive(doc) {
+    // One status line per endpoint; each endpoint's trackers, named with its URL when the page watches several.
     const status = $("live-status");
-    status.className = doc.error ? "down" : "";
-    status.textContent = doc.error ? `${data.live.url}: ${doc.error} (reading again)` :
-      `${data.live.url} · read ${doc.reads} time(s) · ${new Date().toLocaleTimeString()}`;
+    status.replaceChildren();
     status.dataset.reads = String(doc.reads);
-    if (doc.error) return;
+    const down = doc.endpoints.filter((e) => e.error);
+    status.className = down.length ? "down" : "";
+    doc.endpoints.forEach((e) => {
+      status.appendChild(el("div", e.error ? `${e.url}: ${e.error} (reading again)` :
+        `${e.url} · read ${doc.reads} time(s) · ${new Date().toLocaleTimeString()}`, e.error ? "down" : ""));
+    });
     const box = $("live-trackers");
     box.replaceChildren();
-    Object.entries(doc.state.trackers || {}).forEach(([name, dump]) => {
-      const div = el("div", undefined, "tracker");
-      div.dataset.tracker = name;
-      div.appendChild(el("h2", `${name} — ${dump.live} live`));
-      const most = Math.max(1, ...Object.values(dump.states).map((r) => r.count));
-      const table = el("table");
-      table.innerHTML = "<thead><tr><th>state</th><th>count</th><th></th><th>oldest (age s)</th><th>stuck at / timeout</th></tr></thead>";
-      const body = el("tbody");
-      Object.entries(dump.states).forEach(([state, row]) => {
-        const tr = el("tr");
-        tr.dataset.state = state;
-        const stuck = row.oldest.some((o) => o.stuck);
-        tr.className = stuck ? "stuck" : row.count ? "" : "empty";
-        const bar = el("span", undefined, "bar");
-        bar.style.width = `${Math.round((120 * row.count) / most)}px`;
-        const oldest = row.oldest.map((o) => `${o.key} ${o.age === null ? "?" : o.age.toFixed(1)}${o.stuck ? " STUCK" : ""} (${o.held.join(", ") || "nothing"})`).join("; ");
-        const limits = row.stuck_after === null && row.timeout === null ? "" : `${row.stuck_after ?? "-"} / ${row.timeout ?? "-"}`;
-        [state + (row.final ? " (final)" : ""), String(row.count)].forEach((t) => tr.appendChild(el("td", t)));
-        const cell = el("td"); cell.appendChild(bar); tr.appendChild(cell);
-        tr.appendChild(el("td", oldest));
-        tr.appendChild(el("td", limits));
-        tr.children[1].className = "count";
-        body.appendChild(tr);
-      });
-      table.appendChild(body);
-      div.appendChild(table);
-      const anomalies = (doc.anomalies || {})[dump.machine] || {};
-      const kinds = Object.entries(anomalies);
-      div.appendChild(el("h3", "anomalies"));
-      div.appendChild(el("p", kinds.length ? kinds.map(([k, n]) => `${k}: ${n}`).join(", ") : (doc.metrics ? "none" : "no /metrics at this endpoint"), "anomalies"));
-      box.appendChild(div);
+    const several = doc.endpoints.length > 1;
+    doc.endpoints.filter((e) => !e.error).forEach((e) => {
+      Object.entries(e.state.trackers || {}).forEach(([name, dump]) => box.appendChild(drawTracker(e, name, dump, several)));
     });
+  }
+  function drawTracker(endpoint, name, dump, several) {
+    const div = el("div", undefined, "tracker");
+    div.dataset.tracker = name;
+    div.dataset.endpoint = endpoint.url;
+    div.appendChild(el("h2", `${name} — ${dump.live} live` + (several ? ` · ${endpoint.url}` : "")));
+    const most = Math.max(1, ...Object.values(dump.states).map((r) => r.count));
+    const table = el("table");
+    table.innerHTML = "<thead><tr><th>state</th><th>count</th><th></th><th>oldest (age s)</th><th>stuck at / timeout</th></tr></thead>";
+    const body = el("tbody");
+    Object.entries(dump.states).forEach(([state, row]) => {
+      const tr = el("tr");
+      tr.dataset.state = state;
+      const stuck = row.oldest.some((o) => o.stuck);
+      tr.className = stuck ? "stuck" : row.count ? "" : "empty";
+      const bar = el("span", undefined, "bar");
+      bar.style.width = `${Math.round((120 * row.count) / most)}px`;
+      const oldest = row.oldest.map((o) => `${o.key} ${o.age === null ? "?" : o.age.toFixed(1)}${o.stuck ? " STUCK" : ""} (${o.held.join(", ") || "nothing"})`).join("; ");
+      const limits = row.stuck_after === null && row.timeout === null ? "" : `${row.stuck_after ?? "-"} / ${row.timeout ?? "-"}`;
+      [state + (row.final ? " (final)" : ""), String(row.count)].forEach((t) => tr.appendChild(el("td", t)));
+      const cell = el("td"); cell.appendChild(bar); tr.appendChild(cell);
+      tr.appendChild(el("td", oldest));
+      tr.appendChild(el("td", limits));
+      tr.children[1].className = "count";
+      body.appendChild(tr);
+    });
+    table.appendChild(body);
+    div.appendChild(table);
+    const anomalies = (endpoint.anomalies || {})[dump.machine] || {};
+    const kinds = Object.entries(anomalies);
+    div.appendChild(el("h3", "anomalies"));
+    div.appendChild(el("p", kinds.length ? kinds.map(([k, n]) => `${k}: ${n}`).join(", ") : (endpoint.metrics ? "none" : "no /metrics at this endpoint"), "anomalies"));
+    return div;
   }
 })();
