@@ -19,7 +19,7 @@ from kvfsm.harness.peer import PeerError, PeerProcess
 PEERS = Path(__file__).parent / "peers"
 
 
-def tiny(behaviour: str, **kwargs: float) -> PeerProcess:
+def tiny(behaviour: str, **kwargs: float | None) -> PeerProcess:
     return PeerProcess("tiny_peer", [behaviour], env={"PYTHONPATH": str(PEERS)}, **kwargs)
 
 
@@ -79,3 +79,14 @@ def test_a_peer_that_never_says_hello_fails_to_start_within_the_start_timeout_an
     assert "`tiny_peer`" in str(caught.value), caught.value
     assert "is running but did not answer its hello within 0.5 s" in str(caught.value), caught.value
     assert time.monotonic() - start < 2.5
+
+
+def test_a_peer_that_cannot_start_says_why_and_peers_started_side_by_side_are_waited_for_in_turn() -> None:
+    peers = [tiny(behaviour, start_timeout=None) for behaviour in ("answers", "cannot_start")]
+    try:
+        assert peers[0].wait_hello(5.0) == {"hello": "answers"}
+        with pytest.raises(PeerError, match=r"`tiny_peer` \(pid \d+\) did not start: no model at /nowhere; its log"):
+            peers[1].wait_hello(5.0)
+    finally:
+        for peer in peers:
+            peer.stop()

@@ -44,8 +44,11 @@ class PeerProcess:
     ``module`` is a module name, or the path of a script (ending in ``.py``).
     ``env`` is added to this process's environment. ``log`` keeps the peer's
     stdout and stderr in a file; without it they go to a temporary file that
-    only a :class:`PeerError` quotes. Use it as a context manager, or call
-    :meth:`stop`.
+    only a :class:`PeerError` quotes. The constructor waits ``start_timeout``
+    seconds for the hello; with ``None`` it returns at once, and
+    :meth:`wait_hello` waits (so that several peers start side by side).
+    ``answer_timeout`` is how long :meth:`call` waits unless told. Use it as a
+    context manager, or call :meth:`stop`.
     """
 
     def __init__(
@@ -55,9 +58,12 @@ class PeerProcess:
         *,
         env: Mapping[str, str] | None = None,
         log: Path | None = None,
-        start_timeout: float = 60.0,
+        start_timeout: float | None = 60.0,
+        answer_timeout: float = 30.0,
     ) -> None:
         self.module = module
+        self.answer_timeout = answer_timeout
+        self.hello: dict[str, Any] = {}
         command = [sys.executable, module] if module.endswith(".py") else [sys.executable, "-m", module]
         read_fd, write_fd = os.pipe()
         self._log: IO[bytes] = open(log, "w+b") if log is not None else tempfile.TemporaryFile()  # noqa: SIM115
@@ -77,11 +83,8 @@ class PeerProcess:
         finally:
             os.close(write_fd)
         self._replies = os.fdopen(read_fd, "rb")
-        try:
-            self.hello = self._answer(time.monotonic() + start_timeout, "its hello", start_timeout)
-        except BaseException:
-            self.stop(wait=1.0)
-            raise
+        if start_timeout is not None:
+            self.wait_hello(start_timeout)
 
     @property
     def pid(self) -> int:
@@ -90,8 +93,24 @@ class PeerProcess:
     def __repr__(self) -> str:
         return f"the peer process `{self.module}` (pid {self.pid})"
 
-    def call(self, op: str, timeout: float = 30.0, **args: Any) -> dict[str, Any]:
-        """Send ``{"op": op, **args}`` and wait at most ``timeout`` seconds for its answer."""
+    def wait_hello(self, timeout: float) -> dict[str, Any]:
+        """Wait at most ``timeout`` seconds for the peer's first line (:attr:`hello`); stop it if that fails.
+
+        A hello ``{"error": ...}`` is a peer that could not start.
+        """
+        try:
+            self.hello = self._answer(time.monotonic() + timeout, "its hello", timeout)
+            if "error" in self.hello:
+                raise PeerError(f"{self!r} did not start: {self.hello['error']}; {self._tail()}")
+        except BaseException:
+            self.stop(wait=1.0)
+            raise
+        return self.hello
+
+    def call(self, op: str, timeout: float | None = None, **args: Any) -> dict[str, Any]:
+        """Send ``{"op": op, **args}`` and wait at most ``timeout`` seconds (:attr:`answer_timeout` unless given)
+        for its answer."""
+        timeout = self.answer_timeout if timeout is None else timeout
         stdin = self.proc.stdin
         if stdin is None or self.proc.poll() is not None:
             raise self._error(repr(op))
@@ -115,7 +134,9 @@ class PeerProcess:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise self._error(what, silent_for=timeout)
-            ready, _, _ = select.select([self._replies], [], [], left)
+            ready, _, _ = select.select([self._replies], [], [], min(left, 1.0))
+            if not ready and self.proc.poll() is not None:  # gone, though a child of its may hold the pipe open
+                raise self._error(what)
             if ready:
                 chunk = os.read(self._replies.fileno(), 1 << 20)
                 if not chunk:  # the pipe closed: it exited, or is exiting
@@ -174,7 +195,7 @@ class PeerProcess:
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, signal.SIGCONT)
         if self.proc.stdin is not None:
-            with contextlib.suppress(BrokenPipeError):
+            with contextlib.suppress(OSError):
                 self.proc.stdin.close()
         try:
             self.proc.wait(timeout=wait)
@@ -216,19 +237,21 @@ def serve(
     handle: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
     *,
     tick: Callable[[], None] | None = None,
-    every: float = 0.002,
+    every: float | Callable[[], float] = 0.002,
 ) -> None:
     """Answer each command on stdin with ``handle(command)`` until stdin closes; call ``tick`` in between.
 
     Without ``tick`` it sleeps until a command comes; with one, it waits at
-    most ``every`` seconds for a command between two ticks. An exception from
+    most ``every`` seconds for a command between two ticks (``every()`` when it
+    is a function, asked before each wait). An exception from
     ``handle`` is answered as ``{"error": ...}``, which the parent raises as a
     :class:`PeerError`; one from ``tick`` ends the peer.
     """
     stdin = sys.stdin.buffer
     pending = b""
     while True:
-        ready, _, _ = select.select([stdin], [], [], every if tick is not None else None)
+        wait = None if tick is None else every() if callable(every) else every
+        ready, _, _ = select.select([stdin], [], [], wait)
         if ready:
             chunk = os.read(stdin.fileno(), 1 << 20)
             if not chunk:

@@ -1,7 +1,8 @@
-"""A peer process for the harness's own tests: ``answers``, ``dies`` after its hello, ``hangs``, or ``never_says_hello``.
+"""A peer process for the harness's own tests: ``answers``, ``dies``, ``hangs``, ``never_says_hello`` or ``cannot_start``.
 
 ``answers`` echoes each command back with ``"echo"`` and refuses ``"boom"``;
-``dies`` exits with code 3 on its first command; ``hangs`` never answers one.
+``dies`` exits with code 3 on its first command; ``hangs`` never answers one;
+``cannot_start`` says why instead of hello, and exits with code 1.
 Each writes a line to stderr first, so an error can quote it.
 """
 
@@ -18,6 +19,9 @@ def main(behaviour: str) -> None:
     print(f"tiny peer: {behaviour}", file=sys.stderr, flush=True)
     if behaviour == "never_says_hello":
         time.sleep(60)
+    if behaviour == "cannot_start":
+        say({"error": "no model at /nowhere"})
+        sys.exit(1)
     say({"hello": behaviour})
 
     def handle(cmd: dict[str, Any]) -> dict[str, Any]:

@@ -47,7 +47,7 @@ class PeerProcess(peer.PeerProcess):
         if prefill is not None:
             args += ["--prefill", prefill]
         env = {"MC_LOG_LEVEL": os.environ.get("MC_LOG_LEVEL", "ERROR")}
-        super().__init__(__name__, args, env=env, start_timeout=start_timeout)
+        super().__init__("kvfsm.harness.moriio.peer", args, env=env, start_timeout=start_timeout)
         self.name: str = self.hello["name"]
 
 

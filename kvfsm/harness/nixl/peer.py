@@ -49,7 +49,7 @@ class PeerProcess(peer.PeerProcess):
             args += ["--early-within", str(early_within)]
         if topology.mla:
             args.append("--mla")
-        super().__init__(__name__, args, env=ENV, log=log, start_timeout=start_timeout)
+        super().__init__("kvfsm.harness.nixl.peer", args, env=ENV, log=log, start_timeout=start_timeout)
         self.peers = [PeerInfo.from_json(p) for p in self.hello["peers"]]
 
     def add_decode(self, metadata: bytes) -> None:

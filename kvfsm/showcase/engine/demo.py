@@ -156,7 +156,8 @@ def run_engine_demo(
     progress: Progress | None = None,
 ) -> EngineLedger:
     """Every part on fresh engines; ``progress`` hears each part's name as it starts."""
-    from .pd import EngineError, PDOptions
+    from ...harness.peer import PeerError
+    from .pd import PDOptions
     from .pd import run as pd_run
 
     say = progress or (lambda _msg: None)
@@ -182,7 +183,7 @@ def run_engine_demo(
                     model, connector, prefix_prompts(prefixes=prefixes, per_prefix=per_prefix),
                     phases=("serve", "abort", "kill"), options=options, logs=logs / connector,
                 )  # fmt: skip
-            except EngineError as exc:  # requests that never ended, or an engine that stopped answering
+            except PeerError as exc:  # requests that never ended, or an engine that stopped answering
                 failed = PartLedger(connector, f"{connector} P/D", error=str(exc))
                 failed.seconds = round(time.monotonic() - started, 1)
                 ledger.parts.append(failed)

@@ -51,9 +51,7 @@ import contextlib
 import importlib
 import json
 import os
-import select
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -61,8 +59,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any, Protocol
+from typing import Any, Protocol
 
+from ...harness.peer import PeerError, PeerProcess, say, serve
 from .offline import ENGINE_ENV as OFFLINE_ENV
 from .offline import make_llm, prefix_prompts
 
@@ -205,47 +204,27 @@ def _serve_engine(argv: list[str]) -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--connector", required=True)
     ap.add_argument("--options", required=True)
-    ap.add_argument("--reply-fd", type=int, required=True)
     opts = ap.parse_args(argv)
     for key, value in ENGINE_ENV.items():
         os.environ.setdefault(key, value)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    reply = os.fdopen(opts.reply_fd, "wb")
-
-    def answer(msg: Mapping[str, Any]) -> None:
-        reply.write(json.dumps(msg).encode() + b"\n")
-        reply.flush()
-
     try:
         engine = _Engine(
             opts.engine, opts.model, connector_named(opts.connector), PDOptions(**json.loads(opts.options))
         )
     except Exception as exc:
-        answer({"error": f"the {opts.engine} engine did not start: {type(exc).__name__}: {exc}"})
+        say({"error": f"the {opts.engine} engine did not start: {type(exc).__name__}: {exc}"})
         return 1
-    answer({"ready": engine.stats()})
-    stdin = sys.stdin.buffer
-    pending = b""
-    while True:
-        busy = engine.busy()
-        ready, _, _ = select.select([stdin], [], [], 0 if busy else 0.005)
-        if ready:
-            chunk = os.read(stdin.fileno(), 1 << 20)
-            if not chunk:
-                break
-            pending += chunk
-            while b"\n" in pending:
-                line, _, pending = pending.partition(b"\n")
-                try:
-                    answer(engine.handle(json.loads(line)))
-                except Exception as exc:  # the runner turns it into EngineError
-                    answer({"error": f"{type(exc).__name__}: {exc}"})
+    say({"ready": engine.stats()})
+
+    def tick() -> None:
         if engine.has_work():
             engine.step()
-        elif busy:
+        elif engine.busy():
             time.sleep(0.001)
+
+    serve(engine.handle, tick=tick, every=lambda: 0 if engine.busy() else 0.005)
     engine.close()
-    reply.close()
     os._exit(0)  # NIXL's UCX teardown at interpreter exit is not needed, and can fault
 
 
@@ -339,109 +318,26 @@ class _Engine:
 # -- the runner's side ----------------------------------------------------------------------------
 
 
-class EngineError(RuntimeError):
-    """An engine process did not answer in time, died, or refused a command."""
+class EngineError(PeerError):
+    """The engines did not do what a phase asks of them: in time, or at all (an engine that is gone: PeerError)."""
 
 
-class EngineProcess:
-    """One engine process, driven over a pipe with a deadline on every answer, killed by pid on :meth:`stop`."""
+class EngineProcess(PeerProcess):
+    """One engine process, driven over a pipe with a deadline on every answer; :meth:`wait_ready` waits for it."""
 
     def __init__(self, role: str, model: str | Path, connector: str, options: PDOptions, log: Path) -> None:
         self.role = role
-        read_fd, write_fd = os.pipe()
         args = [
-            sys.executable, "-m", "kvfsm.showcase.engine.pd", "--engine", role, "--model", str(model),
-            "--connector", connector, "--options", json.dumps(asdict(options)), "--reply-fd", str(write_fd),
+            "--engine", role, "--model", str(model), "--connector", connector, "--options", json.dumps(asdict(options)),
         ]  # fmt: skip
-        self.log = log
-        self._log: IO[bytes] = open(log, "wb")  # noqa: SIM115
-        try:
-            self.proc = subprocess.Popen(
-                args, stdin=subprocess.PIPE, stdout=self._log, stderr=subprocess.STDOUT, pass_fds=(write_fd,),
-                env={**os.environ, **ENGINE_ENV},
-            )  # fmt: skip
-        finally:
-            os.close(write_fd)
-        self._replies = os.fdopen(read_fd, "rb")
-        self._buffer = b""
+        super().__init__(
+            "kvfsm.showcase.engine.pd", args, env=ENGINE_ENV, log=log, start_timeout=None, answer_timeout=60.0
+        )
         self.ready: dict[str, Any] = {}
 
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
     def wait_ready(self, timeout: float) -> dict[str, Any]:
-        self.ready = self._answer("start", timeout)["ready"]
+        self.ready = self.wait_hello(timeout)["ready"]
         return self.ready
-
-    def call(self, op: str, timeout: float = 60.0, **args: Any) -> dict[str, Any]:
-        """Send one command and wait at most ``timeout`` seconds for its answer."""
-        stdin = self.proc.stdin
-        if stdin is None or self.proc.poll() is not None:
-            raise EngineError(f"the {self.role} engine (pid {self.pid}) has exited with {self.proc.returncode}")
-        try:
-            stdin.write(json.dumps({"op": op, **args}).encode() + b"\n")
-            stdin.flush()
-        except BrokenPipeError as exc:
-            raise EngineError(f"the {self.role} engine (pid {self.pid}) is gone") from exc
-        return self._answer(op, timeout)
-
-    def _answer(self, op: str, timeout: float) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while b"\n" not in self._buffer:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise EngineError(f"the {self.role} engine (pid {self.pid}) did not answer {op!r} within {timeout} s")
-            ready, _, _ = select.select([self._replies], [], [], min(left, 1.0))
-            if ready:
-                chunk = os.read(self._replies.fileno(), 1 << 20)
-                if not chunk:
-                    raise EngineError(
-                        f"the {self.role} engine (pid {self.pid}) closed its pipe during {op!r}{self.tail()}"
-                    )
-                self._buffer += chunk
-            elif self.proc.poll() is not None:
-                raise EngineError(
-                    f"the {self.role} engine exited with {self.proc.returncode} during {op!r}{self.tail()}"
-                )
-        line, _, self._buffer = self._buffer.partition(b"\n")
-        answer: dict[str, Any] = json.loads(line)
-        if "error" in answer:
-            raise EngineError(f"the {self.role} engine refused {op!r}: {answer['error']}{self.tail()}")
-        return answer
-
-    def tail(self, n: int = 3000) -> str:
-        """The end of the engine's log, for an error message."""
-        try:
-            return "\n--- engine log ---\n" + self.log.read_bytes()[-n:].decode(errors="replace")
-        except OSError:
-            return ""
-
-    def signal(self, sig: signal.Signals) -> None:
-        """Send ``sig``; for SIGSTOP, return once the kernel shows the process stopped (SIGSTOP lands asynchronously)."""
-        os.kill(self.pid, sig)
-        if sig == signal.SIGSTOP:
-            stat = Path(f"/proc/{self.pid}/stat")
-            deadline = time.monotonic() + 5.0
-            while time.monotonic() < deadline and stat.read_text().rsplit(")", 1)[1].split()[0] != "T":
-                time.sleep(0.005)
-
-    def stop(self) -> None:
-        """Resume it if stopped, close stdin (it exits), and kill it by pid if it has not within 10 s."""
-        proc = self.proc
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, signal.SIGCONT)
-            if proc.stdin is not None:
-                with contextlib.suppress(BrokenPipeError, OSError):
-                    proc.stdin.close()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
-        self._replies.close()
-        self._log.close()
 
 
 @dataclass
@@ -639,7 +535,7 @@ def run(
                 phase = {"serve": _serve, "abort": _abort, "kill": _kill}[name](
                     pair, table, order, options, max_tokens, fault_prompts
                 )
-            except EngineError as exc:  # recorded, so the phases before it still say what they did
+            except PeerError as exc:  # recorded, so the phases before it still say what they did
                 phase = Phase(name, error=str(exc))
             phase.seconds = round(time.monotonic() - start, 2)
             result.phases.append(phase)
@@ -712,8 +608,7 @@ def _kill(pair: Pair, table: dict[str, list[int]], order: dict[str, int], option
     pair.prefill.signal(signal.SIGSTOP)
     pair.submit_decode(before, table, params, max_tokens)
     pair.wait_reading(len(before))
-    pair.prefill.signal(signal.SIGKILL)
-    pair.prefill.proc.wait(timeout=10)
+    pair.prefill.kill()
     pair.alive[PREFILL] = False
     pair.submit_decode(after, table, params, max_tokens)
     phase.requests = _requests(pair.finished(DECODE, len(keys), timeout=2 * options.decode_deadline + 60), order)
