@@ -191,6 +191,16 @@ def test_the_wheel_ships_every_bundled_spec(light: LightInstall) -> None:
 
 
 @pytest.mark.packaging
+def test_the_wheel_ships_the_inspect_pages_assets_as_they_are(light: LightInstall) -> None:
+    """kvfsm inspect inlines them into every page: nothing is downloaded or built when a user runs it."""
+    source = ROOT / "kvfsm" / "inspect" / "assets"
+    shipped = light.specs.parent / "inspect" / "assets"
+    names = sorted(p.name for p in source.iterdir() if p.is_file())
+    assert names and sorted(p.name for p in shipped.iterdir()) == names
+    assert all((shipped / n).read_bytes() == (source / n).read_bytes() for n in names)
+
+
+@pytest.mark.packaging
 def test_every_bundled_spec_checks_clean_in_the_light_install(light: LightInstall) -> None:
     specs = [spec for spec in _bundled(light.specs) if not _rejected(spec)]
     result = light.kvfsm("check", *specs)

@@ -617,9 +617,13 @@ def test_journal_from_worker_threads_with_a_concurrent_flusher_conforms(tmp_path
                 except ActionError:
                     break  # the queue was full: the instance failed, releasing its blocks
 
+    flushes = 0
+
     def flusher() -> None:
-        while not stop.is_set():
+        nonlocal flushes
+        while not stop.wait(0.0002):  # flushes all along the run; a loop with no pause starves the workers of the GIL
             journal.flush()
+            flushes += 1
 
     threads = [threading.Thread(target=worker, args=(n,)) for n in range(4)]
     side = threading.Thread(target=flusher)
@@ -634,7 +638,7 @@ def test_journal_from_worker_threads_with_a_concurrent_flusher_conforms(tmp_path
     journal.close()
     report = check_log(SPEC, path)
     assert report.conforms and report.instances == 1200 and journal.dropped == 0
-    assert driver.idle()
+    assert driver.idle() and flushes >= 10  # the flushes ran among the writes
 
 
 # -- the command line ------------------------------------------------------------------------------------------
