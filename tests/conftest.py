@@ -10,7 +10,9 @@ needs its config, never its weights).
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 
 import pytest
 
@@ -21,7 +23,9 @@ except ImportError:
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 if offline_hf_cache is not None and "HF_HUB_OFFLINE" not in os.environ:
-    os.environ["HF_HOME"] = str(offline_hf_cache())
+    hf_home = offline_hf_cache()
+    atexit.register(shutil.rmtree, hf_home, True)  # one per session: gone with it, not left in the temp folder
+    os.environ["HF_HOME"] = str(hf_home)
     os.environ["HF_HUB_OFFLINE"] = "1"
 
 
