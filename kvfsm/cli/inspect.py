@@ -21,9 +21,9 @@ def register(sub: Subparsers) -> None:
         "findings pinned to the states and edges they name) and, with --trace, step through an explorer "
         "counterexample, or with --trace-set through each trace of the system's trace set; for a machine spec, with "
         "--story through a failing kvfsm test run's story, or with --journal through a journal's transitions with "
-        "kvfsm replay's findings at their lines; or, with --live URL (repeatable), watch tracker debug endpoints. The page is served on 127.0.0.1 until Ctrl-C (exit 130), or written with "
-        "--html as one self-contained file. Exit 0 once it is written or served: the findings are in the page "
-        "(kvfsm check gives them an exit status).",
+        "kvfsm replay's findings at their lines; or, with --live URL (repeatable), watch tracker debug endpoints. "
+        "The page is served on 127.0.0.1 until Ctrl-C (exit 130), or written with --html as one self-contained file. "
+        "Exit 0 once it is written or served: the findings are in the page (kvfsm check gives them an exit status).",
     )
     p.add_argument("target", nargs="?", type=Path, metavar="SPEC_OR_SYSTEM", help="a machine spec or a system file")
     p.add_argument("--trace", type=Path, metavar="TRACE.json", help="a counterexample written by kvfsm explore --trace")

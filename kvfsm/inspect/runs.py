@@ -25,6 +25,7 @@ from ..explore import Trace
 from ..replay import Record, check_log
 from ..replay.read import STOPS, log_lines
 from ..spec import Finding, Spec, is_system_file, read
+from ..testing.trace_replay import Mismatch
 from .page import InspectError, Page, TraceView, build, drawn
 from .steps import Moment, Moved, timeline
 
@@ -38,10 +39,6 @@ def _spec_page(path: str | Path, option: str) -> tuple[Page, Spec]:
     if is_system_file(path):
         raise InspectError(f"{option} is one machine's run, and {path} is a system file: name the machine's spec")
     return drawn(path, [], option), read(path)
-
-
-def _holds(spec: Spec) -> Any:
-    return lambda state: tuple(spec.states[state].holds) if state in spec.states else ()
 
 
 def build_story(path: str | Path, result: str | Path) -> Page:
@@ -72,7 +69,7 @@ def build_story(path: str | Path, result: str | Path) -> Page:
         rows.append(Moment(text, moved, "; ".join(problems) if last else ""))
     keys = list(dict.fromkeys(m.key for r in rows for m in r.moves))
     view = TraceView(
-        tuple(timeline(rows, _holds(spec))), tuple(keys), "", "kvfsm test", problems[0], spec.name,
+        tuple(timeline(rows, spec.holds)), tuple(keys), "", "kvfsm test", problems[0], spec.name,
         channel=False, chart="\n".join(story), chart_from="kvfsm test",
         purpose=f"the story of seed {data.get('seed')}: {problems[0]}",
     )  # fmt: skip
@@ -143,14 +140,10 @@ def build_journal(path: str | Path, log: str | Path, keys: Sequence[str] = ()) -
         raise InspectError(
             f"{len(rows)} lines of keys {', '.join(chosen)}: more than {MAX_ROWS}; pick fewer with --key"
         )
-    summary = report.as_dict()
-    verdict = (
-        f"{report.total} finding(s) ({', '.join(f'{n} {c}' for c, n in summary['by_code'].items())})"
-        if report.total
-        else ""
-    )
+    by_code = ", ".join(f"{n} {code}" for code, n in report.by_code.items())
+    verdict = f"{report.total} finding(s) ({by_code})" if report.total else ""
     view = TraceView(
-        tuple(timeline(rows, _holds(spec))), tuple(chosen), "", "kvfsm replay", verdict, spec.name, channel=False,
+        tuple(timeline(rows, spec.holds)), tuple(chosen), "", "kvfsm replay", verdict, spec.name, channel=False,
         purpose=f"{log}: {what}, {verdict or 'conforms'}",
     )  # fmt: skip
     page.traces.append(view)
@@ -220,10 +213,7 @@ def build_replayed(path: str | Path, trace: Trace, result: str | Path) -> Page:
     if isinstance(mismatch, Mapping) and isinstance(mismatch.get("index"), int):
         index = min(mismatch["index"], len(trace.steps) - 1)
         at = sum(1 for s in trace.steps[: index + 1] if s.action != "begin")  # begins are all in the start
-        told = (
-            f"{mismatch.get('label')}: {mismatch.get('what')}: expected {mismatch.get('expected')}, "
-            f"got {mismatch.get('actual')}"
-        )
+        told = Mismatch(index, *(str(mismatch.get(f)) for f in ("label", "what", "expected", "actual")))
         snaps[at] = replace(snaps[at], violation=True, problem=f"the drivers diverged from the trace at {told}")
     page.traces[0] = replace(
         view, snaps=tuple(snaps), purpose=f"{data.get('verdict')} on the drivers: {data.get('summary')}"

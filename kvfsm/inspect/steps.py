@@ -10,11 +10,13 @@ checked) is told the same way by :func:`timeline`, with each key its own lane.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from ..explore import Step, Trace, describe_step
+
+K = TypeVar("K", bound=Hashable)
 
 CHANNEL = "channel"
 """The lane of the sequence diagram that messages cross between roles."""
@@ -142,14 +144,7 @@ def snapshots(trace: Trace, roles: set[str] | frozenset[str] | None = None) -> l
     )
     out = [start]
     for i, s in enumerate(moves, start=1):
-        key = (s.request, s.role)
-        let_go = freed.setdefault(key, {})
-        for resource in where[key][1] if key in where else ():
-            if resource not in s.holds:
-                let_go[resource] = i
-        for resource in s.holds:
-            let_go.pop(resource, None)
-        where[key] = (s.target, s.holds)
+        _move(where, freed, (s.request, s.role), s.target, s.holds, i)
         flight[s.request] = s.in_flight
         in_cycle = trace.loop is not None and i > trace.loop
         broken = breaks and (i == last if trace.loop is None else (i == trace.loop or i == last))
@@ -164,6 +159,25 @@ def snapshots(trace: Trace, roles: set[str] | frozenset[str] | None = None) -> l
     ):  # a lasso whose cycle starts at once: the start is where it breaks
         out[0] = replace(out[0], violation=True)
     return out
+
+
+def _move(
+    where: dict[K, tuple[str, tuple[str, ...]]],
+    freed: dict[K, dict[str, int]],
+    key: K,
+    target: str,
+    holds: tuple[str, ...],
+    at: int,
+) -> None:
+    """Put ``key`` in ``target`` holding ``holds`` at move ``at``: what it held before and not now is freed there,
+    what it holds again is no longer freed."""
+    let_go = freed.setdefault(key, {})
+    for resource in where[key][1] if key in where else ():
+        if resource not in holds:
+            let_go[resource] = at
+    for resource in holds:
+        let_go.pop(resource, None)
+    where[key] = (target, holds)
 
 
 @dataclass(frozen=True)
@@ -203,16 +217,10 @@ def timeline(moments: Sequence[Moment], holds: Callable[[str], tuple[str, ...]])
     out = [Snapshot(0, "nothing has begun", "", None, "", (), None, (), {}, False, False)]
     for i, moment in enumerate(moments, start=1):
         for m in moment.moves:
-            let_go = freed.setdefault(m.key, {})
-            if not m.source:
-                let_go.clear()  # a new instance of the key: what the old one held and freed is history
-            now = holds(m.target)
-            for resource in where[m.key][1] if m.key in where and m.source else ():
-                if resource not in now:
-                    let_go[resource] = i
-            for resource in now:
-                let_go.pop(resource, None)
-            where[m.key] = (m.target, now)
+            if not m.source:  # a new instance of the key: what the old one held and freed is history
+                where.pop(m.key, None)
+                freed.pop(m.key, None)
+            _move(where, freed, m.key, m.target, holds(m.target), i)
         key = moment.moves[0].key if moment.moves else ""
         problem = moment.problem
         out.append(Snapshot(i, moment.text, key, key, "", (), None, instances(), {}, bool(problem), False, problem))

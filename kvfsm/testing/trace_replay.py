@@ -1,4 +1,5 @@
-"""Run an explorer trace (``kvfsm-trace/1``) on real Trackers and drivers, one per role instance, and say where they part.
+"""Run an explorer trace (``kvfsm-trace/1``) on real Trackers and drivers, one per role instance, and say where they
+part.
 
 The explorer proves a violation on the spec model; running its trace shows it
 on your code. Each role's instance (one per rank of a role with ranks:
