@@ -8,6 +8,9 @@ prefill is run at concurrency 512 with lost ``remote_blocks`` to show it hang.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -285,7 +288,7 @@ def test_acks_is_the_specs_count_of_ranks_and_a_spec_that_cannot_take_it_refuses
     p = PrefillEngine(fabric.endpoint("p"), 4, 256, mode="read", acks=2)
     d = DecodeEngine(fabric.endpoint("d"), 4, 256, "p", acks=2)
     assert p.tracker.params["readers"].value == 2 and d.tracker.params["writers"].value == 2
-    assert p.counted == {"release"} and d.counted == {"write_done"}
+    assert p.counted == {"release"} and d.counted == {"write_done", "released"}
     with pytest.raises(ValueError, match="disagree"):
         PrefillEngine(fabric.endpoint("p2"), 4, 256, mode="read", acks=2, params={"readers": 3})
     with pytest.raises(ValueError, match="does not count 'release'"):
@@ -559,6 +562,62 @@ def test_a_release_before_the_forward_pass_aborts_the_hold_as_it_begins_and_noth
     assert not any(cache.block_bytes(5)) and not any(cache.block_bytes(9))
 
 
+def test_an_aborted_load_keeps_its_blocks_while_the_prefill_writes_and_frees_them_on_its_answer() -> None:
+    """The prefill has the blocks' address and is writing when the decode request is aborted (the race a loaded
+    machine showed in two real engines): the load keeps its blocks and its report until the prefill's writes
+    have landed and it has answered ``released``; only then are the blocks given back."""
+    pair = Pair()
+    p, d = pair.p, pair.d
+    src = p.compute("p-1", "t-1", 2)
+    dst = d.start("d-1", "t-1", 2)
+    pair.fabric.stopped.add("decode")  # the writes stay in flight
+    p.step()
+    assert p.tracker.state("p-1") == "writing"
+    held = d.stats()["held_blocks"]
+    d.abort("d-1")
+    p.step()
+    assert p.tracker.state("p-1") == "draining"  # a posted write cannot be recalled
+    for _ in range(2):
+        d.step()
+        assert d.tracker.state("d-1") == "aborting" and d.stats()["held_blocks"] == held
+    pair.fabric.stopped.discard("decode")  # the writes land now, into blocks the load still holds
+    pair.step()
+    assert p.outcomes == {"aborted": 1} and p.driver.stats["released_sent"] == 1
+    assert d.outcomes == {"aborted": 1} and d.counts["released"] == 1
+    assert isinstance(p.blocks, KVBlocks) and isinstance(d.blocks, KVBlocks)
+    assert [d.blocks.tensor[b].tolist() for b in dst] == [p.blocks.tensor[b].tolist() for b in src]
+    assert d.stats()["held_blocks"] == 0 and p.stats()["held_blocks"] == 0 and d.blocks.pool.num_free == 16
+    assert d.anomalies == {} and p.anomalies == {}
+
+
+@pytest.mark.parametrize("how", ["lost", "raised"])
+def test_a_release_the_prefill_never_hears_keeps_the_blocks_until_the_loads_deadline(how: str) -> None:
+    """Without an answer the blocks stay held until the deadline ``write_by`` names (no write may be in flight
+    past it): a ``release`` lost on the way, or one whose send raised (the load is ``aborting`` all the same)."""
+    pair = Pair()
+    d = pair.d
+    d.start("d-1", "t-1", 2)
+    held = d.stats()["held_blocks"]
+    if how == "lost":
+        pair.fabric.stopped.add("prefill")
+    else:
+
+        def refuse(peer: str, message: object) -> None:
+            raise ConnectionError(f"{peer} unreachable")
+
+        d.transport.notify = refuse  # type: ignore[method-assign]
+    d.abort("d-1")
+    assert d.tracker.state("d-1") == "aborting" and d.stats()["held_blocks"] == held
+    assert len(d.errors) == (1 if how == "raised" else 0)
+    pair.clock.advance(2.9)
+    d.step()
+    assert d.tracker.state("d-1") == "aborting" and "d-1" not in d.driver.report.take().recving
+    pair.clock.advance(0.2)  # past recv_timeout (3 s) from the announce: the `load` phase
+    finished = d.step()
+    assert d.outcomes == {"expired": 1} and "d-1" in finished.recving
+    assert d.stats()["held_blocks"] == 0 and d.blocks.pool.num_free == 16
+
+
 def test_a_hold_or_a_load_that_cannot_begin_is_still_reported_so_vllm_never_waits_for_it() -> None:
     p, d, _ = _cache_pair()
     p.borrow_from("vllm")
@@ -598,3 +657,12 @@ def test_the_runner_plug_gives_both_requests_of_a_prompt_one_transfer_id_in_eith
     assert again["transfer_id"] != prefill["transfer_id"]
     back = {**again, "do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_notify_port": 23456}
     assert plug.decode_params("7", back)["transfer_id"] == again["transfer_id"]
+
+
+def test_the_soak_benchmarks_bare_drivers_bind_to_the_bundled_specs() -> None:
+    """``benchmarks/moriio_soak.py --overhead`` times the trackers with empty actions: its driver must keep up with
+    the specs' actions, or the figure it reports is an error."""
+    script = Path(__file__).parent.parent / "benchmarks" / "moriio_soak.py"
+    out = subprocess.run([sys.executable, str(script), "--overhead"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["kvfsm_us_per_request_bare"] > 0

@@ -25,9 +25,10 @@ Everything the workers hold is a Tracker instance of
 ``specs/moriio/write_producer.yaml`` (prefill: ``deferred`` until
 ``remote_blocks`` with ``defer_timeout``, ``writing`` with
 ``transfer_timeout``, every end frees the blocks and reports
-``finished_sending``) or ``write_consumer.yaml`` (decode: ``waiting`` with
-``recv_timeout``, every end reports ``finished_recving``; a load that did
-not end with ``write_done`` reports its blocks invalid). No wait is without a
+``finished_sending``) or ``write_consumer.yaml`` (decode: ``waiting``, and
+``aborting`` after an abort, under one ``recv_timeout``; every end reports
+``finished_recving``; a load that did not end with ``write_done`` reports its
+blocks invalid). No wait is without a
 deadline: seed 001's hang cannot happen. The drivers are
 :class:`~kvfsm.drivers.moriio.PrefillEngine` and
 :class:`~kvfsm.drivers.moriio.DecodeEngine`, given vLLM's cache as their
@@ -46,8 +47,10 @@ stops waiting (``write_by``, wall clock); the prefill refuses to start writes
 that could still be in flight then (the request fails, its blocks are
 freed), so no write lands in blocks the decode engine has given back
 however late the message arrives. An aborted decode request sends the
-prefill a ``release`` (as vLLM's MoRIIO does), so a prefill that has not
-written yet frees its blocks at once and never writes.
+prefill a ``release`` (as vLLM's MoRIIO does) and keeps its blocks (vLLM
+frees an aborted ``WAITING_FOR_REMOTE_KVS`` request's blocks at its
+``finished_recving``) until the prefill answers ``released``: at once if it
+has not written yet, after draining if its writes had started.
 
 Limits: one worker per engine (tensor parallel size 1), one KV-cache group,
 WRITE mode only (the TransferEngine has no asynchronous single read).

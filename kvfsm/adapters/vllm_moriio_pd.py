@@ -51,7 +51,7 @@ class MoRIIOPD:
 
     name = "moriio"
     concurrent = True
-    abort_waits_for_transfer = False
+    abort_waits_for_transfer = True  # an aborted load keeps its blocks until the prefill answers its release
 
     def __init__(self, host: str = "127.0.0.1") -> None:
         self.host = host

@@ -1,7 +1,8 @@
 """kvfsm's MoRIIOConnector (seed 001's shape, WRITE mode) between two real vLLM engines in two OS processes
 (``kvfsm.showcase.engine.pd``): the prefill engine WRITEs its KV from vLLM's own cache into the decode engine's with
 the Mooncake TransferEngine, and the decode engine generates the tokens one engine generates alone; an abort
-mid-transfer and a killed prefill end every decode request within its deadline and leave no block held.
+mid-transfer keeps the decode engine's blocks until the prefill has stopped writing into them, and a killed prefill
+ends every decode request within its deadline; neither leaves a block held.
 
 One run of the runner serves all three tests (starting the two engines is most of the cost): ``serve`` (each prompt's
 prefill and decode requests go out together, as MoRIIO's router sends them), then ``abort``, then ``kill`` (the
@@ -110,7 +111,7 @@ def test_the_decode_engine_generates_a_single_engines_tokens_from_kv_the_prefill
     assert serve["settled"] and all(whole(e) for e in serve["engines"].values())
 
 
-def test_an_abort_mid_transfer_ends_in_time_frees_both_sides_and_nothing_is_written_for_it(
+def test_an_abort_mid_transfer_ends_in_time_and_keeps_the_blocks_until_the_prefill_has_stopped_writing(
     pd_run: dict[str, Any], run_offline: Callable[..., dict[str, Any]]
 ) -> None:
     want = run_offline("none")["passes"][0]
@@ -125,10 +126,17 @@ def test_an_abort_mid_transfer_ends_in_time_frees_both_sides_and_nothing_is_writ
         else:  # written once the prefill resumed
             assert r["finish_reason"] == "length" and r["tokens"] == want[r["prompt"]]
     assert grew(before, abort, "decode", "outcomes") == {"aborted": len(aborted), "loaded": len(ended) - len(aborted)}
-    # The prefill was stopped with every request held: on resuming it heard the decode side's release first, so the
-    # aborted ones were freed at once and never written into blocks the decode engine had given back.
-    assert grew(before, abort, "prefill", "outcomes") == {"aborted": len(aborted), "written": len(ended) - len(aborted)}
-    assert side(abort, "decode")["anomalies"] == {}, "a write_done came for a load that had ended"
+    # Every decode load ended on its prefill's answer, never on its deadline: write_done (written, before or after
+    # the release reached the prefill: the decode engine held the blocks either way) or released (the prefill heard
+    # the release first and wrote nothing, or drained what it had started). Which one depends on the steps' timing.
+    answers = grew(before, abort, "decode", "counts")
+    assert answers.get("write_done", 0) + answers.get("released", 0) == len(ended), answers
+    assert answers.get("released", 0) <= len(aborted)
+    prefill = grew(before, abort, "prefill", "outcomes")
+    assert sum(prefill.values()) == len(ended) and set(prefill) <= {"written", "aborted"}, prefill
+    assert prefill.get("aborted", 0) == answers.get("released", 0) <= len(aborted)
+    assert set(side(abort, "prefill")["anomalies"]) <= {"late:transfer_id"}  # a release that came after write_done
+    assert side(abort, "decode")["anomalies"] == {}, "an answer came for a load that had ended"
     assert abort["settled"] and set(abort["engines"]) == {"prefill", "decode"}
     assert all(whole(e) for e in abort["engines"].values())
 

@@ -19,7 +19,7 @@ from .consumer import BlockLoader, BlockMismatch, BlockReader, DecodeEngine, Sou
 from .embedded import EmbeddedTransport, Fabric
 from .faults import READ_FAULTS, WRITE_FAULTS, FaultPlan, FaultyTransport
 from .load import LoadResult, run_load
-from .messages import Message, Release, RemoteBlocks, WriteDone, decode, encode
+from .messages import Message, Release, Released, RemoteBlocks, WriteDone, decode, encode
 from .producer import BlockHolder, BlockLender, BlockWriter, PrefillEngine, expected_acks
 from .specs import TRANSFER_ID, moriio_spec
 from .transport import Status, TransferError, Transport
@@ -43,6 +43,7 @@ __all__ = [
     "Message",
     "PrefillEngine",
     "Release",
+    "Released",
     "RemoteBlocks",
     "Source",
     "Status",

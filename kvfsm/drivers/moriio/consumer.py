@@ -7,8 +7,10 @@ messages and the statuses of its reads into events. Every block is
 byte-checked against the prefill's KV for the transfer before it counts as
 loaded (on kvfsm's own blocks; vLLM's cache holds the model's KV, which only
 the tokens generated from it can check); a block that was not is reported
-invalid. In WRITE mode an aborted load also sends the prefill a ``release``,
-so a prefill that has not written yet never does.
+invalid. In WRITE mode an aborted load sends the prefill a ``release`` and
+keeps its blocks until the prefill answers (``released``, or ``write_done``
+when its writes landed first) or the load's deadline passes: the spec's
+``aborting``.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from ...spec import Spec
 from ..nixl.blocks import KVBlocks
 from ..nixl.memory import BlockMemory
 from ..report import Finished, RecvReport, Report
-from .messages import Computed, LayoutPart, Message, Release, RemoteBlocks, Stats, WriteDone
+from .messages import Computed, LayoutPart, Message, Release, Released, RemoteBlocks, Stats, WriteDone
 from .side import Side, count_senders, counted_events
 from .specs import moriio_spec
 from .transport import Extent, Transport, split_statuses
@@ -116,6 +118,8 @@ class WriteReceiver(BlockLoader):
     def __init__(self, blocks: BlockMemory, transport: Transport, peer: str, rank: int = 0) -> None:
         super().__init__(blocks, transport, peer, rank)
         self.announce_to: dict[Hashable, str] = {}
+        self._granted: set[Hashable] = set()
+        """The ``write_grant`` record: loads whose ``remote_blocks`` went out and was neither revoked nor used."""
         self.recv_timeout = 0.0
         self.wall: Callable[[], float] = time.time
         parts = [LayoutPart(p.base, p.stride, list(p.runs)) for p in blocks.layout.parts]
@@ -128,6 +132,7 @@ class WriteReceiver(BlockLoader):
         self._loads[key].peer = peer
 
     def send_remote_blocks(self, key: Hashable, /) -> None:
+        """Take ``write_grant``: tell the prefill rank where the blocks are, and when this side stops waiting."""
         load = self._loads[key]
         write_by = self.wall() + self.recv_timeout if self.recv_timeout > 0 else 0.0
         message = RemoteBlocks(
@@ -135,12 +140,26 @@ class WriteReceiver(BlockLoader):
             self.rank, self._layout, write_by,
         )  # fmt: skip
         self.transport.notify(load.peer or self.peer, message)
+        self._granted.add(key)
         self.stats["blocks_announced"] += len(load.blocks)
 
-    def cancel(self, key: Hashable) -> tuple[str, str] | None:
-        """Where to send the ``release`` of ``key``'s load if it is aborted now: (prefill rank, transfer id)."""
-        load = self._loads.get(key)
-        return None if load is None else (load.peer or self.peer, load.transfer_id)
+    def send_release(self, key: Hashable, /) -> None:
+        """Revoke ``write_grant``: tell the prefill rank the load gave up, to write no more and answer ``released``.
+
+        If it raises, the spec has already moved the load to ``aborting``: the blocks stay held until an answer or
+        the load's deadline, by which no write can still be in flight (``write_by``).
+        """
+        self._granted.remove(key)
+        load = self._loads[key]
+        self.transport.notify(load.peer or self.peer, Release(load.transfer_id, self.rank, self.transport.name))
+        self.stats["release_sent"] += 1
+
+    def forget_grant(self, key: Hashable, /) -> None:
+        """The writes are over (``write_done``, or the deadline past ``write_by``): nothing to revoke."""
+        self._granted.remove(key)
+
+    def observe(self, key: Hashable) -> set[str]:
+        return super().observe(key) | ({"write_grant"} if key in self._granted else set())
 
 
 class BlockReader(BlockLoader):
@@ -241,8 +260,8 @@ class DecodeEngine(Side):
         params = count_senders(spec, "write_done", acks, params) if mode == "write" else params
         self.tracker = Tracker(spec, self.driver, params=params, clock=clock)
         self.counted = counted_events(spec)
-        if bound_writes and isinstance(self.driver, WriteReceiver) and "waiting" in spec.states:
-            self.driver.recv_timeout = self.tracker.timeout("waiting") or 0.0
+        if bound_writes and isinstance(self.driver, WriteReceiver) and "recv_timeout" in self.tracker.params:
+            self.driver.recv_timeout = float(self.tracker.params["recv_timeout"].value)  # the `load` phase's deadline
         self.on_computed: Callable[[str, Source], object] | None = None
         """READ mode: told where the prefill computed a transfer's blocks (its ``computed`` answer to a
         ``prefill``), by whoever sent the ``prefill`` and starts the load with it (a load runner)."""
@@ -282,19 +301,15 @@ class DecodeEngine(Side):
             self._fire(request_id, "announce")
 
     def abort(self, request_id: str) -> None:
-        """Abort ``request_id``'s load; in WRITE mode tell its prefill rank too (``release``), so that a prefill that
-        has not written yet never writes into blocks given back."""
-        cancel = self.driver.cancel(request_id) if isinstance(self.driver, WriteReceiver) else None
+        """Abort ``request_id``'s load. In WRITE mode, once its blocks were announced, the spec sends the prefill a
+        ``release`` and keeps the blocks until the prefill has stopped writing (``aborting``)."""
         self._fire(request_id, "abort")
-        if cancel is not None:
-            peer, transfer_id = cancel
-            self.transport.notify(peer, Release(transfer_id, self.driver.rank))
-            self.counts["release_sent"] += 1
 
     def waiting(self) -> int:
-        """Loads waiting for the prefill side (WRITE: announced, no write_done yet; READ: reads in flight)."""
+        """Loads waiting for the prefill side (WRITE: announced, no write_done yet, or aborted and not yet answered;
+        READ: reads in flight)."""
         census = self.tracker.census()
-        return census.get("waiting", 0) + census.get("reading", 0)
+        return census.get("waiting", 0) + census.get("aborting", 0) + census.get("reading", 0)
 
     def step(self, now: float | None = None) -> Finished:
         """Take write_done messages, finish the reads that ended, fire due deadlines; the scheduler frees what finished."""
@@ -316,6 +331,9 @@ class DecodeEngine(Side):
         if isinstance(message, WriteDone):
             self.counts["write_done"] += 1
             self._heard("write_done", message.transfer_id, message.rank)  # an unknown or finished id: an anomaly
+        elif isinstance(message, Released):
+            self.counts["released"] += 1
+            self._heard("released", message.transfer_id, message.rank)
         elif isinstance(message, Computed) and self.on_computed is not None:
             self.on_computed(
                 message.transfer_id, Source(message.peer, message.base, message.block_bytes, tuple(message.blocks))

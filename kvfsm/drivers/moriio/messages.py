@@ -2,8 +2,10 @@
 
 vLLM's MoRIIO connector sends msgpack dicts over ZMQ: ``remote_blocks`` (decode
 to every prefill rank, WRITE mode), ``write_done`` (prefill to decode, WRITE
-mode) and ``release`` (decode to prefill: READ mode, reads over; WRITE mode,
-the decode side gave up, do not write). Every one names the
+mode), ``release`` (decode to prefill: READ mode, reads over; WRITE mode,
+the decode side gave up, do not write) and ``released`` (prefill to decode,
+WRITE mode: the answer to a ``release``, once nothing of that rank can land
+any more). Every one names the
 ``transfer_id`` both engines agree on, never an engine's own request id.
 ``prefill`` and the stats pair are the commands of the cross-process test
 harness (:mod:`.peer`). :func:`decode` returns None for anything that is not
@@ -56,7 +58,16 @@ class WriteDone(msgspec.Struct, tag="write_done"):
 
 
 class Release(msgspec.Struct, tag="release"):
-    """The decode side's reads of ``transfer_id`` ended (success or failure): free the blocks."""
+    """READ mode: the decode side's reads of ``transfer_id`` ended (success or failure), free the blocks. WRITE mode:
+    the decode request was aborted, write no more and answer ``released`` to ``reply_to`` (empty: nobody waits)."""
+
+    transfer_id: str
+    rank: int = 0
+    reply_to: str = ""
+
+
+class Released(msgspec.Struct, tag="released"):
+    """WRITE mode: prefill rank ``rank`` writes no more into ``transfer_id``'s blocks (it never began, or drained)."""
 
     transfer_id: str
     rank: int = 0
@@ -93,7 +104,7 @@ class Computed(msgspec.Struct, tag="computed"):
     blocks: list[int]
 
 
-Message = RemoteBlocks | WriteDone | Release | Prefill | StatsQuery | Stats | Computed
+Message = RemoteBlocks | WriteDone | Release | Released | Prefill | StatsQuery | Stats | Computed
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder: msgspec.msgpack.Decoder[Message] = msgspec.msgpack.Decoder(Message)

@@ -117,6 +117,8 @@ class ModelWriter(HandsOver, BlockWriter):
         super().__init__(self.rig.blocks, self.rig.local)
 
     def before_fire(self, key: Hashable, event: str, taken: Collection[str]) -> Mapping[str, Any]:
+        if event == "release":  # the decode side gave up: it waits on its endpoint for released
+            return {"reply_to": self.rig.peer.name}
         if event != "remote_blocks":
             return {}
         p = self.rig.peer_blocks
@@ -130,6 +132,14 @@ class ModelWriter(HandsOver, BlockWriter):
     def notify_write_done(self, key: Hashable, /) -> None:
         self.rig.trip("notify_write_done")
         super().notify_write_done(key)
+
+    def withdraw_writes(self, key: Hashable, /, reply_to: str) -> None:
+        self.rig.trip("withdraw_writes")
+        super().withdraw_writes(key, reply_to)
+
+    def notify_released(self, key: Hashable, /, reply_to: str | None = None) -> None:
+        self.rig.trip("notify_released")
+        super().notify_released(key, reply_to)
 
 
 class ModelLender(HandsOver, BlockLender):

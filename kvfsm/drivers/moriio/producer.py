@@ -6,8 +6,10 @@ rank's blocks, transport and tracker, and once per step turns the messages
 it received and the statuses of its posted writes into events. Every message
 is routed by ``transfer_id`` (the spec says so). In WRITE mode a ``release``
 from the decode side means it gave up on the transfer (vLLM's MoRIIO sends
-it when a decode request is aborted): the request is aborted, its blocks
-freed and nothing written. A message that names a transfer not computed here
+it when a decode request is aborted): a request whose writes have not started
+is aborted with nothing written, one whose writes are posted drains them, and
+either answers ``released`` once nothing more can land, since the decode side
+keeps its blocks until then. A message that names a transfer not computed here
 yet is the spec's to keep (``early:`` on ``remote_blocks`` and ``release``):
 the tracker applies it when the hold begins, or drops it as an ``early``
 anomaly past its window.
@@ -29,7 +31,7 @@ from ..nixl.blocks import KVBlocks
 from ..nixl.memory import BlockLayout, BlockMemory, Part, read_extents
 from ..report import Finished, Report, SendReport
 from .faults import FaultyTransport
-from .messages import Computed, Message, Prefill, Release, RemoteBlocks, Stats, StatsQuery, WriteDone
+from .messages import Computed, Message, Prefill, Release, Released, RemoteBlocks, Stats, StatsQuery, WriteDone
 from .side import Side, count_senders, counted_events
 from .specs import moriio_spec
 from .transport import Extent, Transport, split_statuses
@@ -52,6 +54,12 @@ class Job:
     blocks: tuple[int, ...]
     sent: tuple[int, int] = (0, 0)
     """Blocks and bytes the posted batch writes."""
+    reply_to: str = ""
+    """Where the decode side waits for ``released`` (its ``release`` said), while the writes drain."""
+
+
+WITHDRAWN = object()
+"""The batch of a request whose writes were withdrawn before they were posted: nothing is in flight."""
 
 
 class BlockHolder(SendReport):
@@ -176,8 +184,28 @@ class BlockWriter(BlockHolder):
         _, batch = self._batches.pop(key)
         if self._held_back is not None and self._held_back.pop(key, None) is not None:
             self.stats["batches_withdrawn"] += 1  # never posted: nothing can land
-        elif batch is not None:
+        elif batch is not None and batch is not WITHDRAWN:
             self.transport.release(batch)
+
+    def withdraw_writes(self, key: Hashable, /, reply_to: str) -> None:
+        """The decode side gave up while the writes were due (``release`` in ``writing``): a batch not posted yet is
+        withdrawn (complete at once, nothing written); a posted one cannot be recalled and is waited for. Either way
+        ``released`` goes to ``reply_to`` when it has ended."""
+        self._jobs[key].reply_to = reply_to
+        if self._held_back is not None and self._held_back.pop(key, None) is not None:
+            peer, _ = self._batches[key]
+            self._batches[key] = (peer, WITHDRAWN)
+            self.stats["batches_withdrawn"] += 1
+
+    def notify_released(self, key: Hashable, /, reply_to: str | None = None) -> None:
+        """Answer the decode side's ``release``: this rank writes no more into the request's blocks."""
+        job = self._jobs[key]
+        peer = reply_to if reply_to is not None else job.reply_to
+        if not peer:  # a release from a decode request that never announced blocks: nobody waits
+            self.stats["released_unaddressed"] += 1
+            return
+        self.transport.notify(peer, Released(job.transfer_id, self.rank))
+        self.stats["released_sent"] += 1
 
     def notify_write_done(self, key: Hashable, /) -> None:
         peer, _ = self._batches[key]
@@ -188,9 +216,10 @@ class BlockWriter(BlockHolder):
         self.transport.notify(peer, WriteDone(job.transfer_id, self.rank))
 
     def statuses(self) -> tuple[list[Hashable], list[Hashable]]:
-        """The requests whose writes all succeeded, and those whose writes ended with a failure."""
-        posted = {key: batch for key, (_, batch) in self._batches.items() if batch is not None}
-        return split_statuses(self.transport, posted)
+        """The requests whose writes all succeeded (a withdrawn batch at once), and those whose writes failed."""
+        posted = {key: b for key, (_, b) in self._batches.items() if b is not None and b is not WITHDRAWN}
+        done, failed = split_statuses(self.transport, posted)
+        return done + [key for key, (_, b) in self._batches.items() if b is WITHDRAWN], failed
 
     def observe(self, key: Hashable) -> set[str]:
         return super().observe(key) | ({"xfer"} if key in self._batches else set())
@@ -315,9 +344,10 @@ class PrefillEngine(Side):
         if isinstance(message, RemoteBlocks):
             self.counts["remote_blocks"] += 1
             self._deliver("remote_blocks", message.transfer_id, remote_blocks=message)
-        elif isinstance(message, Release):  # WRITE: the decode side gave up; READ: its reads ended
+        elif isinstance(message, Release):  # WRITE: the decode side gave up (answer it); READ: its reads ended
             self.counts["release"] += 1
-            self._heard("release", message.transfer_id, message.rank)
+            reply = {"reply_to": message.reply_to} if self.mode == "write" else {}
+            self._heard("release", message.transfer_id, message.rank, **reply)
         elif isinstance(message, Prefill):
             self.queued[message.transfer_id] = message
             self._admit()

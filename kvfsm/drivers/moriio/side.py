@@ -117,13 +117,13 @@ class Side:
     def _deliver(self, event: str, transfer_id: str, **payload: Any) -> None:
         self._call(self.tracker.deliver, event, transfer_id, **payload)
 
-    def _heard(self, event: str, transfer_id: str, rank: int) -> None:
+    def _heard(self, event: str, transfer_id: str, rank: int, **payload: Any) -> None:
         """A peer rank's ``event`` for ``transfer_id``: where the spec counts it, ``rank`` is the sender counted, so
         a message repeated by one rank is a ``duplicate``, never another rank's."""
         if event in self.counted:
-            self._deliver(event, transfer_id, sender=rank)
+            self._deliver(event, transfer_id, sender=rank, **payload)
         else:
-            self._deliver(event, transfer_id)
+            self._deliver(event, transfer_id, **payload)
 
     def _poll(self, now: float | None) -> None:
         """Fire due deadlines, then count what finished and what was dropped."""

@@ -18,11 +18,12 @@ are reset between them, so every load is a whole prompt's):
 - ``serve``: every prompt, P then D.
 - ``abort``: the prefill process is stopped (SIGSTOP) so the decode side's
   transfers stay in flight, half the decode requests are aborted mid-transfer,
-  the prefill resumes and the others finish. A connector whose transfer cannot
-  be cancelled (NIXL's READ) keeps an aborted load's blocks until its
-  transfer has stopped, so those end after the prefill resumes; otherwise
-  they end while it is stopped, and the prefill frees their blocks at its
-  ``abort_timeout`` (nobody notified it).
+  the prefill resumes and the others finish. A connector that keeps an
+  aborted load's blocks until its transfer has stopped (a NIXL READ cannot be
+  cancelled; a MoRIIO WRITE load waits for the prefill's answer to its
+  ``release``) ends those after the prefill resumes; otherwise they end while
+  it is stopped, and the prefill frees their blocks at its ``abort_timeout``
+  (nobody notified it).
 - ``kill``: the prefill process is stopped with READs in flight, then
   SIGKILLed, and more decode requests arrive naming it: every decode request
   must end (error, or recomputed under ``failure_policy="recompute"``)
@@ -109,7 +110,8 @@ class PDConnector(Protocol):
     params the connector makes up front (a WRITE-mode connector such as MoRIIO's)."""
     abort_waits_for_transfer: bool
     """True: an aborted load ends only once its transfer has stopped (a NIXL READ cannot be cancelled:
-    docs/nixl.md §6), so the ``abort`` phase resumes the prefill before it waits for the aborted requests."""
+    docs/nixl.md §6; a MoRIIO WRITE load waits for the prefill's answer: docs/moriio.md §5), so the ``abort``
+    phase resumes the prefill before it waits for the aborted requests."""
 
     def kv_transfer_config(self, role: str, options: PDOptions) -> dict[str, Any]:
         """``KVTransferConfig(**...)`` of the ``prefill`` or ``decode`` engine."""
