@@ -139,10 +139,6 @@ def test_every_bundled_system_replays_on_the_ledger_or_names_the_step_a_trace_ru
         with pytest.raises(TraceError, match=rf"{system.name}: role \w+ owns instances .* \(cause 'owner'\)"):
             cover_system(system)
         return
-    if any(r.crash for r in system.roles.values()):
-        with pytest.raises(TraceError, match=rf"{system.name}: this step crashes prefill's process"):
-            cover_system(system)
-        return
     result = cover_system(system)
     assert result.passed, result.summary()
     assert {i.kind for i in result.exercised} >= {"edge", "message"}
@@ -167,6 +163,19 @@ def test_the_loopback_drivers_keep_to_every_trace_of_the_set(path: Path) -> None
     assert result.exercised == set(result.reachable) and result.ratio == 1.0
     assert result.drivers == {"prefill": "PrefillDriver", "decode": "DecodeDriver"}
     assert all(r.matched == len(r.trace.moves) for r in result.runs)
+
+
+@pytest.mark.parametrize(
+    "path", [CRASHES, CRASHES.with_name("pd_prefill_crash_no_restart.yaml")], ids=["restart", "none"]
+)
+def test_the_loopback_drivers_keep_to_every_trace_of_a_set_with_crashes(path: Path) -> None:
+    """A crash step drops the prefill's tracker and driver as they are and a new pair stands in for the process
+    that comes back: every crash edge, and the messages that reach the crashed instance, run on the real drivers."""
+    result = cover_system(path, pd_loopback.factories())
+    assert result.passed, result.summary()
+    crashes = {i.name for i in result.exercised if "--crash-->" in i.name}
+    assert {f"prefill: {s} --crash--> crashed" for s in ("bootstrapping", "waiting_input", "transferring")} <= crashes
+    assert result.exercised == set(result.reachable)
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from kvfsm.spec import load
 from kvfsm.testing import DriverFactory, run
 from kvfsm.testing.ledger import LedgerDriver, LedgerError
 from kvfsm.testing.trace_replay import TraceRun, replay_trace
+from kvfsm.testing.trace_set import trace_set
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = ROOT / "tests"
@@ -401,3 +403,48 @@ def test_cli_usage_errors_exit_two_without_a_traceback(
     result = kvfsm("test", str(spec), "--trace", str(trace), *args)
     assert result.returncode == 2, result.stdout + result.stderr
     assert says in " ".join(result.stderr.split()) and "Traceback" not in result.stderr
+
+
+# -- a role's process dies ------------------------------------------------------------------------
+
+CRASHES = ROOT / "specs" / "explore" / "pd_prefill_crash.yaml"
+
+
+def crash_in(state: str) -> Trace:
+    """The trace set's run in which the prefill's process dies in ``state``."""
+    return next(t for t in trace_set(CRASHES).traces if any(s.cause == "crash" and s.source == state for s in t.steps))
+
+
+def test_a_crash_drops_the_prefills_tracker_and_driver_as_they_are_and_a_new_pair_stands_in() -> None:
+    trace = crash_in("transferring")
+    replay = TraceRun(CRASHES, trace, pd_loopback.factories())
+    before: dict[str, object] = {}
+    for done in replay:
+        assert done.mismatch is None, done.mismatch
+        if done.step.cause == "crash":
+            assert replay.drivers["prefill"] is not before["prefill"]
+            assert replay.trackers["prefill"].state("r0") is None and done.state == "crashed"
+            assert done.observed == ()
+            dead = before["prefill"]
+            assert isinstance(dead, PrefillDriver) and dead.observe("r0") == {"src_pages"}  # lost with it, not freed
+        before = dict(replay.drivers)
+    assert len(replay.done) == len(trace.steps)  # every step matched (a trace set's run breaks no property)
+    assert replay.drivers["decode"].observe("r0") == {"kv_pages"}  # decode's own deadlines and messages end it
+
+
+def test_a_crash_with_another_request_live_in_the_process_is_a_mismatch() -> None:
+    trace = crash_in("bootstrapping")
+    other = [dataclasses.replace(s, request="r1") for s in trace.steps if s.action == "begin"]
+    replay = TraceRun(CRASHES, dataclasses.replace(trace, steps=tuple(other) + trace.steps), pd_loopback.factories())
+    mismatch = replay.run().mismatch
+    assert mismatch is not None and mismatch.what == "crash"
+    assert mismatch.actual == "r1 live there too: a real crash loses them all"
+
+
+def test_a_lasso_after_a_crash_is_reproduced_when_its_cycle_comes_back_on_the_real_drivers() -> None:
+    system = CRASHES.with_name("pd_prefill_crash_no_restart.yaml")
+    [final] = [p for p in explore(system).properties if p.name == "final"]
+    assert final.trace is not None and final.trace.loop is not None
+    result = TraceRun(system, final.trace, pd_loopback.factories()).run()
+    assert result.verdict == "reproduced", result.summary
+    assert "the cycle came back to where it began: decode in aborting" in result.summary

@@ -21,12 +21,18 @@ would make it happen:
   of this instance's: the explorer is untimed, a clock is not), the
   timeout's event is fired directly instead, and the step says so;
 - ``reject`` → ``fire`` must raise :class:`~kvfsm.errors.IllegalTransition`;
-- ``reply`` → the finished instance's server answers; no tracker is called.
+- ``reply`` → the finished instance's server answers; no tracker is called;
+- ``crash`` → the role instance's process dies: its tracker and driver are
+  dropped as they are (no release runs; what they held is lost with them)
+  and a new tracker and a new driver from the role's factory stand in for
+  the process that comes back. The request's instance is then ``crashed``:
+  unknown to the new tracker, nothing observed; a message that reaches it
+  is dropped, no tracker called. A crash loses every request of the
+  process, so one is refused while another request is live there.
 
 A step a trace run cannot perform yet is refused before any driver is made
-(:func:`check_replayable`): a ``crash`` step (a role's process dying), and
-any trace of a system whose roles own instances of another machine
-(``owns:``: the steps the engine fires for a family).
+(:func:`check_replayable`): any trace of a system whose roles own instances
+of another machine (``owns:``: the steps the engine fires for a family).
 
 After every step the instance's state must be the step's ``to``, and both the
 Tracker's ledger and ``driver.observe(request)`` must equal its ``holds``;
@@ -85,8 +91,8 @@ class Mismatch:
     """``step 3`` (the chart's numbering) or ``begin r0 on decode``."""
     what: str
     """``state``, ``holds`` (the Tracker's ledger), ``observe`` (the driver), ``raised``, ``hung`` (a driver call
-    did not return within the call timeout), ``timeout``, ``ignore``, ``transition``, ``reject`` or ``violation``
-    (the steps matched, the violation did not show)."""
+    did not return within the call timeout), ``timeout``, ``ignore``, ``transition``, ``reject``, ``crash`` (another
+    request was live in the process that dies) or ``violation`` (the steps matched, the violation did not show)."""
     expected: str
     actual: str
 
@@ -232,26 +238,19 @@ class TraceRun:
         """Per role instance (``decode``, or ``decode#0``, ``decode#1`` for a role with ranks): its own driver."""
         self.driven_by: dict[str, str] = {}
         """Per declared role: what drove its instances."""
-        made = {
+        self._made = {
             name: given if isinstance(given, Factory) else Factory(given, timer, role=name)
             for name, given in factories.items()
         }
-        for name, role in self._wide.roles.items():
-            base = self._wide.base_of(name)
-            if base in made:
-                driver = made[base].make(purpose)
-                check_driver(role.spec, driver)
-                _check_before_fire(role.spec, driver)
-                self.driven_by[base] = type(driver).__name__
-            else:
-                driver = LedgerDriver(role.spec)
-                self.driven_by[base] = "ledger (built in)"
-            self.drivers[name] = driver
+        self._purpose = purpose
+        for name in self._wide.roles:
+            self.drivers[name] = self._driver(name)
         self.clocks = {name: VirtualClock() for name in self._wide.roles}
-        self.trackers = {
-            name: Tracker(role.spec, self.drivers[name], clock=self.clocks[name], threadsafe=False)
-            for name, role in self._wide.roles.items()
-        }
+        self.trackers = {name: self._tracker(name) for name in self._wide.roles}
+        self._loop_start: tuple[object, ...] | None = None
+        """A lasso's request as it stood before the cycle's first move (:meth:`_where`)."""
+        self._crashed: set[tuple[str, str]] = set()
+        """(role instance, request) of every instance whose process died (the ``crash`` steps so far)."""
         self._models = {name: SpecModel(role.spec) for name, role in self._wide.roles.items()}
         """The spec's own view of each role: where its deadlines stand, which transition an event takes."""
         self._traffic = Traffic(self._wide.wire)
@@ -262,6 +261,21 @@ class TraceRun:
             n += s.action != "begin"
             self._numbers.append(n if s.action != "begin" else None)
         self._rejected = False
+
+    def _driver(self, name: str) -> object:
+        """A driver for role instance ``name``: from its role's factory, else the built-in ledger."""
+        spec, base = self._wide.roles[name].spec, self._wide.base_of(name)
+        if base not in self._made:
+            self.driven_by[base] = "ledger (built in)"
+            return LedgerDriver(spec)
+        driver = self._made[base].make(self._purpose)
+        check_driver(spec, driver)
+        _check_before_fire(spec, driver)
+        self.driven_by[base] = type(driver).__name__
+        return driver
+
+    def _tracker(self, name: str) -> Tracker:
+        return Tracker(self._wide.roles[name].spec, self.drivers[name], clock=self.clocks[name], threadsafe=False)
 
     @property
     def done(self) -> tuple[TraceStepResult, ...]:
@@ -286,12 +300,14 @@ class TraceRun:
         label = f"step {number}" if number is not None else f"begin {step.request} on {step.role}"
         call, state, observed, mismatch = "", None, None, None
         try:
+            if number is not None and number - 1 == self.trace.loop:
+                self._loop_start = self._where()  # where the cycle begins: it must come back here
             call = self._perform(step)
             carry(self._traffic, step)
             state, observed = self._check(step)
         except _Diverged as d:
             mismatch = Mismatch(index, label, d.what, d.expected, d.actual)
-            state = self.trackers[step.role].state(step.request)
+            state = self._state(step.role, step.request)
             try:
                 observed = None if self.hung else self._observe(step.role, step.request)
             except _Diverged:
@@ -331,6 +347,10 @@ class TraceRun:
         self._rejected = False
         if step.action == "reply":
             return f"none (the server answers with {', '.join(s.message for s in step.sent)})"
+        if step.cause == "crash":
+            return self._crash(step)
+        if (role, req) in self._crashed:
+            return "none (its process died: what reaches it there is dropped)"
         if step.action == "begin":
             given = begin_resources(model.spec)
             if given:
@@ -364,6 +384,24 @@ class TraceRun:
         if step.action == "fire" and was_ignored:
             raise _Diverged("transition", f"{event}: {step.source} → {step.target}", f"{event} ignored in {got}")
         return call
+
+    def _crash(self, step: Step) -> str:
+        """The process of ``step.role``'s instance dies and comes back: a new tracker and driver, nothing kept."""
+        role, req = step.role, step.request
+        model = self._models[role]
+        others = [k for k in model.live if k != req and not model.is_final(k)]
+        if others:
+            raise _Diverged(
+                "crash", f"{req} the only request live in {role}'s process",
+                f"{', '.join(map(str, others))} live there too: a real crash loses them all",
+            )  # fmt: skip
+        now = model.now
+        self.drivers[role] = self._driver(role)
+        self.trackers[role] = self._tracker(role)
+        self._models[role] = SpecModel(self._wide.roles[role].spec)
+        self._models[role].now = now
+        self._crashed.add((role, req))
+        return "crash (a new tracker and driver stand in for the process that died; nothing of it is released)"
 
     def _timeout(self, step: Step, event: str) -> tuple[str, str]:
         """Let the instance's deadline that fires ``event`` pass (its state's own, else a phase's it is in) and
@@ -440,7 +478,7 @@ class TraceRun:
     def _check(self, step: Step) -> tuple[str | None, tuple[str, ...]]:
         """State, the Tracker's ledger, then the driver's real resources, against the step."""
         tracker = self.trackers[step.role]
-        state = tracker.state(step.request)
+        state = self._state(step.role, step.request)
         if state != step.target:
             raise _Diverged("state", repr(step.target), repr(state))
         want = set(step.holds)
@@ -450,6 +488,10 @@ class TraceRun:
         if set(seen) != want:
             raise _Diverged("observe", _held(want), f"{self._named(step.role)}.observe says {_held(seen)}")
         return state, seen
+
+    def _state(self, role: str, request: str) -> str | None:
+        """The instance's state as the trace names it: ``crashed`` once its process died."""
+        return "crashed" if (role, request) in self._crashed else self.trackers[role].state(request)
 
     def _observe(self, role: str, request: str) -> tuple[str, ...]:
         observe: Callable[[str], Collection[str]] = getattr(self.drivers[role], "observe")  # noqa: B009
@@ -504,19 +546,45 @@ class TraceRun:
             return "real trackers with ledger drivers"
         return f"the real {' and '.join(real)} driver{'s' if len(real) > 1 else ''} (ledger for {', '.join(ledger)})"
 
+    def _where(self) -> tuple[object, ...]:
+        """The request's instances (states and what the drivers observe) and its messages in flight."""
+        snap = self._snapshot()
+        return tuple(sorted(snap.states.items())), tuple(sorted(snap.held.items())), snap.in_flight
+
     def _violation(self) -> str:
         """The trace's violation as it shows on the real trackers and drivers, in words; diverges if it does not."""
         prop = self._wide.property_named(self.trace.prop)
+        if prop.liveness:
+            return self._lasso()
         snap = self._snapshot()
         found = violation(self._wide, prop, snap)
         if found is None:
             raise _Diverged("violation", prop.describe(), _describe(snap))
         return found
 
+    def _lasso(self) -> str:
+        """An ``eventually`` broken by a lasso: after the cycle ran once the request is where the cycle began (so it
+        can run forever), and, there, an instance is live (``final``) or holds something (``released``)."""
+        where = self._where()
+        start = self._loop_start if self._loop_start is not None else where  # a cycle of no moves: it stays put
+        if where != start:
+            raise _Diverged("violation", "the cycle to end where it began", f"began at {start}, ended at {where}")
+        snap = self._snapshot()
+        if self.trace.prop == "released":
+            stuck = [f"{r} keeps {_held(h)}" for r, h in snap.held.items() if h]
+        else:
+            stuck = [
+                f"{r} in {st}" for r, st in snap.states.items()
+                if st is not None and st != "crashed" and not self._wide.roles[r].spec.states[st].is_final
+            ]  # fmt: skip
+        if not stuck:
+            raise _Diverged("violation", self.trace.violation, _describe(snap))
+        return f"{self.trace.violation} (the cycle came back to where it began: {'; '.join(stuck)})"
+
     def _snapshot(self) -> Snapshot:
         """The trace's request as the properties see it: trackers' states, drivers' observe, messages in flight."""
         req = self.trace.request
-        states = {name: t.state(req) for name, t in self.trackers.items()}
+        states = {name: self._state(name, req) for name in self.trackers}
         held = {name: self._observe(name, req) for name, state in states.items() if state is not None}
         last = self.trace.steps[-1] if self.trace.steps else None
         step = None
@@ -528,8 +596,8 @@ class TraceRun:
 
 def check_replayable(trace: Trace, system: System) -> None:
     """Raise :class:`TraceError` unless ``trace`` can happen in ``system`` (:func:`check_trace`) and a trace run
-    can perform each of its steps: not yet a step that crashes a role's process, nor a system whose roles own
-    instances of another machine (``owns:``, whose ``owner`` steps need a family's trackers linked)."""
+    can perform each of its steps: not yet a system whose roles own instances of another machine (``owns:``,
+    whose ``owner`` steps need a family's trackers linked)."""
     check_trace(trace, system)
     owners = [name for name, r in system.roles.items() if r.spec.owns]
     if owners:
@@ -539,14 +607,6 @@ def check_replayable(trace: Trace, system: System) -> None:
             "link a family's trackers yet, so it cannot perform the steps the engine fires for the family "
             "(cause 'owner'); test each machine with kvfsm test instead",
         )
-    for i, step in enumerate(trace.steps):
-        if step.cause == "crash":
-            raise TraceError(
-                f"steps[{i}].cause",
-                f"{system.name}: this step crashes {step.role}'s process ({step.source} → {step.target}), and a "
-                "trace run does not crash a driver's process yet; replay the traces without a crash, and test the "
-                "crash path against the real process",
-            )
 
 
 def _describe(snap: Snapshot) -> str:

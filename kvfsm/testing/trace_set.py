@@ -28,7 +28,7 @@ crashes, ranks, counted messages, timeout relations and families
 the single-machine bar: a driver that parts from a trace fails the run, and
 so does anything reachable left unexercised, named with why, unless the bar
 was lowered on purpose (``min_coverage``, exemptions). What a replay cannot
-perform yet (a crash step, a family's linked trackers) is refused there, by
+perform yet (a family's linked trackers) is refused there, by
 :class:`~kvfsm.testing.trace_replay.TraceRun`, naming the step and the system.
 """
 
@@ -325,7 +325,7 @@ def cover_system(
     (:attr:`SystemCoverage.skipped`). A factory that raises, on any trace,
     raises :class:`~kvfsm.testing.calls.DriverError` naming the role, the
     factory's call and the trace. A set with a step a trace run cannot
-    perform yet (a crash, a family's) raises
+    perform yet (a family's ``owner`` step) raises
     :class:`~kvfsm.explore.TraceError` naming it and the system
     (:func:`~kvfsm.testing.trace_replay.check_replayable`) before any
     driver is made.
