@@ -448,3 +448,35 @@ def test_a_lasso_after_a_crash_is_reproduced_when_its_cycle_comes_back_on_the_re
     result = TraceRun(system, final.trace, pd_loopback.factories()).run()
     assert result.verdict == "reproduced", result.summary
     assert "the cycle came back to where it began: decode in aborting" in result.summary
+
+
+# -- a family (owns:) ---------------------------------------------------------------------------------
+
+OWNS = TESTS / "specs" / "owns"
+
+
+def test_a_request_that_frees_at_its_first_failed_job_is_reproduced_the_engine_firing_job_failed() -> None:
+    """The explorer's 3 moves: the request finishes, one job fails, and the engine fires ``job_failed`` on the
+    request (a step of cause ``owner``), which frees while two jobs still pin: the same happens in the real
+    trackers, the children's tracker attached to the request's."""
+    system = OWNS / "frees_on_failure.yaml"
+    [prop] = [p for p in explore(system).properties if p.name == "freed_while_pinned"]
+    assert prop.trace is not None
+    replay = TraceRun(system, prop.trace)
+    result = replay.run()
+    assert result.verdict == "reproduced", result.summary
+    assert result.summary.endswith(
+        "request is in sent while job#1 is in pinned — reproduced on real trackers with ledger drivers"
+    )
+    assert replay.trackers["job#0"] is replay.trackers["job#2"]  # one tracker for the ranks of the child role
+    assert replay.trackers["job#1"].state("r0#1") == "pinned" and replay.trackers["request"].state("r0") == "sent"
+
+
+def test_a_parent_role_with_ranks_is_refused_before_any_driver_is_made(tmp_path: Path) -> None:
+    text = (OWNS / "frees_on_failure.yaml").read_text()
+    specs = str(OWNS.resolve()) + "/"
+    ranked = text.replace("spec: ", f"spec: {specs}").replace("request: {spec:", "request: {ranks: 2, spec:")
+    (tmp_path / "s.yaml").write_text(ranked)
+    [prop] = [p for p in explore(OWNS / "frees_on_failure.yaml").properties if p.name == "freed_while_pinned"]
+    with pytest.raises(TraceError, match=r"owns instances of another machine \(owns:\) and has ranks"):
+        TraceRun(tmp_path / "s.yaml", prop.trace)

@@ -243,15 +243,38 @@ class TraceRun:
             for name, given in factories.items()
         }
         self._purpose = purpose
+        self._parent: dict[str, tuple[str, str]] = {
+            child: (name, rule.by)
+            for name, role in self._wide.roles.items()
+            for rule in role.spec.owns.values()
+            for child, other in self._wide.roles.items()
+            if other.spec.name == rule.machine
+        }
+        """A family's child role instance → (its parent role instance, the begin payload key that names the parent)."""
+        self._host: dict[str, str] = {}
+        """Role instance → the one whose tracker, driver, clock and model it shares: a family lives in one process,
+        so the ranks of a child role are keys of one tracker (``r0#1``), attached to the parent's (``parent=``)."""
         for name in self._wide.roles:
+            base = self._wide.base_of(name)
+            self._host[name] = self._wide.instances_of(base)[0] if name in self._parent else name
+        self.clocks: dict[str, VirtualClock] = {}
+        self.trackers: dict[str, Tracker] = {}
+        for name in sorted(self._wide.roles, key=lambda n: n in self._parent):  # parents first
+            host = self._host[name]
+            if host != name:
+                self.drivers[name], self.clocks[name] = self.drivers[host], self.clocks[host]
+                self.trackers[name] = self.trackers[host]
+                continue
             self.drivers[name] = self._driver(name)
-        self.clocks = {name: VirtualClock() for name in self._wide.roles}
-        self.trackers = {name: self._tracker(name) for name in self._wide.roles}
+            parent = self._parent.get(name)
+            self.clocks[name] = self.clocks[parent[0]] if parent else VirtualClock()
+            self.trackers[name] = self._tracker(name)
         self._loop_start: tuple[object, ...] | None = None
         """A lasso's request as it stood before the cycle's first move (:meth:`_where`)."""
         self._crashed: set[tuple[str, str]] = set()
         """(role instance, request) of every instance whose process died (the ``crash`` steps so far)."""
-        self._models = {name: SpecModel(role.spec) for name, role in self._wide.roles.items()}
+        models = {name: SpecModel(role.spec) for name, role in self._wide.roles.items() if self._host[name] == name}
+        self._models = {name: models[self._host[name]] for name in self._wide.roles}
         """The spec's own view of each role: where its deadlines stand, which transition an event takes."""
         self._traffic = Traffic(self._wide.wire)
         self._done: list[TraceStepResult] = []
@@ -268,14 +291,25 @@ class TraceRun:
         if base not in self._made:
             self.driven_by[base] = "ledger (built in)"
             return LedgerDriver(spec)
-        driver = self._made[base].make(self._purpose)
+        parent = self._parent.get(name)  # an owned machine's factory gets its parent's driver (what they share)
+        driver = self._made[base].make(self._purpose, *([self.drivers[parent[0]]] if parent else []))
         check_driver(spec, driver)
         _check_before_fire(spec, driver)
         self.driven_by[base] = type(driver).__name__
         return driver
 
     def _tracker(self, name: str) -> Tracker:
-        return Tracker(self._wide.roles[name].spec, self.drivers[name], clock=self.clocks[name], threadsafe=False)
+        parent = self._parent.get(name)
+        return Tracker(
+            self._wide.roles[name].spec, self.drivers[name], clock=self.clocks[name], threadsafe=False,
+            parent=self.trackers[parent[0]] if parent else None,
+        )  # fmt: skip
+
+    def _key(self, role: str, request: str) -> str:
+        """The key ``role``'s instance of ``request`` has in its tracker: the request, or ``r0#1`` for a rank of a
+        family's child role (its ranks share one tracker)."""
+        base = self._wide.base_of(role)
+        return f"{request}{role[len(base):]}" if role in self._parent and role != base else request
 
     @property
     def done(self) -> tuple[TraceStepResult, ...]:
@@ -304,7 +338,12 @@ class TraceRun:
                 self._loop_start = self._where()  # where the cycle begins: it must come back here
             call = self._perform(step)
             carry(self._traffic, step)
-            state, observed = self._check(step)
+            if self._moved_on(index):
+                state = self._state(step.role, step.request)
+                observed = self._observe(step.role, step.request)
+                call += " (the engine moves it on in the same call: checked at its own step below)"
+            else:
+                state, observed = self._check(step)
         except _Diverged as d:
             mismatch = Mismatch(index, label, d.what, d.expected, d.actual)
             state = self._state(step.role, step.request)
@@ -324,6 +363,17 @@ class TraceRun:
 
     # -- performing a step -------------------------------------------------------
 
+    def _moved_on(self, index: int) -> bool:
+        """Whether an ``owner`` step the engine fires in the same call as step ``index`` (the steps right after it
+        with that cause) moves the same instance on: its state is checked there, not here."""
+        me = self.trace.steps[index]
+        for later in self.trace.steps[index + 1 :]:
+            if later.cause != "owner":
+                return False
+            if (later.role, later.request) == (me.role, me.request):
+                return True
+        return False
+
     def _event(self, step: Step) -> str:
         """The event a step fires on its role's tracker: a delivered copy of a message (``read@prefill#1``) fires
         the message's event (``read``)."""
@@ -334,43 +384,52 @@ class TraceRun:
     def _counted(self, step: Step, event: str) -> dict[str, Any]:
         """Who sent a message the role's spec counts: its sending role's instance (one per rank), and K where the
         arrival gives it: the senders the system counts (``count:``), else 1."""
-        role, req = step.role, step.request
+        role, key = step.role, self._key(step.role, step.request)
         message = self._wide.messages.get(step.event or "") if step.cause == "message" else None
         sender = message.sender if message is not None else role
         need = max(message.count, 1) if message is not None else 1
-        return self._models[role].count_payload(self.trackers[role].state(req), event, sender, need)
+        return self._models[role].count_payload(self.trackers[role].state(key), event, sender, need)
 
     def _perform(self, step: Step) -> str:
         """Make the step happen on the role's tracker; returns what was called."""
-        role, req = step.role, step.request
+        role, req = step.role, self._key(step.role, step.request)
         tracker, model = self.trackers[role], self._models[role]
         self._rejected = False
         if step.action == "reply":
             return f"none (the server answers with {', '.join(s.message for s in step.sent)})"
         if step.cause == "crash":
             return self._crash(step)
-        if (role, req) in self._crashed:
+        if (role, step.request) in self._crashed:
             return "none (its process died: what reaches it there is dropped)"
         if step.action == "begin":
             given = begin_resources(model.spec)
-            if given:
-                self._hook(role, "before_begin", req, given)
-            self._call(lambda: tracker.begin(req), step)
+            payload: dict[str, Any] = {}
+            if given or (model.spec.begin_payload and hasattr(self.drivers[role], "before_begin")):
+                payload.update(self._hook(role, "before_begin", req, given))
+            parent = self._parent.get(role)
+            if parent:
+                payload[parent[1]] = self._key(parent[0], step.request)
+            self._call(lambda: tracker.begin(req, **payload), step)
             model.begin(req)
             return "begin"
         event = self._event(step)
+        if step.cause == "owner":  # the engine fired it for the family, in the call of the step before
+            model.fire(req, event, {})
+            return "none (the engine fired it for the family, in the call above)"
         edge = model.edges.get((tracker.state(req) or "", event))
+        given_payload: Mapping[str, Any] = {}
         if step.action == "fire" and edge is not None:
             given = caller_taken(model.spec, edge.source, edge.target)
-            if given:
-                self._hook(role, "before_fire", req, event, given)
+            declared = model.spec.table[(edge.source, event)].transition.payload
+            if given or (declared and hasattr(self.drivers[role], "before_fire")):
+                given_payload = self._hook(role, "before_fire", req, event, given)
         why = ""
         if step.cause == "timeout":
             polled, why = self._timeout(step, event)
             if polled:
                 return polled
         ignored = tracker.counts["ignored"]
-        payload = self._counted(step, event)
+        payload = {**given_payload, **self._counted(step, event)}
         got = self._call(lambda: tracker.fire(req, event, **payload), step)
         model.fire(req, event, payload)
         call = f"fire ({why})" if why else "fire"
@@ -406,7 +465,7 @@ class TraceRun:
     def _timeout(self, step: Step, event: str) -> tuple[str, str]:
         """Let the instance's deadline that fires ``event`` pass (its state's own, else a phase's it is in) and
         ``poll()``: (what was called, "") or ("", why the event is fired instead)."""
-        role, req = step.role, step.request
+        role, req = step.role, self._key(step.role, step.request)
         model, clock, tracker = self._models[role], self.clocks[role], self.trackers[role]
         armed = model.deadlines()
         mine = next((d for d in armed if d[0] == req and d[3] == event), None)
@@ -437,11 +496,13 @@ class TraceRun:
         """The call timer's guard for one call into ``role``'s driver (nothing when calls are not timed)."""
         return self.timer.call(what, self.drivers[role]) if self.timer is not None else nullcontext()
 
-    def _hook(self, role: str, name: str, *args: Any) -> None:
+    def _hook(self, role: str, name: str, *args: Any) -> Mapping[str, Any]:
+        """Call the driver's ``before_begin``/``before_fire``; what it returns, if a mapping, is the call's payload."""
         hook: Callable[..., object] = getattr(self.drivers[role], name)
         try:
             with self._guard(role, f"{self._named(role)}.{name}{args!r}"):
-                hook(*args)
+                got = hook(*args)
+                return got if isinstance(got, Mapping) else {}
         except _Diverged:
             raise
         except Exception as exc:
@@ -477,13 +538,13 @@ class TraceRun:
 
     def _check(self, step: Step) -> tuple[str | None, tuple[str, ...]]:
         """State, the Tracker's ledger, then the driver's real resources, against the step."""
-        tracker = self.trackers[step.role]
+        tracker, key = self.trackers[step.role], self._key(step.role, step.request)
         state = self._state(step.role, step.request)
         if state != step.target:
             raise _Diverged("state", repr(step.target), repr(state))
         want = set(step.holds)
-        if set(tracker.held(step.request)) != want:
-            raise _Diverged("holds", _held(want), f"the Tracker's ledger says {_held(tracker.held(step.request))}")
+        if set(tracker.held(key)) != want:
+            raise _Diverged("holds", _held(want), f"the Tracker's ledger says {_held(tracker.held(key))}")
         seen = self._observe(step.role, step.request)
         if set(seen) != want:
             raise _Diverged("observe", _held(want), f"{self._named(step.role)}.observe says {_held(seen)}")
@@ -491,18 +552,21 @@ class TraceRun:
 
     def _state(self, role: str, request: str) -> str | None:
         """The instance's state as the trace names it: ``crashed`` once its process died."""
-        return "crashed" if (role, request) in self._crashed else self.trackers[role].state(request)
+        if (role, request) in self._crashed:
+            return "crashed"
+        return self.trackers[role].state(self._key(role, request))
 
     def _observe(self, role: str, request: str) -> tuple[str, ...]:
         observe: Callable[[str], Collection[str]] = getattr(self.drivers[role], "observe")  # noqa: B009
+        key = self._key(role, request)
         try:
-            with self._guard(role, f"{self._named(role)}.observe({request!r})"):
-                return tuple(sorted(observe(request)))
+            with self._guard(role, f"{self._named(role)}.observe({key!r})"):
+                return tuple(sorted(observe(key)))
         except _Diverged:
             raise
         except Exception as exc:
             raise _Diverged(
-                "raised", "nothing raised", f"observe({request!r}) raised {type(exc).__name__}: {exc}"
+                "raised", "nothing raised", f"observe({key!r}) raised {type(exc).__name__}: {exc}"
             ) from None
 
     # -- the end -------------------------------------------------------------------
@@ -596,17 +660,24 @@ class TraceRun:
 
 def check_replayable(trace: Trace, system: System) -> None:
     """Raise :class:`TraceError` unless ``trace`` can happen in ``system`` (:func:`check_trace`) and a trace run
-    can perform each of its steps: not yet a system whose roles own instances of another machine (``owns:``,
-    whose ``owner`` steps need a family's trackers linked)."""
-    check_trace(trace, system)
+    can perform each of its steps: not yet a parent role (``owns:``) with ranks, nor a crash in a system with a
+    family."""
     owners = [name for name, r in system.roles.items() if r.spec.owns]
-    if owners:
+    for name in owners:
+        if system.roles[name].ranks > 1:
+            raise TraceError(
+                f"roles.{name}",
+                f"{system.name}: role {name} owns instances of another machine (owns:) and has ranks; a trace run "
+                "attaches a family's children to one parent tracker, so it cannot run a parent per rank yet",
+            )
+    crash = next((i for i, s in enumerate(trace.steps) if s.cause == "crash"), None)
+    if owners and crash is not None:
         raise TraceError(
-            f"roles.{owners[0]}",
-            f"{system.name}: role {owners[0]} owns instances of another machine (owns:), and a trace run does not "
-            "link a family's trackers yet, so it cannot perform the steps the engine fires for the family "
-            "(cause 'owner'); test each machine with kvfsm test instead",
+            f"steps[{crash}].cause",
+            f"{system.name}: this step crashes {trace.steps[crash].role}'s process in a system with a family "
+            "(owns:), and a trace run does not crash a family's linked trackers yet",
         )
+    check_trace(trace, system)
 
 
 def _describe(snap: Snapshot) -> str:
