@@ -12,6 +12,7 @@ from buggy_drivers import FreesOnlyOnAck, frees_only_on_ack, never_takes_pages
 
 from kvfsm.cli import main
 from kvfsm.drivers import pd_loopback
+from kvfsm.drivers.moriio import model as moriio_model
 from kvfsm.drivers.pd_loopback import PDLoopback
 from kvfsm.explore import check_trace, explore
 from kvfsm.explore.local import LocalSystem, Move
@@ -143,6 +144,36 @@ def test_every_bundled_system_replays_on_the_ledger(path: Path) -> None:
     assert result.passed, result.summary()
     kinds = {i.kind for i in result.exercised}
     assert kinds >= ({"edge", "message"} if system.messages else {"edge"})  # a family is linked, not messaged
+
+
+REAL_DRIVERS: dict[str, Callable[..., object]] = {
+    "mooncake_store_request": embedded_requests,
+    "mooncake_store_send": embedded_job,
+    "moriio_write_producer": moriio_model.writer,
+    "moriio_write_consumer": moriio_model.receiver,
+    "moriio_read_producer": moriio_model.lender,
+    "moriio_read_consumer": moriio_model.reader,
+    "nixl_prefill": nixl_seed.holder,
+    "nixl_decode": nixl_seed.correct_reader,
+    "nixl_read": nixl_seed.reads,
+}
+"""The real driver of each bundled machine a system runs (explorer-only variants, such as a decode that counts from
+the hand-over, run on the ledger): the drivers over real tensors and embedded fabrics or stores."""
+
+
+@pytest.mark.parametrize("path", SYSTEMS, ids=[p.stem for p in SYSTEMS])
+def test_every_bundled_system_replays_its_trace_set_on_the_real_drivers(path: Path) -> None:
+    system = load_system(path)
+    loopback = pd_loopback.factories()  # the PD roles (every variant of the specs) share one loopback per run
+    drivers: dict[str, DriverFactory] = {
+        role: loopback[role] if r.spec.name.startswith(("pd_prefill", "pd_decode")) else REAL_DRIVERS[r.spec.name]
+        for role, r in system.roles.items()
+        if r.spec.name in REAL_DRIVERS or r.spec.name.startswith(("pd_prefill", "pd_decode"))
+    }
+    result = cover_system(system, drivers)
+    assert result.passed, result.summary()
+    assert result.exercised == set(result.reachable)
+    assert drivers and all(result.drivers[role] != "ledger (built in)" for role in drivers), result.drivers
 
 
 def test_items_no_run_can_reach_are_listed_apart_not_required() -> None:
