@@ -134,8 +134,11 @@ case "${1:-demo}" in
             echo "==> kvfsm inspect in headless Chromium"
             KVFSM_REQUIRE_BROWSER=1 pytest -q -p no:cacheprovider --run-browser tests/inspect
         fi
-        # kvfsm demo --engine vllm end to end (~75 s): a step of its own, so the suite's run stays within 15 minutes.
-        if [ $# -le 1 ]; then echo "==> kvfsm demo --engine vllm"; pytest -q -p no:cacheprovider --run-slow tests/engine/test_engine_demo.py; fi
+        # Real vLLM engines (~6 min: tests/engine, kvfsm demo --engine vllm included): a step of its own, so the
+        # suite's run stays well within 15 minutes; they may not skip here either (tests/engine/conftest.py).
+        if [ $# -le 1 ]; then
+            echo "==> real vLLM engines (tests/engine)"; pytest -q -p no:cacheprovider --run-engines --run-slow tests/engine
+        fi
         # The sglang tests run in SGLang's venv, in a pytest run of their own (~1 min), and may not skip here either.
         if [ -z "${KVFSM_NO_SGLANG:-}" ] && [ $# -le 1 ]; then
             echo "==> pytest in $SGLANG_VENV (the sglang tests; KVFSM_NO_SGLANG=1 skips them)"

@@ -37,6 +37,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--run-browser", action="store_true", help="also run tests marked browser (kvfsm inspect in headless Chromium)"
     )
+    parser.addoption(
+        "--run-engines", action="store_true", help="also run tests/engine (real vLLM engines, marked vllm_engine)"
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:

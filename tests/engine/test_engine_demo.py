@@ -1,7 +1,7 @@
 """``kvfsm demo --engine vllm``: the main job on real engines ends with a clean ledger, as a user runs it.
 
-About 75 s on 2 cores, so ``./dev.sh test`` runs it as a step of its own (``--run-slow``), after the
-suite; each connector's own engine test in this folder runs in the suite.
+About 75 s on 2 cores, so it is ``slow`` as well as a real-engine test: ``./dev.sh test`` runs it in its real-engine
+step (``--run-engines --run-slow``), with each connector's own engine test in this folder.
 """
 
 from __future__ import annotations
