@@ -481,7 +481,10 @@ class TraceRun:
         earlier = sorted(named(k, p) for k, when, p, _e in armed if (k, when, p, _e) != mine and when <= due)
         if earlier:
             return "", f"{', '.join(earlier)} would fall due first"
-        clock.now = model.now = max(clock.now, due)
+        clock.now = max(clock.now, due)
+        for name, other in self.clocks.items():  # a family shares its process's clock: each model reads it
+            if other is clock:
+                self._models[name].now = clock.now
         fired = self._call(tracker.poll, step)
         model.poll()
         if fired != [(req, event, step.target)]:
