@@ -1,8 +1,9 @@
 """An in-process stand-in for the transfer engine: the same :class:`~.transport.Transport`, with stoppable and killable peers.
 
-A :class:`Fabric` is the network: endpoints find each other by name and a
-batch copies bytes between registered tensors of the same process when its
-status is first polled. A stopped peer leaves batches pending and swallows
+A :class:`Fabric` is the network (:mod:`kvfsm.drivers.fabric`, the one the
+NIXL stand-in runs on too): endpoints find each other by name and a batch
+copies bytes between registered tensors of the same process when its status
+is first polled. A stopped peer leaves batches pending and swallows
 messages (a SIGSTOPped process); a dead one fails every batch and refuses
 every post. Messages go through the msgpack codec, as on the wire.
 """
@@ -12,10 +13,10 @@ from __future__ import annotations
 import ctypes
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import torch
-
+from ..fabric import Fabric as Network
+from ..fabric import Node
 from .messages import Message, decode_all, encode
 from .transport import Extent, Status, TransferError
 
@@ -29,50 +30,37 @@ class _Batch:
     status: Status = "pending"
 
 
-@dataclass
-class Fabric:
-    """The endpoints of one process by name, and which of them are stopped or dead."""
+class Fabric(Network["EmbeddedTransport"]):
+    """The MoRIIO endpoints of one process by name, and which of them are stopped or dead."""
 
-    endpoints: dict[str, EmbeddedTransport] = field(default_factory=dict)
-    stopped: set[str] = field(default_factory=set)
-    dead: set[str] = field(default_factory=set)
+    @property
+    def endpoints(self) -> dict[str, EmbeddedTransport]:
+        return self.nodes
 
     def endpoint(self, name: str) -> EmbeddedTransport:
-        if name in self.endpoints:
-            raise ValueError(f"an endpoint named {name!r} is already on this fabric")
-        self.endpoints[name] = transport = EmbeddedTransport(name, self)
-        return transport
+        return self.join(name, EmbeddedTransport)
 
 
-class EmbeddedTransport:
+class EmbeddedTransport(Node):
     """A transfer endpoint in process: a batch lands on its first :meth:`status` unless the peer is stopped."""
 
-    def __init__(self, name: str, fabric: Fabric) -> None:
-        self._name = name
-        self.fabric = fabric
-        self._memory: list[tuple[int, int]] = []
+    def __init__(self, name: str, fabric: Network[EmbeddedTransport]) -> None:
+        super().__init__(name, fabric)
         self._inbox: list[bytes] = []
         self.live: set[int] = set()
         """Ids of batches posted and not yet released (empty once every request ended)."""
         self.dropped: Counter[str] = Counter()
 
-    @property
-    def name(self) -> str:
-        return self._name
-
-    def register(self, tensor: torch.Tensor) -> None:
-        self._memory.append((int(tensor.data_ptr()), tensor.numel() * tensor.element_size()))
-
     def write(self, peer: str, local: Sequence[Extent], remote: Sequence[int], uid: str) -> object:
         target = self._peer(peer, "batch_write")
         copies = [(dst, src, n) for (src, n), dst in zip(local, remote, strict=True)]
-        valid = all(self._registered(s, n) and target._registered(d, n) for d, s, n in copies)
+        valid = all(self.registered(s, n) and target.registered(d, n) for d, s, n in copies)
         return self._post(_Batch(peer, copies, valid))
 
     def read(self, peer: str, local: Sequence[Extent], remote: Sequence[int], uid: str) -> object:
         target = self._peer(peer, "batch_read")
         copies = [(dst, src, n) for (dst, n), src in zip(local, remote, strict=True)]
-        valid = all(target._registered(s, n) and self._registered(d, n) for d, s, n in copies)
+        valid = all(target.registered(s, n) and self.registered(d, n) for d, s, n in copies)
         return self._post(_Batch(peer, copies, valid))
 
     def status(self, batch: object) -> Status:
@@ -92,8 +80,8 @@ class EmbeddedTransport:
         self.live.discard(id(batch))
 
     def notify(self, peer: str, message: Message) -> None:
-        target = self.fabric.endpoints.get(peer)
-        if target is None or peer in self.fabric.dead or peer in self.fabric.stopped:
+        target = self.fabric.reachable(peer)
+        if target is None:
             self.dropped[type(message).__name__] += 1  # a PUSH to nobody: lost, never raised
             return
         target._inbox.append(encode(message))
@@ -113,10 +101,7 @@ class EmbeddedTransport:
     def _peer(self, name: str, op: str) -> EmbeddedTransport:
         if name in self.fabric.dead:
             raise TransferError(op, name, "the peer is dead")
-        target = self.fabric.endpoints.get(name)
+        target: EmbeddedTransport | None = self.fabric.nodes.get(name)
         if target is None:
             raise TransferError(op, name, "no such peer")
         return target
-
-    def _registered(self, addr: int, n: int) -> bool:
-        return any(base <= addr and addr + n <= base + size for base, size in self._memory)

@@ -1,6 +1,7 @@
 """An in-process stand-in for NIXL agents: same :class:`~.transport.Transport`, with peers that can be stopped or killed.
 
-A :class:`Fabric` is the network: agents find each other by name and a READ
+A :class:`Fabric` is the network (:mod:`kvfsm.drivers.fabric`, the one the
+MoRIIO stand-in runs on too): agents find each other by name and a READ
 copies bytes between registered tensors of the same process. A stopped peer
 leaves READs in ``PROC`` and swallows notifications (as a SIGSTOPped process
 does); a killed one makes every call to it raise (``nixlRemoteDisconnectError``).
@@ -11,10 +12,10 @@ from __future__ import annotations
 import ctypes
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import torch
-
+from ..fabric import Fabric as Network
+from ..fabric import Node
 from .transport import Extent, TransferError, XferState
 
 
@@ -27,47 +28,25 @@ class _Xfer:
     done: bool = False
 
 
-@dataclass
-class Fabric:
-    """The agents of one process, by name, and which of them are stopped or dead."""
+class Fabric(Network["EmbeddedAgent"]):
+    """The NIXL agents of one process, by name, and which of them are stopped or dead."""
 
-    agents: dict[str, EmbeddedAgent] = field(default_factory=dict)
-    stopped: set[str] = field(default_factory=set)
-    dead: set[str] = field(default_factory=set)
+    @property
+    def agents(self) -> dict[str, EmbeddedAgent]:
+        return self.nodes
 
     def agent(self, name: str) -> EmbeddedAgent:
-        if name in self.agents:
-            raise ValueError(f"an agent named {name!r} is already on this fabric")
-        self.agents[name] = agent = EmbeddedAgent(name, self)
-        return agent
-
-    def stop(self, name: str) -> None:
-        self.stopped.add(name)
-
-    def resume(self, name: str) -> None:
-        self.stopped.discard(name)
-
-    def kill(self, name: str) -> None:
-        self.dead.add(name)
+        return self.join(name, EmbeddedAgent)
 
 
-class EmbeddedAgent:
+class EmbeddedAgent(Node):
     """A NIXL agent in process: READs complete on the next :meth:`state` unless the peer is stopped."""
 
-    def __init__(self, name: str, fabric: Fabric) -> None:
-        self._name = name
-        self.fabric = fabric
-        self._memory: list[tuple[int, int]] = []
+    def __init__(self, name: str, fabric: Network[EmbeddedAgent]) -> None:
+        super().__init__(name, fabric)
         self._inbox: list[tuple[str, bytes]] = []
         self._xfers: dict[int, _Xfer] = {}
         self._ids = itertools.count(1)
-
-    @property
-    def name(self) -> str:
-        return self._name
-
-    def register(self, tensor: torch.Tensor) -> None:
-        self._memory.append((int(tensor.data_ptr()), tensor.numel() * tensor.element_size()))
 
     def metadata(self) -> bytes:
         return self._name.encode()
@@ -101,7 +80,7 @@ class EmbeddedAgent:
             ctypes.memmove(dst, src, n)
         xfer.done = True
         if xfer.notif:
-            self.fabric.agents[xfer.peer]._inbox.append((self._name, xfer.notif))
+            self.fabric.nodes[xfer.peer]._inbox.append((self._name, xfer.notif))
         return "DONE"
 
     def release(self, handle: object) -> None:
@@ -124,11 +103,11 @@ class EmbeddedAgent:
     def _peer(self, name: str, op: str) -> EmbeddedAgent:
         if name in self.fabric.dead:
             raise TransferError(op, name, "NIXL_ERR_REMOTE_DISCONNECT (the peer is dead)")
-        agent = self.fabric.agents.get(name)
+        agent: EmbeddedAgent | None = self.fabric.nodes.get(name)
         if agent is None:
             raise TransferError(op, name, "NIXL_ERR_NOT_FOUND (no such agent)")
         return agent
 
     def _check_registered(self, addr: int, n: int, who: str) -> None:
-        if not any(base <= addr and addr + n <= base + size for base, size in self._memory):
+        if not self.registered(addr, n):
             raise TransferError("initialize_xfer", who, f"bytes {addr:#x}+{n} are not registered with {who!r}")
