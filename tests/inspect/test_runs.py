@@ -196,3 +196,36 @@ def test_a_reproduced_trace_marks_nothing_more_and_another_trace_is_refused(
     result.write_text(json.dumps(data))
     with pytest.raises(InspectError, match="replayed another trace: its step 2 differs"):
         build_replayed(MERGED_FIX, merged_fix_trace, result)
+
+
+@pytest.mark.parametrize(
+    ("system", "prop", "drivers", "last"),
+    [
+        (
+            ROOT / "specs/explore/pd_prefill_crash_no_restart.yaml", "final", dict(pd_loopback.factories()),
+            "abort_req arrives: ignored in crashed",
+        ),
+        (TESTS / "specs/owns/frees_on_failure.yaml", "freed_while_pinned", {}, "job_failed"),
+    ],
+    ids=["crash-lasso", "family"],
+)  # fmt: skip
+def test_a_replay_with_a_crash_or_a_family_is_drawn_reproduced(
+    system: Path, prop: str, drivers: dict[str, Any], last: str, tmp_path: Path
+) -> None:
+    """A trace replay that crashed a process (a lasso) or let the engine fire a family's steps reads back as one
+    reproduced trace, each move where the replay put it."""
+    [found] = [p for p in explore(system).properties if p.name == prop]
+    assert found.trace is not None
+    out = tmp_path / "replayed.json"
+    out.write_text(json.dumps(replay_trace(system, found.trace, drivers).as_dict()))
+    page = build_replayed(system, found.trace, out)
+    (view,) = page.traces
+    assert page.title.endswith("reproduced on the drivers") and not any(s.problem for s in view.snaps)
+    assert view.snaps[-1].text.startswith(last)
+    states = {(i.role, i.state) for i in view.snaps[-1].instances}
+    assert (
+        ("prefill", "crashed") in states
+        if "crash" in system.name
+        else {("request", "sent"), ("job#1", "pinned")} <= states
+    )
+    assert "<html" in html(page)
