@@ -30,9 +30,15 @@ would make it happen:
   is dropped, no tracker called. A crash loses every request of the
   process, so one is refused while another request is live there.
 
-A step a trace run cannot perform yet is refused before any driver is made
-(:func:`check_replayable`): any trace of a system whose roles own instances
-of another machine (``owns:``: the steps the engine fires for a family).
+A family (``owns:``) runs as it does in one process: the ranks of a child
+role are keys of one tracker (``r0#1``) attached to the parent's
+(``parent=``), each child's begin names its parent, and the children's
+factory gets the parent's driver. An ``owner`` step (``ended``, ``failed``,
+a forwarded event) is not performed: the engine fired it in the call of the
+step before, and the run checks where it left the instance. What a trace
+run cannot perform yet is refused before any driver is made
+(:func:`check_replayable`): a parent role with ranks, and a crash in a
+system with a family.
 
 After every step the instance's state must be the step's ``to``, and both the
 Tracker's ledger and ``driver.observe(request)`` must equal its ``holds``;
