@@ -349,8 +349,8 @@ class MoRIIOConnector(PDConnector[PrefillEngine, DecodeEngine]):
             for load in meta.loads:
                 decode.load(load.request_id, load.transfer_id, load.block_ids, load.peer)
             for rid in sorted(meta.finished):
-                if decode.tracker.state(rid) in ("allocated", "waiting"):
-                    decode.abort(rid)  # vLLM aborted it while it waited: reported, its blocks invalid
+                if decode.tracker.accepts(rid, "abort"):  # vLLM aborted it while its load is live: the spec says how
+                    decode.abort(rid)  # it ends (reported, its blocks invalid, once the prefill stopped writing)
         for cancel in meta.cancels:
             self.transport.notify(cancel.peer, Release(cancel.transfer_id))
 

@@ -315,7 +315,7 @@ class TraceRun:
         """The key ``role``'s instance of ``request`` has in its tracker: the request, or ``r0#1`` for a rank of a
         family's child role (its ranks share one tracker)."""
         base = self._wide.base_of(role)
-        return f"{request}{role[len(base):]}" if role in self._parent and role != base else request
+        return f"{request}{role[len(base) :]}" if role in self._parent and role != base else request
 
     @property
     def done(self) -> tuple[TraceStepResult, ...]:
@@ -619,9 +619,10 @@ class TraceRun:
             return "real trackers with ledger drivers"
         return f"the real {' and '.join(real)} driver{'s' if len(real) > 1 else ''} (ledger for {', '.join(ledger)})"
 
-    def _where(self) -> tuple[object, ...]:
-        """The request's instances (states and what the drivers observe) and its messages in flight."""
-        snap = self._snapshot()
+    def _where(self, snap: Snapshot | None = None) -> tuple[object, ...]:
+        """The request's instances (states and what the drivers observe) and its messages in flight (of ``snap``, or
+        as they are now)."""
+        snap = snap if snap is not None else self._snapshot()
         return tuple(sorted(snap.states.items())), tuple(sorted(snap.held.items())), snap.in_flight
 
     def _violation(self) -> str:
@@ -638,11 +639,11 @@ class TraceRun:
     def _lasso(self) -> str:
         """An ``eventually`` broken by a lasso: after the cycle ran once the request is where the cycle began (so it
         can run forever), and, there, an instance is live (``final``) or holds something (``released``)."""
-        where = self._where()
+        snap = self._snapshot()
+        where = self._where(snap)
         start = self._loop_start if self._loop_start is not None else where  # a cycle of no moves: it stays put
         if where != start:
             raise _Diverged("violation", "the cycle to end where it began", f"began at {start}, ended at {where}")
-        snap = self._snapshot()
         if self.trace.prop == "released":
             stuck = [f"{r} keeps {_held(h)}" for r, h in snap.held.items() if h]
         else:

@@ -54,8 +54,6 @@ class Job:
     blocks: tuple[int, ...]
     sent: tuple[int, int] = (0, 0)
     """Blocks and bytes the posted batch writes."""
-    reply_to: str = ""
-    """Where the decode side waits for ``released`` (its ``release`` said), while the writes drain."""
 
 
 WITHDRAWN = object()
@@ -190,17 +188,17 @@ class BlockWriter(BlockHolder):
     def withdraw_writes(self, key: Hashable, /, reply_to: str) -> None:
         """The decode side gave up while the writes were due (``release`` in ``writing``): a batch not posted yet is
         withdrawn (complete at once, nothing written); a posted one cannot be recalled and is waited for. Either way
-        ``released`` goes to ``reply_to`` when it has ended."""
-        self._jobs[key].reply_to = reply_to
+        ``released`` goes, when it has ended, to the peer the writes go to (``reply_to`` names it too)."""
         if self._held_back is not None and self._held_back.pop(key, None) is not None:
             peer, _ = self._batches[key]
             self._batches[key] = (peer, WITHDRAWN)
             self.stats["batches_withdrawn"] += 1
 
     def notify_released(self, key: Hashable, /, reply_to: str | None = None) -> None:
-        """Answer the decode side's ``release``: this rank writes no more into the request's blocks."""
+        """Answer the decode side's ``release``: this rank writes no more into the request's blocks. ``reply_to``: where
+        the ``release`` said to answer; None once writes were posted (``draining``): to the peer they went to."""
         job = self._jobs[key]
-        peer = reply_to if reply_to is not None else job.reply_to
+        peer = reply_to if reply_to is not None else self._batches[key][0]
         if not peer:  # a release from a decode request that never announced blocks: nobody waits
             self.stats["released_unaddressed"] += 1
             return
