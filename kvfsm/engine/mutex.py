@@ -16,15 +16,18 @@ lock once per call. This lock is a single token in a deque:
   ticket: as with ``RLock``, the releasing thread cannot take the lock back
   before a waiter runs, so a busy thread cannot starve the others.
 
-Taking and giving back are written once, as :meth:`Mutex.enter` and
-:meth:`Mutex.exit` (which are ``__enter__`` and ``__exit__``). ``Tracker.fire``,
-the one call made per event, inlines the two fast paths (the look, the pop
-and the owner; clearing, the append and the look at ``waiters``): a method
-call costs what the lock saves. ``Tracker.begin`` calls ``enter`` and ``exit``
-(two calls, 0-1% of ``kvfsm bench``'s locked lifecycle row, measured in one
-process, interleaved: about what ``fire`` saves by looking for the token
-before it reads the thread's id); every other method holds the lock with
-``with``.
+Taking and giving back are written as :meth:`Mutex.enter` and
+:meth:`Mutex.exit` (which are ``__enter__`` and ``__exit__``). ``Tracker.fire``
+and ``Tracker.begin``, the calls made per request, inline the two fast paths
+(the pop and the owner; clearing, the append and the look at ``waiters``):
+the two method calls cost 3% of ``kvfsm bench``'s locked lifecycle row. The
+inlined form pops first and looks at the owner only when the token is out,
+which saves a look per call and costs a raised ``IndexError`` on a re-entry:
+there a re-entry is an action calling back, which is rare. ``enter`` looks
+first, since nested ``with`` blocks re-enter all the time.
+``tests/test_mutex.py`` holds the two inlined copies to each other and to
+the behaviour of ``enter`` and ``exit``; every other method holds the lock
+with ``with``.
 
 No wakeup is lost: a waiter queues its ticket under ``_guard`` only after it
 found the token out, and a releaser appends the token before it reads
@@ -118,7 +121,7 @@ class Mutex:
     def enter(self) -> None:
         """Take the lock, or count one more entry if this thread holds it already (``with`` calls this).
 
-        ``Tracker.fire`` inlines this and :meth:`exit`, its one copy; everything else calls them."""
+        ``Tracker.fire`` and ``Tracker.begin`` inline this and :meth:`exit` (see the module docstring)."""
         if self.tokens:  # a look first: a re-entry raising IndexError would cost what poll's steps save
             try:
                 self.tokens.pop()

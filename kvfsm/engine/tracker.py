@@ -119,10 +119,11 @@ class Tracker:
     - ``_early[(space, id)]`` holds the messages of ``early:`` events kept for
       an id not yet known in that space, each also in ``_early_order`` until
       it is applied (the id appeared) or dropped (due, bound, close);
-    - ``fire`` is the only call that inlines the lock's fast path
-      (:meth:`Mutex.enter <kvfsm.engine.mutex.Mutex.enter>` and ``exit``: a
-      ``with`` costs two calls), ``begin`` calls the two, the rest hold the
-      lock with ``with``; every other call that fires one key
+    - ``fire`` and ``begin``, the calls made per request, inline the lock's
+      fast path (:meth:`Mutex.enter <kvfsm.engine.mutex.Mutex.enter>` and
+      ``exit``: the two calls cost 3% of ``kvfsm bench``'s locked lifecycle),
+      in one form that ``tests/test_mutex.py`` holds them to; the rest hold
+      the lock with ``with``; every other call that fires one key
       goes through ``fire`` (poll, close and the queue's events through
       ``_fire_inner``, with ``_inner`` set so that the outer call drains and
       raises); every begin but ``begin``'s plain path (one that runs nothing
@@ -322,8 +323,16 @@ class Tracker:
         then held).
         """
         mutex = self._mutex
-        if mutex is not None:
-            mutex.enter()
+        if mutex is not None:  # Mutex.enter, inlined: the form fire has (see the class docstring)
+            try:
+                mutex.tokens.pop()
+                mutex.owner = get_ident()
+            except IndexError:
+                if mutex.owner == get_ident():
+                    mutex = None  # held by this thread already (an action calling back): not ours
+                else:
+                    mutex.wait()
+                    mutex.owner = get_ident()
         try:
             if self._busy:
                 self._enqueue(key, _BEGIN, payload)
@@ -341,8 +350,11 @@ class Tracker:
                 return
             self._run(partial(self._begin, key, payload))  # partial, not a lambda: a closure slows the path above
         finally:
-            if mutex is not None:
-                mutex.exit()
+            if mutex is not None:  # Mutex.exit, inlined
+                mutex.owner = 0
+                mutex.tokens.append(None)
+                if mutex.waiters:
+                    mutex.hand_over()
 
     def _settle_begin(self) -> None:
         """Decide, once per change of what begin runs, whether it can take the plain path (nothing that calls back)."""
@@ -365,18 +377,16 @@ class Tracker:
         is complete.
         """
         mutex = self._mutex
-        if mutex is not None:  # Mutex.enter, inlined: its one copy (a method call costs what the lock saves)
-            if mutex.tokens:
-                try:
-                    mutex.tokens.pop()
-                except IndexError:  # taken by another thread since the look: not held by this one
+        if mutex is not None:  # Mutex.enter, inlined: the form begin has (see the class docstring)
+            try:
+                mutex.tokens.pop()
+                mutex.owner = get_ident()
+            except IndexError:
+                if mutex.owner == get_ident():
+                    mutex = None  # held by this thread already (an action calling back): not ours
+                else:
                     mutex.wait()
-                mutex.owner = get_ident()
-            elif mutex.owner == get_ident():
-                mutex = None  # held by this thread already (poll's steps, an action calling back): not ours
-            else:
-                mutex.wait()
-                mutex.owner = get_ident()
+                    mutex.owner = get_ident()
         try:
             if self._busy:
                 self._enqueue(key, event, payload)
