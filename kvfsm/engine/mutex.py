@@ -24,7 +24,8 @@ the two method calls cost 3% of ``kvfsm bench``'s locked lifecycle row. The
 inlined form pops first and looks at the owner only when the token is out,
 which saves a look per call and costs a raised ``IndexError`` on a re-entry:
 there a re-entry is an action calling back, which is rare. ``enter`` looks
-first, since nested ``with`` blocks re-enter all the time.
+first, since nested ``with`` blocks re-enter all the time. What follows a
+token found out (a re-entry, or the wait) is :meth:`Mutex.take_late`, once.
 ``tests/test_mutex.py`` holds the two inlined copies to each other and to
 the behaviour of ``enter`` and ``exit``; every other method holds the lock
 with ``with``.
@@ -122,19 +123,26 @@ class Mutex:
         """Take the lock, or count one more entry if this thread holds it already (``with`` calls this).
 
         ``Tracker.fire`` and ``Tracker.begin`` inline this and :meth:`exit` (see the module docstring)."""
-        if self.tokens:  # a look first: a re-entry raising IndexError would cost what poll's steps save
+        if self.tokens:  # a look first: nested ``with`` blocks re-enter often, and a raised IndexError is dear
             try:
                 self.tokens.pop()
-            except IndexError:  # taken by another thread since the look: not held by this one
-                self.wait()
-            self.owner = get_ident()
-            return
+                self.owner = get_ident()
+                return
+            except IndexError:  # taken by another thread since the look
+                pass
+        if not self.take_late():
+            self._depth += 1
+
+    def take_late(self) -> bool:
+        """Take the lock after finding the token out: False, at once, if this thread holds it already (a
+        re-entry); otherwise wait for it and return True. The slow path of :meth:`enter` and of the copies of its
+        fast path that ``Tracker.fire`` and ``Tracker.begin`` inline."""
         me = get_ident()
         if self.owner == me:
-            self._depth += 1
-            return
+            return False
         self.wait()
         self.owner = me
+        return True
 
     def exit(self, *_exception: object) -> None:
         """Undo one :meth:`enter`: the outermost gives the lock back, to the oldest waiter if one is queued."""

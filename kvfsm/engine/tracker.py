@@ -327,12 +327,9 @@ class Tracker:
             try:
                 mutex.tokens.pop()
                 mutex.owner = get_ident()
-            except IndexError:
-                if mutex.owner == get_ident():
-                    mutex = None  # held by this thread already (an action calling back): not ours
-                else:
-                    mutex.wait()
-                    mutex.owner = get_ident()
+            except IndexError:  # the token is out
+                if not mutex.take_late():
+                    mutex = None  # held by this thread already (an action calling back): not ours to give back
         try:
             if self._busy:
                 self._enqueue(key, _BEGIN, payload)
@@ -381,12 +378,9 @@ class Tracker:
             try:
                 mutex.tokens.pop()
                 mutex.owner = get_ident()
-            except IndexError:
-                if mutex.owner == get_ident():
-                    mutex = None  # held by this thread already (an action calling back): not ours
-                else:
-                    mutex.wait()
-                    mutex.owner = get_ident()
+            except IndexError:  # the token is out
+                if not mutex.take_late():
+                    mutex = None  # held by this thread already (an action calling back): not ours to give back
         try:
             if self._busy:
                 self._enqueue(key, event, payload)
