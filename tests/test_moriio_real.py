@@ -81,12 +81,14 @@ def test_soak_concurrency_512_with_10_percent_faults_across_processes() -> None:
 
 
 @pytest.mark.nixl
-def test_read_mode_on_real_nixl_agents_with_faults() -> None:
-    """Two NIXL agents in a child process (NIXL's teardown stays out of pytest); the run's summary comes back as JSON."""
+@pytest.mark.parametrize("mode", ["read", "write"])
+def test_both_modes_on_real_nixl_agents_with_faults(mode: str) -> None:
+    """Two NIXL agents in a child process (NIXL's teardown stays out of pytest); the run's summary comes back as JSON.
+    WRITE mode posts NIXL WRITEs into the decode side's registered blocks; every loaded block is byte-checked."""
     pytest.importorskip("nixl")
     code = (
         "import json, os; from kvfsm.harness.moriio.cluster import nixl_run; "
-        "print(json.dumps(nixl_run().summary()), flush=True); os._exit(0)"
+        f"print(json.dumps(nixl_run({mode!r}).summary()), flush=True); os._exit(0)"
     )
     env = {**os.environ, "UCX_MODULES": "^ib", "NIXL_LOG_LEVEL": "WARN"}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120, env=env, check=True)

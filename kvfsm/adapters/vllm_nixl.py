@@ -71,12 +71,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from ..drivers.dataplane import DataPlane, TransferError
 from ..drivers.kv_cache import KVLayout
 from ..drivers.nixl import BlockReader, DecodeRank, Fabric, PeerInfo, PrefillRank, Topology, decode_spec
 from ..drivers.nixl.faults import FAULTS, FaultyAgent
 from ..drivers.nixl.memory import BlockMemory, CacheBlocks, segments
 from ..drivers.nixl.side_channel import Handshake, HandshakeError, SideChannel, fetch, new_incarnation
-from ..drivers.nixl.transport import TransferError, Transport
 from .vllm_async import VLLM as VLLM
 from .vllm_kv_cache import adopt_layers
 from .vllm_pd import PDConnector, handshakes, held_for_decode, tp_rank
@@ -268,7 +268,7 @@ class NixlConnector(PDConnector[PrefillRank[BlockMemory], DecodeRank[BlockMemory
 
     # -- the ranks --------------------------------------------------------------------
 
-    def _agent(self, name: str) -> Transport:
+    def _agent(self, name: str) -> DataPlane:
         """A real NIXL agent (a name unique to this start) or one on the embedded fabric."""
         if self.settings.fabric.startswith(EMBEDDED):
             return embedded_fabric(self.settings.fabric).agent(name)

@@ -1,27 +1,33 @@
-"""The in-process network behind every embedded stand-in of a transfer engine: nodes by name, which of them are
-stopped or dead, and the bytes each registered.
+"""The in-process network behind every embedded stand-in of a transfer engine, and the embedded agent of the
+data plane (:mod:`kvfsm.drivers.dataplane`).
 
-A stopped node is a SIGSTOPped process: transfers to it stay in flight and
-what is sent to it is swallowed. A dead one is a killed process: every call
-that names it fails. Each protocol's embedded endpoint (the MoRIIO
-transport, the NIXL agent) is a :class:`Node` of one :class:`Fabric`, which
-keeps who is reachable and which memory is registered; the endpoint keeps
-only what its protocol says about them (how a batch or a READ completes,
-what its error says).
+A :class:`Network` holds nodes by name, which of them are stopped or dead,
+and the bytes each registered. A stopped node is a SIGSTOPped process:
+transfers to it stay in flight and what is sent to it is swallowed. A dead
+one is a killed process: every call that names it fails. Each embedded
+endpoint (the MoRIIO transport, the data plane's :class:`EmbeddedAgent`) is
+a :class:`Node` of one network, which keeps who is reachable and which
+memory is registered; the endpoint keeps only what its protocol says about
+them (how a transfer completes, what its error says).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import ctypes
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import torch
+
+from .dataplane import Extent, Op, TransferError, XferState
 
 
 class Node:
     """One endpoint on a fabric: its name, and the address ranges it registered."""
 
-    def __init__(self, name: str, fabric: Fabric[Any]) -> None:
+    def __init__(self, name: str, fabric: Network[Any]) -> None:
         self._name = name
         self.fabric = fabric
         self._memory: list[tuple[int, int]] = []
@@ -42,7 +48,7 @@ class Node:
 N = TypeVar("N", bound=Node)
 
 
-class Fabric(Generic[N]):
+class Network(Generic[N]):
     """The nodes of one process by name, and which of them are stopped or dead."""
 
     def __init__(self) -> None:
@@ -50,7 +56,7 @@ class Fabric(Generic[N]):
         self.stopped: set[str] = set()
         self.dead: set[str] = set()
 
-    def join(self, name: str, make: Callable[[str, Fabric[N]], N]) -> N:
+    def join(self, name: str, make: Callable[[str, Network[N]], N]) -> N:
         """A new node named ``name``, made by ``make(name, fabric)``; a name already on the fabric is refused."""
         if name in self.nodes:
             raise ValueError(f"a node named {name!r} is already on this fabric")
@@ -71,3 +77,103 @@ class Fabric(Generic[N]):
 
     def kill(self, name: str) -> None:
         self.dead.add(name)
+
+
+@dataclass
+class _Xfer:
+    op: Op
+    peer: str
+    local: tuple[Extent, ...]
+    remote: tuple[Extent, ...]
+    notif: bytes
+    done: bool = False
+
+
+class Fabric(Network["EmbeddedAgent"]):
+    """The data plane's agents of one process, by name, and which of them are stopped or dead."""
+
+    @property
+    def agents(self) -> dict[str, EmbeddedAgent]:
+        return self.nodes
+
+    def agent(self, name: str) -> EmbeddedAgent:
+        return self.join(name, EmbeddedAgent)
+
+
+class EmbeddedAgent(Node):
+    """A :class:`~kvfsm.drivers.dataplane.DataPlane` agent in process, with NIXL's answers: a transfer completes
+    on the next :meth:`state` unless the peer is stopped (``PROC``, its notification held back); a killed peer
+    makes every call that names it raise (``nixlRemoteDisconnectError``), and a transfer to it end ``ERR``."""
+
+    def __init__(self, name: str, fabric: Network[EmbeddedAgent]) -> None:
+        super().__init__(name, fabric)
+        self._inbox: list[tuple[str, bytes]] = []
+        self._xfers: dict[int, _Xfer] = {}
+        self._ids = itertools.count(1)
+
+    def metadata(self) -> bytes:
+        return self._name.encode()
+
+    def add_peer(self, metadata: bytes) -> str:
+        name = metadata.decode()
+        self._peer(name, "add_remote_agent")
+        return name
+
+    def post(self, op: Op, peer: str, local: Sequence[Extent], remote: Sequence[Extent], notif: bytes) -> object:
+        target = self._peer(peer, "transfer")
+        if len(local) != len(remote) or any(a[1] != b[1] for a, b in zip(local, remote, strict=False)):
+            raise TransferError("initialize_xfer", peer, "local and remote descriptor lists differ")
+        for addr, n in remote:
+            target._check_registered(addr, n, peer)
+        for addr, n in local:
+            self._check_registered(addr, n, self._name)
+        handle = next(self._ids)
+        self._xfers[handle] = _Xfer(op, peer, tuple(local), tuple(remote), notif)
+        return handle
+
+    def state(self, handle: object) -> XferState:
+        xfer = self._xfers[handle]  # type: ignore[index]
+        if xfer.done:
+            return "DONE"
+        if xfer.peer in self.fabric.dead:
+            return "ERR"
+        if xfer.peer in self.fabric.stopped:
+            return "PROC"
+        for (here, n), (there, _) in zip(xfer.local, xfer.remote, strict=True):
+            if xfer.op == "READ":
+                ctypes.memmove(here, there, n)
+            else:
+                ctypes.memmove(there, here, n)
+        xfer.done = True
+        if xfer.notif:
+            self.fabric.nodes[xfer.peer]._inbox.append((self._name, xfer.notif))
+        return "DONE"
+
+    def release(self, handle: object) -> None:
+        if self._xfers.pop(handle, None) is None:  # type: ignore[call-overload]
+            raise TransferError("release_xfer_handle", "?", f"handle {handle!r} is not live")
+
+    def send_notif(self, peer: str, message: bytes) -> None:
+        target = self._peer(peer, "send_notif")
+        if peer not in self.fabric.stopped:
+            target._inbox.append((self._name, message))
+
+    def notifs(self) -> list[tuple[str, bytes]]:
+        out, self._inbox = self._inbox, []
+        return out
+
+    def live_handles(self) -> int:
+        """Handles posted and not yet released (0 once every request ended)."""
+        return len(self._xfers)
+
+    def _peer(self, name: str, op: str) -> EmbeddedAgent:
+        if name in self.fabric.dead:
+            raise TransferError(op, name, "NIXL_ERR_REMOTE_DISCONNECT (the peer is dead)")
+        agent: EmbeddedAgent | None = self.fabric.nodes.get(name)
+        if agent is None:
+            raise TransferError(op, name, "NIXL_ERR_NOT_FOUND (no such agent)")
+        return agent
+
+    def _check_registered(self, addr: int, n: int, who: str) -> None:
+        if not self.registered(addr, n):
+            raise TransferError("initialize_xfer", who, f"bytes {addr:#x}+{n} are not registered with {who!r}")

@@ -30,9 +30,9 @@ import itertools
 from collections.abc import Hashable
 from typing import Any
 
+from ..drivers.fabric import Fabric
 from ..drivers.nixl.blocks import KVBlocks
 from ..drivers.nixl.decode import BlockReader, Load, PeerInfo, ReadHandles
-from ..drivers.nixl.embedded import Fabric
 from ..drivers.nixl.notif import encode
 from ..drivers.nixl.prefill import BlockHolder
 from ..drivers.nixl.topology import Topology

@@ -23,13 +23,14 @@ from typing import Any
 
 from ...engine import Tracker
 from ...spec import Spec
+from ..dataplane import Extent
 from ..nixl.blocks import KVBlocks
 from ..nixl.memory import BlockMemory
 from ..report import Finished, RecvReport, Report
 from .messages import Computed, LayoutPart, Message, Release, Released, RemoteBlocks, Stats, WriteDone
 from .side import Side, count_senders, counted_events
 from .specs import moriio_spec
-from .transport import Extent, Transport, split_statuses
+from .transport import Transport, split_statuses
 
 
 class BlockMismatch(RuntimeError):

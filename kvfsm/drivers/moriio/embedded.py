@@ -15,10 +15,10 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..fabric import Fabric as Network
-from ..fabric import Node
+from ..dataplane import Extent
+from ..fabric import Network, Node
 from .messages import Message, decode_all, encode
-from .transport import Extent, Status, TransferError
+from .transport import Status, TransferError
 
 
 @dataclass

@@ -26,8 +26,9 @@ from collections.abc import Sequence
 
 import torch
 
+from ..dataplane import Extent
 from .messages import Message, Release, RemoteBlocks, WriteDone
-from .transport import Extent, Status, TransferError, Transport
+from .transport import Status, TransferError, Transport
 
 WRITE_FAULTS = (
     "failed_write", "raising_write", "lost_write_done", "duplicate_write_done", "lost_remote_blocks",

@@ -27,9 +27,10 @@ from typing import Any
 import torch
 import zmq
 
+from ..dataplane import Extent
 from ..pd.transport import mooncake_engine
 from .messages import Message, decode_all, encode
-from .transport import Extent, Status, TransferError
+from .transport import Status, TransferError
 
 PENDING, DONE = 0, 1
 UNREACHABLE = "127.0.0.1:1|tcp://127.0.0.1:1"

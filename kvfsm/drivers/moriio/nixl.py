@@ -1,11 +1,10 @@
-"""The transport over NIXL: the NIXL driver's agents (:class:`~kvfsm.drivers.nixl.agent.NixlAgent`), READ mode.
+"""The transport over the data plane (:mod:`kvfsm.drivers.dataplane`): real NIXL agents, READ and WRITE mode.
 
-A batch is one NIXL READ of every block (``initialize_xfer`` + ``transfer``),
-its status ``check_xfer_state``; NIXL has no transfer timeout, so the read
-consumer's ``transfer_timeout`` is the only bound. The control messages ride
-NIXL notifications (``send_notif`` / ``get_new_notifs``), msgpack-encoded. A
-NIXL agent here posts READs only, so this transport serves READ mode; WRITE
-mode runs on the embedded and Mooncake transports.
+A batch is one NIXL READ or WRITE of every block (``initialize_xfer`` +
+``transfer``), its status ``check_xfer_state``; NIXL has no transfer
+timeout, so the consumer's ``transfer_timeout`` (READ) and the producer's
+(WRITE) are the only bounds. The control messages ride NIXL notifications
+(``send_notif`` / ``get_new_notifs``), msgpack-encoded.
 """
 
 from __future__ import annotations
@@ -15,17 +14,21 @@ from collections.abc import Sequence
 
 import torch
 
-from ..nixl.agent import NixlAgent
-from ..nixl.transport import TransferError as NixlError
+from ..dataplane import DataPlane, Extent, Op
 from .messages import Message, decode_all, encode
-from .transport import Extent, Status, TransferError
+from .transport import Status, TransferError
 
 
 class NixlTransport:
-    """One NIXL agent (UCX backend, DRAM) behind the MoRIIO :class:`~.transport.Transport` protocol."""
+    """One data-plane agent behind the MoRIIO :class:`~.transport.Transport` protocol: a real NIXL agent (UCX
+    backend, DRAM) named ``name``, or ``agent`` (an embedded one, a faulty one)."""
 
-    def __init__(self, name: str) -> None:
-        self.agent = NixlAgent(name)
+    def __init__(self, name: str = "", agent: DataPlane | None = None) -> None:
+        if agent is None:
+            from ..nixl.agent import NixlAgent  # imports nixl
+
+            agent = NixlAgent(name)
+        self.agent = agent
         self.dropped: Counter[str] = Counter()
 
     @property
@@ -42,13 +45,16 @@ class NixlTransport:
         self.agent.register(tensor)
 
     def write(self, peer: str, local: Sequence[Extent], remote: Sequence[int], uid: str) -> object:
-        raise TransferError("batch_write", peer, "this transport posts NIXL READs only; use READ mode")
+        return self._post("WRITE", peer, local, remote)
 
     def read(self, peer: str, local: Sequence[Extent], remote: Sequence[int], uid: str) -> object:
+        return self._post("READ", peer, local, remote)
+
+    def _post(self, op: Op, peer: str, local: Sequence[Extent], remote: Sequence[int]) -> object:
         try:
-            return self.agent.read(peer, local, [(a, n) for a, (_, n) in zip(remote, local, strict=True)], b"")
-        except NixlError as exc:
-            raise TransferError("batch_read", peer, str(exc)) from exc
+            return self.agent.post(op, peer, local, [(a, n) for a, (_, n) in zip(remote, local, strict=True)], b"")
+        except TransferError as exc:
+            raise TransferError(f"batch_{op.lower()}", peer, str(exc)) from exc
 
     def status(self, batch: object) -> Status:
         state = self.agent.state(batch)
@@ -60,7 +66,7 @@ class NixlTransport:
     def notify(self, peer: str, message: Message) -> None:
         try:
             self.agent.send_notif(peer, encode(message))
-        except NixlError:
+        except TransferError:
             self.dropped["dead_peer"] += 1  # like a ZMQ PUSH to nobody: lost, never raised
 
     def messages(self) -> list[Message]:

@@ -27,6 +27,7 @@ from ...engine import Tracker
 from ...errors import ActionError, Failure
 from ...spec import Spec
 from ..block_pool import NoFreeBlocks
+from ..dataplane import Extent
 from ..nixl.blocks import KVBlocks
 from ..nixl.memory import BlockLayout, BlockMemory, Part, read_extents
 from ..report import Finished, Report, SendReport
@@ -34,7 +35,7 @@ from .faults import FaultyTransport
 from .messages import Computed, Message, Prefill, Release, Released, RemoteBlocks, Stats, StatsQuery, WriteDone
 from .side import Side, count_senders, counted_events
 from .specs import moriio_spec
-from .transport import Extent, Transport, split_statuses
+from .transport import Transport, split_statuses
 
 
 def expected_acks(consumer_tp: int, producer_tp: int) -> int:

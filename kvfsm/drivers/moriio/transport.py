@@ -16,22 +16,12 @@ from typing import Literal, Protocol
 
 import torch
 
+from ..dataplane import Extent
+from ..dataplane import TransferError as TransferError  # what a post raises, re-exported for the drivers
 from .messages import Message
 
 Status = Literal["done", "pending", "failed"]
 """A posted batch: every transfer succeeded, some still in flight, or every one ended and one failed."""
-
-Extent = tuple[int, int]
-"""``(address, length)`` of bytes in registered memory."""
-
-
-class TransferError(RuntimeError):
-    """Posting a batch failed at once: a dead or unknown peer, unregistered memory, a backend error."""
-
-    def __init__(self, op: str, peer: str, cause: str) -> None:
-        super().__init__(f"{op} with peer {peer!r} failed: {cause}")
-        self.op = op
-        self.peer = peer
 
 
 class Transport(Protocol):

@@ -10,12 +10,15 @@
 - :class:`BlockLayout` / :class:`CacheBlocks`: where a rank's blocks are (vLLM's
   per-layer KV cache included), and the READ descriptors between two layouts;
 - :mod:`.notif`: the ``remote_request_id:world_size`` message, parsed with a guard;
-- :class:`Fabric` / :class:`EmbeddedAgent`: an in-process stand-in for NIXL
-  agents; ``kvfsm.drivers.nixl.agent.NixlAgent`` the real one (imports ``nixl``);
+- :class:`Fabric` / :class:`EmbeddedAgent`: the data plane's in-process agents
+  (:mod:`kvfsm.drivers.fabric`); ``kvfsm.drivers.nixl.agent.NixlAgent`` the real one
+  (imports ``nixl``); the drivers see only :class:`~kvfsm.drivers.dataplane.DataPlane`;
 - :mod:`.side_channel`: the handshake across engine processes over pyzmq
   (imports ``zmq``).
 """
 
+from ..dataplane import DataPlane, TransferError, XferState
+from ..fabric import EmbeddedAgent, Fabric
 from .blocks import KVBlocks, kv_pattern
 from .decode import (
     REMOTE_ID,
@@ -28,12 +31,10 @@ from .decode import (
     decode_spec,
     read_spec,
 )
-from .embedded import EmbeddedAgent, Fabric
 from .memory import BlockLayout, BlockMemory, CacheBlocks
 from .notif import Notif, encode, parse
 from .prefill import BlockHolder, PrefillRank, prefill_spec
 from .topology import ReadPlan, Slice, Topology
-from .transport import TransferError, Transport, XferState
 
 __all__ = [
     "REMOTE_ID",
@@ -43,6 +44,7 @@ __all__ = [
     "BlockMismatch",
     "BlockReader",
     "CacheBlocks",
+    "DataPlane",
     "DecodeRank",
     "EmbeddedAgent",
     "Fabric",
@@ -56,7 +58,6 @@ __all__ = [
     "Slice",
     "Topology",
     "TransferError",
-    "Transport",
     "XferState",
     "decode_spec",
     "encode",

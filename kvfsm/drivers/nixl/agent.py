@@ -1,4 +1,4 @@
-"""A real NIXL agent (UCX backend, DRAM) behind the :class:`~.transport.Transport` protocol.
+"""A real NIXL agent (UCX backend, DRAM) behind the :class:`~kvfsm.drivers.dataplane.DataPlane` protocol.
 
 Importing this module sets ``UCX_MODULES=^ib`` (without it a process that made
 a UCX agent can segfault at exit where ibverbs providers are installed) and
@@ -23,7 +23,7 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the install
     raise ImportError("kvfsm.drivers.nixl.agent needs NIXL: pip install 'kvfsm[nixl]'", name="nixl") from exc
 
-from .transport import Extent, TransferError, XferState
+from ..dataplane import Extent, Op, TransferError, XferState
 
 
 class NixlAgent:
@@ -51,12 +51,12 @@ class NixlAgent:
             raise TransferError("add_remote_agent", "?", f"{type(exc).__name__}: {exc}") from exc
         return name.decode() if isinstance(name, bytes) else str(name)
 
-    def read(self, peer: str, local: Sequence[Extent], remote: Sequence[Extent], notif: bytes) -> object:
+    def post(self, op: Op, peer: str, local: Sequence[Extent], remote: Sequence[Extent], notif: bytes) -> object:
         agent = self.agent
         try:
             src = agent.get_xfer_descs([(a, n, 0) for a, n in local], "DRAM")
             dst = agent.get_xfer_descs([(a, n, 0) for a, n in remote], "DRAM")
-            handle = agent.initialize_xfer("READ", src, dst, peer, notif)
+            handle = agent.initialize_xfer(op, src, dst, peer, notif)
         except Exception as exc:
             raise TransferError("initialize_xfer", peer, f"{type(exc).__name__}: {exc}") from exc
         try:

@@ -34,12 +34,12 @@ from ...observe import drain_outcomes
 from ...spec import Spec, load
 from ...spec.bundled import SPECS
 from ...spec.model import split_params
+from ..dataplane import DataPlane, Extent, TransferError, XferState
 from ..report import Finished, RecvReport, Report
 from .blocks import M, own_blocks
 from .memory import BlockLayout, BlockMemory, read_extents
 from .notif import encode, parse
 from .topology import Topology
-from .transport import Extent, TransferError, Transport, XferState
 
 REMOTE_ID = "remote_request_id"
 """The id space of the prefill side's request ids, as the decode spec links them at begin."""
@@ -78,7 +78,7 @@ class PeerInfo:
     layout: BlockLayout | None = None
 
     @classmethod
-    def of(cls, engine_id: str, rank: int, agent: Transport, layout: BlockLayout) -> PeerInfo:
+    def of(cls, engine_id: str, rank: int, agent: DataPlane, layout: BlockLayout) -> PeerInfo:
         """A rank's entry in its engine's handshake: its agent's name and metadata, and its blocks' layout."""
         return cls(engine_id, rank, agent.name, agent.metadata(), layout.parts[0].base, layout.block_bytes, layout)
 
@@ -133,7 +133,7 @@ class BlockReader(RecvReport):
     are :class:`ReadHandles`' (``nixl_read``); :meth:`read_for` says what each one reads.
     """
 
-    def __init__(self, rank: int, topology: Topology, agent: Transport, blocks: BlockMemory) -> None:
+    def __init__(self, rank: int, topology: Topology, agent: DataPlane, blocks: BlockMemory) -> None:
         self.rank = rank
         self.topology = topology
         self.agent = agent
@@ -274,7 +274,7 @@ class ReadHandles:
 
     def post_read(self, key: Hashable, /, request_id: Hashable, rank: int) -> None:
         peer, local, remote, message = self.reader.read_for(request_id, rank)
-        self._handles[key] = self.reader.agent.read(peer, local, remote, message)
+        self._handles[key] = self.reader.agent.post("READ", peer, local, remote, message)
         self.reader.stats["reads"] += 1
         self.reader.stats["descriptors"] += len(local)
 
@@ -296,7 +296,7 @@ class DecodeRank(Generic[M]):
         self,
         rank: int,
         topology: Topology,
-        agent: Transport,
+        agent: DataPlane,
         num_blocks: int,
         *,
         params: dict[str, Any] | None = None,

@@ -1,9 +1,10 @@
-"""Fault injection in front of a decode agent: failed transfers, lost, duplicated and malformed notifications.
+"""Fault injection in front of a data-plane agent: failed transfers, lost, duplicated and malformed notifications.
 
-A seeded fraction of READs is hit by one fault, chosen uniformly: the READ
-raises (a failed transfer), goes out without its notification (lost), is
-followed by a second copy of its notification (duplicated), or is followed by
-a message the producer cannot parse (malformed). ``injected`` counts each.
+A seeded fraction of posted transfers (READs, on the NIXL decode side) is hit
+by one fault, chosen uniformly: the post raises (a failed transfer), the
+transfer goes out without its notification (lost), is followed by a second
+copy of its notification (duplicated), or is followed by a message the peer
+cannot parse (malformed). ``injected`` counts each.
 """
 
 from __future__ import annotations
@@ -14,16 +15,16 @@ from collections.abc import Sequence
 
 import torch
 
-from .transport import Extent, TransferError, Transport, XferState
+from ..dataplane import DataPlane, Extent, Op, TransferError, XferState
 
 FAULTS = ("failed_transfer", "lost_notif", "duplicate_notif", "malformed_notif")
 MALFORMED = (b"no-colon", b"p-1:", b":4", b"p-1:four", b"p-1:0", b"\xff\xfe:1", b"")
 
 
 class FaultyAgent:
-    """``inner`` with a fraction ``rate`` of READs hit by one of :data:`FAULTS`."""
+    """``inner`` with a fraction ``rate`` of posted transfers hit by one of :data:`FAULTS`."""
 
-    def __init__(self, inner: Transport, rate: float, seed: int = 0, faults: Sequence[str] = FAULTS) -> None:
+    def __init__(self, inner: DataPlane, rate: float, seed: int = 0, faults: Sequence[str] = FAULTS) -> None:
         unknown = set(faults) - set(FAULTS)
         if unknown:
             raise ValueError(f"unknown faults {sorted(unknown)}; choose from {FAULTS}")
@@ -46,13 +47,13 @@ class FaultyAgent:
     def add_peer(self, metadata: bytes) -> str:
         return self.inner.add_peer(metadata)
 
-    def read(self, peer: str, local: Sequence[Extent], remote: Sequence[Extent], notif: bytes) -> object:
+    def post(self, op: Op, peer: str, local: Sequence[Extent], remote: Sequence[Extent], notif: bytes) -> object:
         fault = self._rng.choice(self.faults) if self._rng.random() < self.rate else None
         if fault is not None:
             self.injected[fault] += 1
         if fault == "failed_transfer":
             raise TransferError("transfer", peer, "injected failure")
-        handle = self.inner.read(peer, local, remote, b"" if fault == "lost_notif" else notif)
+        handle = self.inner.post(op, peer, local, remote, b"" if fault == "lost_notif" else notif)
         if fault == "duplicate_notif":
             self.inner.send_notif(peer, notif)
         elif fault == "malformed_notif":

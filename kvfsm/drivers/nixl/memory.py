@@ -30,8 +30,8 @@ from typing import Any, Protocol
 import torch
 
 from ..block_pool import BlockPool
+from ..dataplane import Extent
 from ..kv_cache import KVCache
-from .transport import Extent
 
 
 @dataclass(frozen=True)

@@ -28,12 +28,12 @@ from ...errors import ActionError, Anomaly
 from ...observe import drain_outcomes
 from ...spec import Spec, load
 from ...spec.bundled import SPECS
+from ..dataplane import DataPlane
 from ..report import Finished, Report, SendReport
 from .blocks import KVBlocks, M, own_blocks
 from .memory import BlockMemory
 from .notif import parse
 from .topology import Topology
-from .transport import Transport
 
 
 @cache
@@ -79,7 +79,7 @@ class PrefillRank(Generic[M]):
         self,
         rank: int,
         topology: Topology,
-        agent: Transport,
+        agent: DataPlane,
         num_blocks: int,
         *,
         params: dict[str, Any] | None = None,

@@ -187,6 +187,7 @@ def _merge(*transports: FaultyTransport) -> dict[str, int]:
 
 
 def nixl_run(
+    mode: str = "read",
     *,
     requests: int = 300,
     concurrency: int = 64,
@@ -194,28 +195,28 @@ def nixl_run(
     block_bytes: int = 1024,
     fault_rate: float = 0.1,
     seed: int = 1,
-    timeouts: Timeouts = Timeouts(defer=1.0, transfer=1.0),
+    timeouts: Timeouts = Timeouts(defer=1.0, transfer=1.0, recv=2.5),
 ) -> LoadResult:
-    """One READ-mode run on two real NIXL agents (UCX, DRAM) in this process; imports ``nixl``.
+    """One run on two real NIXL agents (UCX, DRAM) in this process, READ or WRITE mode; imports ``nixl``.
 
     Run it in a process of its own and leave with ``os._exit``: NIXL's UCX
     teardown at interpreter exit is not needed and can fault.
     """
     from ...drivers.moriio.nixl import NixlTransport
 
-    plan = FaultPlan(fault_rate, READ_FAULTS, seed)
+    plan = FaultPlan(fault_rate, default_faults(mode), seed)
     p, d = NixlTransport("moriio-prefill"), NixlTransport("moriio-decode")
     pt, dt = FaultyTransport(p, plan), FaultyTransport(d, plan)
     prefill = PrefillEngine(
-        pt, int(concurrency * blocks_per_request * 1.25), block_bytes, mode="read", params=timeouts.producer("read")
+        pt, int(concurrency * blocks_per_request * 1.25), block_bytes, mode=mode, params=timeouts.producer(mode)
     )
     decode = DecodeEngine(
-        dt, concurrency * blocks_per_request, block_bytes, p.name, mode="read", params=timeouts.consumer("read")
+        dt, concurrency * blocks_per_request, block_bytes, p.name, mode=mode, params=timeouts.consumer(mode)
     )
     p.add_peer(d.metadata())
     d.add_peer(p.metadata())
     return run_load(
         decode, p.name, requests=requests, concurrency=concurrency, blocks_per_request=blocks_per_request,
-        deadline=timeouts.deadline("read"), settle=timeouts.defer + timeouts.transfer + 0.5,
+        deadline=timeouts.deadline(mode), settle=timeouts.defer + timeouts.transfer + 0.5,
         step_prefill=prefill.step, prefill_stats=prefill.stats, faults=lambda: _merge(pt, dt),
     )  # fmt: skip

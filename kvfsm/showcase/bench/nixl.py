@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from ...drivers.nixl import DecodeRank, Fabric, PeerInfo, PrefillRank, Topology, Transport
+from ...drivers.nixl import DataPlane, DecodeRank, Fabric, PeerInfo, PrefillRank, Topology
 from ...drivers.nixl.decode import BlockReader
 from ...drivers.nixl.faults import FaultyAgent
 from ...drivers.nixl.prefill import engine_stats
@@ -122,7 +122,7 @@ def soak(
         from ...harness.nixl.peer import PeerProcess
 
         prefill: Any = PeerProcess(topo, pool, abort_timeout=abort_timeout, log=None if log is None else Path(log))
-        inner: Transport = NixlAgent(f"decode-soak-{seed}")
+        inner: DataPlane = NixlAgent(f"decode-soak-{seed}")
     else:
         fabric = Fabric()
         prefill = EmbeddedPrefill(fabric, topo, pool, abort_timeout)
