@@ -28,6 +28,7 @@ from kvfsm.drivers.moriio import (
     Fabric,
     FaultPlan,
     FaultyTransport,
+    PlaneTransport,
     PrefillEngine,
     Release,
     RemoteBlocks,
@@ -124,11 +125,11 @@ class Pair:
         self.fabric = Fabric()
         self.clock = VirtualClock()
         self.p = PrefillEngine(
-            self.fabric.endpoint("prefill"), 16, 256, mode=mode, acks=acks, clock=self.clock,
+            PlaneTransport(self.fabric.agent("prefill")), 16, 256, mode=mode, acks=acks, clock=self.clock,
             params={"defer_timeout": 1.0, "transfer_timeout": 1.0} if mode == "write" else {"defer_timeout": 2.0},
         )  # fmt: skip
         self.d = DecodeEngine(
-            self.fabric.endpoint("decode"), 16, 256, "prefill", mode=mode, acks=decode_acks, clock=self.clock,
+            PlaneTransport(self.fabric.agent("decode")), 16, 256, "prefill", mode=mode, acks=decode_acks, clock=self.clock,
             params={"recv_timeout": 3.0} if mode == "write" else {"transfer_timeout": 1.0},
         )  # fmt: skip
 
@@ -197,7 +198,7 @@ def test_kept_remote_blocks_whose_writes_cannot_be_posted_fail_the_hold_as_post_
     pair.p.on_message(RemoteBlocks("t-1", "nobody", pair.d.blocks.base, 256, [0, 1]))  # no such peer
     pair.p.compute("p-1", "t-1", 2)
     assert pair.p.tracker.state("p-1") == "failed"
-    assert "no such peer" in str(pair.p.errors[0].__cause__)
+    assert "no such agent" in str(pair.p.errors[0].__cause__)
     pair.p.step()
     assert pair.p.outcomes == {"failed": 1} and pair.p.stats()["held_blocks"] == 0
     assert pair.p.driver.stats["batches_posted"] == 0
@@ -285,14 +286,16 @@ def test_read_mode_a_load_given_up_keeps_its_blocks_until_its_reads_have_stopped
 
 def test_acks_is_the_specs_count_of_ranks_and_a_spec_that_cannot_take_it_refuses() -> None:
     fabric = Fabric()
-    p = PrefillEngine(fabric.endpoint("p"), 4, 256, mode="read", acks=2)
-    d = DecodeEngine(fabric.endpoint("d"), 4, 256, "p", acks=2)
+    p = PrefillEngine(PlaneTransport(fabric.agent("p")), 4, 256, mode="read", acks=2)
+    d = DecodeEngine(PlaneTransport(fabric.agent("d")), 4, 256, "p", acks=2)
     assert p.tracker.params["readers"].value == 2 and d.tracker.params["writers"].value == 2
     assert p.counted == {"release"} and d.counted == {"write_done", "released"}
     with pytest.raises(ValueError, match="disagree"):
-        PrefillEngine(fabric.endpoint("p2"), 4, 256, mode="read", acks=2, params={"readers": 3})
+        PrefillEngine(PlaneTransport(fabric.agent("p2")), 4, 256, mode="read", acks=2, params={"readers": 3})
     with pytest.raises(ValueError, match="does not count 'release'"):
-        PrefillEngine(fabric.endpoint("p3"), 4, 256, mode="read", acks=2, spec=pre_fix_spec("read_producer"))
+        PrefillEngine(
+            PlaneTransport(fabric.agent("p3")), 4, 256, mode="read", acks=2, spec=pre_fix_spec("read_producer")
+        )
 
 
 @pytest.mark.parametrize("other_rank", [True, False], ids=["other_rank_releases", "deadline"])
@@ -305,13 +308,13 @@ def test_read_mode_a_release_repeated_by_one_decode_rank_never_frees_the_blocks_
     reaper's deadline."""
     fabric, clock = Fabric(), VirtualClock()
     p = PrefillEngine(
-        fabric.endpoint("prefill"), 16, 256, mode="read", acks=expected_acks(2, 1), clock=clock,
+        PlaneTransport(fabric.agent("prefill")), 16, 256, mode="read", acks=expected_acks(2, 1), clock=clock,
         params={"defer_timeout": 2.0},
     )  # fmt: skip
-    twice = FaultyTransport(fabric.endpoint("decode-0"), FaultPlan(1.0, ["duplicate_release"]))
+    twice = FaultyTransport(PlaneTransport(fabric.agent("decode-0")), FaultPlan(1.0, ["duplicate_release"]))
     d0, d1 = (
         DecodeEngine(t, 16, 256, "prefill", mode="read", rank=rank, clock=clock, params={"transfer_timeout": 1.0})
-        for rank, t in enumerate([twice, fabric.endpoint("decode-1")])
+        for rank, t in enumerate([twice, PlaneTransport(fabric.agent("decode-1"))])
     )
     assert isinstance(p.blocks, KVBlocks)
     source = Source("prefill", p.blocks.base, 256, tuple(p.compute("p-1", "t-1", 2)))
@@ -342,13 +345,13 @@ def test_write_mode_a_write_done_repeated_by_one_prefill_rank_never_finishes_a_l
     or its deadline (the blocks then reported invalid)."""
     fabric, clock = Fabric(), VirtualClock()
     timeouts = {"defer_timeout": 1.0, "transfer_timeout": 1.0}
-    twice = FaultyTransport(fabric.endpoint("prefill-0"), FaultPlan(1.0, ["duplicate_write_done"]))
+    twice = FaultyTransport(PlaneTransport(fabric.agent("prefill-0")), FaultPlan(1.0, ["duplicate_write_done"]))
     p0, p1 = (
         PrefillEngine(t, 16, 256, rank=rank, clock=clock, params=timeouts)
-        for rank, t in enumerate([twice, fabric.endpoint("prefill-1")])
+        for rank, t in enumerate([twice, PlaneTransport(fabric.agent("prefill-1"))])
     )
     d = DecodeEngine(
-        fabric.endpoint("decode"), 16, 256, "prefill-0", acks=expected_acks(2, 1), clock=clock,
+        PlaneTransport(fabric.agent("decode")), 16, 256, "prefill-0", acks=expected_acks(2, 1), clock=clock,
         params={"recv_timeout": 3.0},
     )  # fmt: skip
     p0.compute("p-1", "t-1", 2)
@@ -389,11 +392,12 @@ def test_a_late_or_unknown_completion_is_an_anomaly_not_an_error() -> None:
 
 def test_malformed_messages_are_dropped_and_counted() -> None:
     pair = Pair()
+    stranger = pair.fabric.agent("stranger")  # a peer on the fabric sending what no MoRIIO engine would
     for raw in [b"", b"\x00", b"\x81\xa4type\xa7nothing", encode(WriteDone("t"))[:-2]]:
         assert decode(raw) is None
-        pair.fabric.endpoints["decode"].deliver_raw(raw)
+        stranger.send_notif("decode", raw)
     pair.d.step()
-    assert pair.fabric.endpoints["decode"].dropped["malformed"] == 4
+    assert pair.d.transport.dropped["malformed"] == 4
 
 
 def test_a_stopped_peer_is_bounded_by_transfer_timeout_and_frees_everything() -> None:
@@ -406,7 +410,7 @@ def test_a_stopped_peer_is_bounded_by_transfer_timeout_and_frees_everything() ->
     pair.clock.advance(1.5)
     pair.p.step()
     assert pair.p.outcomes == {"expired": 1} and pair.p.stats()["held_blocks"] == 0
-    assert not pair.fabric.endpoints["prefill"].live
+    assert pair.fabric.agents["prefill"].live_handles() == 0
 
 
 # -- under load -------------------------------------------------------------------------
@@ -466,10 +470,14 @@ def _cache_pair() -> tuple[PrefillEngine, DecodeEngine, KVCache]:
     layout = KVLayout(num_layers=2, block_size=4, num_kv_heads=2, head_size=8, dtype=torch.float32)  # 512 B a block
     cache = KVCache.of_layers([torch.zeros(16, 4, 2, 8), torch.zeros(2, 16, 4, 8)], 16, layout)
     p = PrefillEngine(
-        fabric.endpoint("prefill"), 16, 512, clock=clock, params={"defer_timeout": 1.0, "transfer_timeout": 1.0}
+        PlaneTransport(fabric.agent("prefill")),
+        16,
+        512,
+        clock=clock,
+        params={"defer_timeout": 1.0, "transfer_timeout": 1.0},
     )
     d = DecodeEngine(
-        fabric.endpoint("decode"), 16, 512, "prefill", clock=clock, params={"recv_timeout": 3.0},
+        PlaneTransport(fabric.agent("decode")), 16, 512, "prefill", clock=clock, params={"recv_timeout": 3.0},
         blocks=CacheBlocks(cache), bound_writes=True,
     )  # fmt: skip
     d.borrow_from("vllm")  # vLLM's allocator owns every block; the load pins on top
@@ -634,7 +642,7 @@ def test_a_read_that_cannot_begin_is_reported_and_its_blocks_freed() -> None:
     report is owed before the pin (the spec's first acquire), so undoing it reports the load, and the blocks
     :meth:`start` allocated go back once it is reported."""
     fabric = Fabric()
-    d = DecodeEngine(fabric.endpoint("decode"), 8, 256, "prefill", mode="read")
+    d = DecodeEngine(PlaneTransport(fabric.agent("decode")), 8, 256, "prefill", mode="read")
     source = Source("prefill", 0, 256, (1,))  # one remote block for two local ones
     blocks = d.start("d-1", "t-1", 2, source)
     assert d.errors and d.tracker.state("d-1") is None

@@ -36,6 +36,7 @@ class TransferError(RuntimeError):
         super().__init__(f"{op} with peer {peer!r} failed: {cause}")
         self.op = op
         self.peer = peer
+        self.cause = cause
 
 
 class DataPlane(Protocol):

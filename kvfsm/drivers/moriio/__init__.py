@@ -7,19 +7,20 @@
 - :class:`DecodeEngine` with :class:`WriteReceiver` (``write_consumer.yaml``) or
   :class:`BlockReader` (``read_consumer.yaml``: ``release`` on every outcome);
 - :class:`Transport`: the operations vLLM's ``moriio_engine.py`` uses, with
-  :class:`EmbeddedTransport` here, ``kvfsm.drivers.moriio.mooncake.MooncakeTransport``
-  (imports ``mooncake`` and ``zmq``) and ``kvfsm.drivers.moriio.nixl.NixlTransport``
-  (imports ``nixl``);
+  :class:`PlaneTransport` over any data-plane agent (the embedded one of
+  :class:`Fabric`, or a real ``kvfsm.drivers.nixl.agent.NixlAgent``) and
+  ``kvfsm.drivers.moriio.mooncake.MooncakeTransport`` (imports ``mooncake`` and ``zmq``);
 - :class:`FaultPlan` / :class:`FaultyTransport`: failed and raising transfers, lost
   and duplicated messages, one fault per transfer id;
 - :func:`run_load`: a closed-loop load at a given concurrency, and what it left.
 """
 
+from ..fabric import Fabric
 from .consumer import BlockLoader, BlockMismatch, BlockReader, DecodeEngine, Source, WriteReceiver
-from .embedded import EmbeddedTransport, Fabric
 from .faults import READ_FAULTS, WRITE_FAULTS, FaultPlan, FaultyTransport
 from .load import LoadResult, run_load
 from .messages import Message, Release, Released, RemoteBlocks, WriteDone, decode, encode
+from .plane import PlaneTransport
 from .producer import BlockHolder, BlockLender, BlockWriter, PrefillEngine, expected_acks
 from .specs import TRANSFER_ID, moriio_spec
 from .transport import Status, TransferError, Transport
@@ -35,12 +36,12 @@ __all__ = [
     "BlockReader",
     "BlockWriter",
     "DecodeEngine",
-    "EmbeddedTransport",
     "Fabric",
     "FaultPlan",
     "FaultyTransport",
     "LoadResult",
     "Message",
+    "PlaneTransport",
     "PrefillEngine",
     "Release",
     "Released",

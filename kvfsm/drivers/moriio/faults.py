@@ -6,11 +6,11 @@ a transfer is hit (a fraction ``rate``) and by which fault (uniformly among
 over the same plan and each applies the faults that happen on its side:
 
 - ``failed_write`` / ``failed_read``: the batch is posted where it cannot
-  succeed, so the engine itself answers failed: to addresses the peer never
-  registered, or (``unreachable`` given) to a peer nobody listens at. Mooncake
-  answers both with -1, but a write its server rejected also stalls the
-  other writes on that connection for about a second, so the Mooncake tests
-  use the unreachable peer;
+  succeed: to addresses the peer never registered (a NIXL agent, real or
+  embedded, refuses the post), or (``unreachable`` given) to a peer nobody
+  listens at. Mooncake answers both with -1, but a write its server rejected
+  also stalls the other writes on that connection for about a second, so the
+  Mooncake tests use the unreachable peer;
 - ``raising_write`` / ``raising_read``: posting raises :class:`TransferError`;
 - ``lost_write_done``, ``lost_release``, ``lost_remote_blocks`` (a remote that
   never sends its blocks): the message is not sent;

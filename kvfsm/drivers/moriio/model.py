@@ -19,10 +19,11 @@ import itertools
 from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
+from ..fabric import Fabric
 from ..nixl.blocks import KVBlocks
 from .consumer import BlockReader, Source, WriteReceiver
-from .embedded import Fabric
 from .messages import RemoteBlocks
+from .plane import PlaneTransport
 from .producer import BlockLender, BlockWriter
 
 NUM_BLOCKS = 32
@@ -35,8 +36,8 @@ class ModelRig:
 
     def __init__(self) -> None:
         self.fabric = Fabric()
-        self.local = self.fabric.endpoint("local")
-        self.peer = self.fabric.endpoint("peer")
+        self.local = PlaneTransport(self.fabric.agent("local"))
+        self.peer = PlaneTransport(self.fabric.agent("peer"))
         self.blocks = KVBlocks(NUM_BLOCKS, BLOCK_BYTES)
         self.peer_blocks = KVBlocks(NUM_BLOCKS, BLOCK_BYTES)
         self.local.register(self.blocks.tensor)

@@ -1,4 +1,4 @@
-"""Ready-made 1P1D runs of the MoRIIO drivers: in one process (embedded transport), or across two (Mooncake).
+"""Ready-made 1P1D runs of the MoRIIO drivers: in one process (embedded or NIXL agents), or across two (Mooncake).
 
 What the tests, the soak benchmark and ``kvfsm demo --driver moriio`` run:
 :func:`embedded_run` and :func:`mooncake_run` build a prefill and a decode
@@ -17,10 +17,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ...drivers.fabric import Fabric
 from ...drivers.moriio.consumer import DecodeEngine
-from ...drivers.moriio.embedded import Fabric
 from ...drivers.moriio.faults import READ_FAULTS, WRITE_FAULTS, FaultPlan, FaultyTransport
 from ...drivers.moriio.load import LoadResult, run_load
+from ...drivers.moriio.plane import PlaneTransport
 from ...drivers.moriio.producer import PrefillEngine
 
 
@@ -80,8 +81,8 @@ def embedded_run(
     ``kill_after``: the prefill dies once that many requests have ended."""
     fabric = Fabric()
     plan = FaultPlan(fault_rate, faults if faults is not None else default_faults(mode), seed)
-    pt = FaultyTransport(fabric.endpoint("prefill"), plan)
-    dt = FaultyTransport(fabric.endpoint("decode"), plan)
+    pt = FaultyTransport(PlaneTransport(fabric.agent("prefill")), plan)
+    dt = FaultyTransport(PlaneTransport(fabric.agent("decode")), plan)
     prefill_blocks = int(concurrency * blocks_per_request * prefill_headroom)
     extra = prefill_variant(prefill, mode)
     params = None if extra else timeouts.producer(mode)
@@ -202,10 +203,10 @@ def nixl_run(
     Run it in a process of its own and leave with ``os._exit``: NIXL's UCX
     teardown at interpreter exit is not needed and can fault.
     """
-    from ...drivers.moriio.nixl import NixlTransport
+    from ...drivers.nixl.agent import NixlAgent
 
     plan = FaultPlan(fault_rate, default_faults(mode), seed)
-    p, d = NixlTransport("moriio-prefill"), NixlTransport("moriio-decode")
+    p, d = PlaneTransport(NixlAgent("moriio-prefill")), PlaneTransport(NixlAgent("moriio-decode"))
     pt, dt = FaultyTransport(p, plan), FaultyTransport(d, plan)
     prefill = PrefillEngine(
         pt, int(concurrency * blocks_per_request * 1.25), block_bytes, mode=mode, params=timeouts.producer(mode)

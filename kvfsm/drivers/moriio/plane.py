@@ -1,10 +1,14 @@
-"""The transport over the data plane (:mod:`kvfsm.drivers.dataplane`): real NIXL agents, READ and WRITE mode.
+"""MoRIIO's transport over the data plane (:mod:`kvfsm.drivers.dataplane`): any agent, READ and WRITE mode.
 
-A batch is one NIXL READ or WRITE of every block (``initialize_xfer`` +
-``transfer``), its status ``check_xfer_state``; NIXL has no transfer
-timeout, so the consumer's ``transfer_timeout`` (READ) and the producer's
-(WRITE) are the only bounds. The control messages ride NIXL notifications
-(``send_notif`` / ``get_new_notifs``), msgpack-encoded.
+A batch is one READ or WRITE of every block (on NIXL, ``initialize_xfer`` +
+``transfer``), its status the agent's ``state`` (``check_xfer_state``). The
+control messages ride the agent's notifications (``send_notif`` /
+``get_new_notifs``), msgpack-encoded, and a message to a dead peer is lost
+and counted, as a ZMQ PUSH to nobody is. The agent is a real NIXL agent
+(:class:`~kvfsm.drivers.nixl.agent.NixlAgent`, UCX on DRAM; NIXL has no
+transfer timeout, so the specs' ``transfer_timeout`` is the only bound) or
+the embedded one (:class:`~kvfsm.drivers.fabric.EmbeddedAgent`, with peers
+that can be stopped or killed): the same code runs on both.
 """
 
 from __future__ import annotations
@@ -19,17 +23,13 @@ from .messages import Message, decode_all, encode
 from .transport import Status, TransferError
 
 
-class NixlTransport:
-    """One data-plane agent behind the MoRIIO :class:`~.transport.Transport` protocol: a real NIXL agent (UCX
-    backend, DRAM) named ``name``, or ``agent`` (an embedded one, a faulty one)."""
+class PlaneTransport:
+    """One data-plane agent behind the MoRIIO :class:`~.transport.Transport` protocol."""
 
-    def __init__(self, name: str = "", agent: DataPlane | None = None) -> None:
-        if agent is None:
-            from ..nixl.agent import NixlAgent  # imports nixl
-
-            agent = NixlAgent(name)
+    def __init__(self, agent: DataPlane) -> None:
         self.agent = agent
         self.dropped: Counter[str] = Counter()
+        """Messages lost (``dead_peer``: sent to a dead peer) and received frames dropped (``malformed``)."""
 
     @property
     def name(self) -> str:
@@ -54,7 +54,7 @@ class NixlTransport:
         try:
             return self.agent.post(op, peer, local, [(a, n) for a, (_, n) in zip(remote, local, strict=True)], b"")
         except TransferError as exc:
-            raise TransferError(f"batch_{op.lower()}", peer, str(exc)) from exc
+            raise TransferError(f"batch_{op.lower()}", peer, f"{exc.op}: {exc.cause}") from exc
 
     def status(self, batch: object) -> Status:
         state = self.agent.state(batch)
