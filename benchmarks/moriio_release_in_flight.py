@@ -2,18 +2,18 @@
 """Can a Mooncake TransferEngine READ that its initiator gave up on still write into the initiator's memory?
 
 Measured with real TransferEngines (tcp, P2PHANDSHAKE on loopback, as
-:func:`kvfsm.drivers.pd.transport.mooncake_engine` sets them up for the MoRIIO
+:func:`kvfsm.drivers.mooncake.agent.mooncake_engine` sets them up for the MoRIIO
 drivers) in two processes: this process is the decode side (the READ's
 initiator, with a destination buffer); a child process started from this
 same file is the prefill side (the READ's target, with a source buffer).
 
 The READ is what a MoRIIO READ-mode consumer on the TransferEngine would post:
 one ``batch_transfer_async_read`` per block (the wheel's only asynchronous
-read; ``MooncakeTransport.write`` posts one ``transfer_submit_write`` per block
+read; ``MooncakeAgent.post`` posts one ``transfer_submit_write`` per block
 the same way), each polled with ``transfer_check_status`` (0 pending, 1 done,
 -1 failed, -2 timeout; a final answer frees the batch, so it is never polled
 again). Giving up is what ``BlockReader.release_reads`` does through
-``MooncakeTransport.release``: the batch ids are forgotten, nothing is called
+``MooncakeAgent.release``: the batch ids are forgotten, nothing is called
 on the engine (it has no cancel). Each trial:
 
 - the prefill fills its source with a byte of its own (one per trial, so a
@@ -73,9 +73,9 @@ TIMEOUT_ENV = ("MC_TCP_PROGRESS_TIMEOUT_SEC", "MC_TCP_STATUS_TIMEOUT_SEC")
 
 
 def _engine() -> Any:
-    from kvfsm.drivers.pd.transport import mooncake_engine
+    from kvfsm.drivers.mooncake.agent import mooncake_engine
 
-    return mooncake_engine()  # 127.0.0.1, P2PHANDSHAKE, tcp: the MoRIIO drivers' MooncakeTransport
+    return mooncake_engine()  # 127.0.0.1, P2PHANDSHAKE, tcp: the MoRIIO drivers' MooncakeAgent
 
 
 # ---------------------------------------------------------------- the prefill side (the READ's target)

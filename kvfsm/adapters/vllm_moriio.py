@@ -70,8 +70,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from ..drivers.mooncake.agent import MooncakeAgent, notify_only
 from ..drivers.moriio import DecodeEngine, PrefillEngine, Release, moriio_spec
-from ..drivers.moriio.mooncake import MooncakeTransport, notify_only
+from ..drivers.moriio.plane import PlaneTransport
 from ..drivers.nixl.memory import CacheBlocks
 from .vllm_async import VLLM
 from .vllm_kv_cache import adopt_layers, layout_of
@@ -197,7 +198,8 @@ class MoRIIOConnector(PDConnector[PrefillEngine, DecodeEngine]):
         """Prefill: requests vLLM keeps for a write (delay_free) and has not yet heard finished_sending of."""
         self.orders: dict[str, int] = {"holds": 0, "loads": 0, "cancels": 0}
         # worker side
-        self.transport: MooncakeTransport | None = None
+        self.agent: MooncakeAgent | None = None
+        self.transport: PlaneTransport | None = None
         self.num_blocks = int(kv_cache_config.num_blocks) if role == KVConnectorRole.WORKER else 0
 
     @property
@@ -301,7 +303,8 @@ class MoRIIOConnector(PDConnector[PrefillEngine, DecodeEngine]):
         s = self.settings
         rank = tp_rank(s.tp_rank)
         port = s.notify_port + rank if self.is_producer and s.notify_port else 0
-        self.transport = transport = MooncakeTransport(s.notify_host, port)
+        self.agent = agent = MooncakeAgent(s.notify_host, port)
+        self.transport = transport = PlaneTransport(agent)
         try:
             if self.is_producer:
                 self.prefill = PrefillEngine(
@@ -316,20 +319,20 @@ class MoRIIOConnector(PDConnector[PrefillEngine, DecodeEngine]):
                 )  # fmt: skip
                 self.decode.borrow_from(VLLM)
         except BaseException:
-            transport.close()
-            self.transport = None
+            agent.close()
+            self.transport = self.agent = None
             raise
         log.info(
             "MoRIIOConnector %s (%s): %d blocks of %d B registered with TransferEngine %s, notify socket %s",
-            self.engine_id, self.kv_role, self.num_blocks, memory.block_bytes, transport.session,
-            transport.mailbox.endpoint,
+            self.engine_id, self.kv_role, self.num_blocks, memory.block_bytes, agent.session,
+            agent.mailbox.endpoint,
         )  # fmt: skip
 
     def get_handshake_metadata(self) -> MoRIIOHandshakeMetadata | None:
         """Prefill workers: where the decode side sends ``remote_blocks`` and ``release``."""
-        if self.prefill is None or self.transport is None:
+        if self.prefill is None or self.agent is None:
             return None
-        host, _, port = self.transport.mailbox.endpoint.removeprefix("tcp://").rpartition(":")
+        host, _, port = self.agent.mailbox.endpoint.removeprefix("tcp://").rpartition(":")
         return MoRIIOHandshakeMetadata(host, int(port))
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
@@ -357,9 +360,9 @@ class MoRIIOConnector(PDConnector[PrefillEngine, DecodeEngine]):
     def shutdown(self) -> None:
         """Abort everything still held (every release runs) and close the sockets."""
         self._close_ranks()
-        if self.transport is not None:
-            self.transport.close()
-            self.transport = None
+        if self.agent is not None:
+            self.agent.close()
+            self.transport = self.agent = None
 
     # -- what it did ------------------------------------------------------------------
 
@@ -377,10 +380,10 @@ class MoRIIOConnector(PDConnector[PrefillEngine, DecodeEngine]):
         out: dict[str, Any] = {"engine_id": self.engine_id, "kv_role": self.kv_role, "orders": dict(self.orders)}
         if self._sending:
             out["pending_sends"] = len(self._sending)
-        t = self.transport
-        if t is not None:
-            out["transfer_engine"] = {"session": t.session, "notify": t.mailbox.endpoint, **t.posted}
-            out["dropped_messages"] = dict(t.dropped)
+        a, t = self.agent, self.transport
+        if a is not None and t is not None:
+            out["transfer_engine"] = {"session": a.session, "notify": a.mailbox.endpoint, **a.posted}
+            out["dropped_messages"] = dict(a.mailbox.dropped + t.dropped)
         if self.prefill is not None:
             out["prefill"] = self.prefill.stats()
         if self.decode is not None:

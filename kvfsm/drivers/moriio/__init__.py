@@ -6,10 +6,11 @@
   until every ``release``, reaped at ``defer_timeout``);
 - :class:`DecodeEngine` with :class:`WriteReceiver` (``write_consumer.yaml``) or
   :class:`BlockReader` (``read_consumer.yaml``: ``release`` on every outcome);
-- :class:`Transport`: the operations vLLM's ``moriio_engine.py`` uses, with
-  :class:`PlaneTransport` over any data-plane agent (the embedded one of
-  :class:`Fabric`, or a real ``kvfsm.drivers.nixl.agent.NixlAgent``) and
-  ``kvfsm.drivers.moriio.mooncake.MooncakeTransport`` (imports ``mooncake`` and ``zmq``);
+- :class:`Transport`: the operations vLLM's ``moriio_engine.py`` uses, and
+  :class:`PlaneTransport`, which implements them over any data-plane agent: the
+  embedded one of :class:`Fabric`, a real ``kvfsm.drivers.nixl.agent.NixlAgent``
+  (imports ``nixl``) or ``kvfsm.drivers.mooncake.agent.MooncakeAgent`` (imports
+  ``mooncake`` and ``zmq``);
 - :class:`FaultPlan` / :class:`FaultyTransport`: failed and raising transfers, lost
   and duplicated messages, one fault per transfer id;
 - :func:`run_load`: a closed-loop load at a given concurrency, and what it left.

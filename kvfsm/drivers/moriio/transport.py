@@ -3,11 +3,11 @@
 MoRI's ``IOEngine`` registers memory, posts a batch of one-sided writes or
 reads under a transfer uid (``Session.batch_write`` / ``batch_read``),
 answers each with a ``TransferStatus`` that is polled, and leaves completion
-messages to vLLM's own ZMQ sockets. The drivers see only this protocol; two
-implementations: :class:`~.plane.PlaneTransport` over a data-plane agent (the
-embedded one, in process, or a real NIXL agent) and
-:class:`~.mooncake.MooncakeTransport` (Mooncake's TransferEngine over tcp,
-across processes).
+messages to vLLM's own ZMQ sockets. The drivers see only this protocol;
+:class:`~.plane.PlaneTransport` implements it over any agent of the data
+plane (:mod:`kvfsm.drivers.dataplane`): the embedded one in process, a real
+NIXL agent, or Mooncake's TransferEngine with pyzmq across processes.
+:class:`~.faults.FaultyTransport` wraps it.
 """
 
 from __future__ import annotations

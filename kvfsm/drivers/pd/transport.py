@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import os
 import queue
 import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import Protocol
 
+from ..mooncake.agent import mooncake_engine
 from .pages import Pages
 
 Landed = tuple[int, int, bool]
@@ -81,23 +81,6 @@ class EmbeddedTransport:
 
     def close(self) -> None:
         self._due.clear()
-
-
-def mooncake_engine() -> Any:
-    """A Mooncake TransferEngine on loopback (tcp, P2PHANDSHAKE); ImportError says how to install it."""
-    try:
-        from mooncake.engine import TransferEngine  # type: ignore[import-untyped]
-    except ImportError as exc:
-        raise ImportError(
-            f"--backend real needs Mooncake's TransferEngine: pip install 'kvfsm[mooncake]' "
-            f"(and Debian libibverbs1 --no-install-recommends); import failed: {exc}"
-        ) from exc
-    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # glog to stderr otherwise, a line per handshake
-    engine = TransferEngine()
-    rc = engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
-    if rc != 0:
-        raise RuntimeError(f"TransferEngine.initialize on 127.0.0.1 (tcp, P2PHANDSHAKE) returned {rc}")
-    return engine
 
 
 class MooncakeExposure:

@@ -143,7 +143,7 @@ def mooncake_run(
 ) -> LoadResult:
     """One WRITE-mode run on real TransferEngines: the prefill in a process of its own, the decode side here.
     ``prefill`` as for :func:`embedded_run`."""
-    from ...drivers.moriio.mooncake import UNREACHABLE, MooncakeTransport
+    from ...drivers.mooncake.agent import UNREACHABLE, MooncakeAgent
     from .peer import PeerProcess
 
     plan = FaultPlan(fault_rate, faults, seed)
@@ -152,8 +152,8 @@ def mooncake_run(
         params=timeouts.producer("write"), fault_rate=fault_rate, faults=tuple(faults), fault_seed=seed,
         prefill=prefill,
     ) as peer:  # fmt: skip
-        base = MooncakeTransport()
-        dt = FaultyTransport(base, plan, UNREACHABLE)
+        base = MooncakeAgent()
+        dt = FaultyTransport(PlaneTransport(base), plan, UNREACHABLE)
         decode = DecodeEngine(
             dt, concurrency * blocks_per_request, block_bytes, peer.name, params=timeouts.consumer("write")
         )

@@ -2,7 +2,8 @@
 
 ``python -m kvfsm.harness.moriio.peer`` builds a
 :class:`~kvfsm.drivers.moriio.producer.PrefillEngine` over a
-:class:`~kvfsm.drivers.moriio.mooncake.MooncakeTransport` (behind a
+:class:`~kvfsm.drivers.moriio.plane.PlaneTransport` over a
+:class:`~kvfsm.drivers.mooncake.agent.MooncakeAgent` (behind a
 :class:`~kvfsm.drivers.moriio.faults.FaultyTransport` when faults are named),
 says its transport's name as its hello, and steps the engine until stdin
 closes. Requests (``prefill``), ``remote_blocks``, ``release`` and
@@ -62,17 +63,18 @@ def _serve(argv: list[str]) -> int:
     ap.add_argument("--fault-seed", type=int, default=0)
     ap.add_argument("--prefill", default=None, help="another prefill, as 'module:function' (cluster.prefill_variant)")
     opts = ap.parse_args(argv)
+    from ...drivers.mooncake.agent import UNREACHABLE, MooncakeAgent
     from ...drivers.moriio.faults import FaultPlan, FaultyTransport
-    from ...drivers.moriio.mooncake import UNREACHABLE, MooncakeTransport
+    from ...drivers.moriio.plane import PlaneTransport
     from ...drivers.moriio.producer import PrefillEngine
     from ...drivers.moriio.transport import Transport
     from .cluster import prefill_variant
 
-    base = MooncakeTransport()
-    transport: Transport = base
+    base = MooncakeAgent()
+    transport: Transport = PlaneTransport(base)
     kinds = tuple(k for k in opts.faults.split(",") if k)
     if kinds:
-        transport = FaultyTransport(base, FaultPlan(opts.fault_rate, kinds, opts.fault_seed), UNREACHABLE)
+        transport = FaultyTransport(transport, FaultPlan(opts.fault_rate, kinds, opts.fault_seed), UNREACHABLE)
     extra = prefill_variant(opts.prefill, opts.mode)
     params = None if extra else json.loads(opts.params)
     engine = PrefillEngine(transport, opts.blocks, opts.block_bytes, mode=opts.mode, params=params, **extra)
