@@ -26,8 +26,6 @@ from kvfsm.drivers.kv_cache import KVCache, KVLayout
 from kvfsm.drivers.moriio import (
     DecodeEngine,
     Fabric,
-    FaultPlan,
-    FaultyTransport,
     PlaneTransport,
     PrefillEngine,
     Release,
@@ -44,7 +42,8 @@ from kvfsm.drivers.moriio.producer import BlockWriter
 from kvfsm.drivers.nixl.blocks import KVBlocks
 from kvfsm.drivers.nixl.memory import CacheBlocks
 from kvfsm.explore import explore
-from kvfsm.harness.moriio.cluster import embedded_run
+from kvfsm.harness.faults import FaultPlan
+from kvfsm.harness.moriio.cluster import embedded_run, faulty
 from kvfsm.showcase.moriio_seed import PRE_FIX_PREFILL, PreFixModelReader, PreFixModelWriter, pre_fix_spec
 from kvfsm.spec.system.loader import read_system_file
 from kvfsm.testing import VirtualClock
@@ -311,10 +310,10 @@ def test_read_mode_a_release_repeated_by_one_decode_rank_never_frees_the_blocks_
         PlaneTransport(fabric.agent("prefill")), 16, 256, mode="read", acks=expected_acks(2, 1), clock=clock,
         params={"defer_timeout": 2.0},
     )  # fmt: skip
-    twice = FaultyTransport(PlaneTransport(fabric.agent("decode-0")), FaultPlan(1.0, ["duplicate_release"]))
+    twice = faulty(fabric.agent("decode-0"), FaultPlan(1.0, ["duplicate_release"]))
     d0, d1 = (
         DecodeEngine(t, 16, 256, "prefill", mode="read", rank=rank, clock=clock, params={"transfer_timeout": 1.0})
-        for rank, t in enumerate([twice, PlaneTransport(fabric.agent("decode-1"))])
+        for rank, t in enumerate([PlaneTransport(twice), PlaneTransport(fabric.agent("decode-1"))])
     )
     assert isinstance(p.blocks, KVBlocks)
     source = Source("prefill", p.blocks.base, 256, tuple(p.compute("p-1", "t-1", 2)))
@@ -345,10 +344,10 @@ def test_write_mode_a_write_done_repeated_by_one_prefill_rank_never_finishes_a_l
     or its deadline (the blocks then reported invalid)."""
     fabric, clock = Fabric(), VirtualClock()
     timeouts = {"defer_timeout": 1.0, "transfer_timeout": 1.0}
-    twice = FaultyTransport(PlaneTransport(fabric.agent("prefill-0")), FaultPlan(1.0, ["duplicate_write_done"]))
+    twice = faulty(fabric.agent("prefill-0"), FaultPlan(1.0, ["duplicate_write_done"]))
     p0, p1 = (
         PrefillEngine(t, 16, 256, rank=rank, clock=clock, params=timeouts)
-        for rank, t in enumerate([twice, PlaneTransport(fabric.agent("prefill-1"))])
+        for rank, t in enumerate([PlaneTransport(twice), PlaneTransport(fabric.agent("prefill-1"))])
     )
     d = DecodeEngine(
         PlaneTransport(fabric.agent("decode")), 16, 256, "prefill-0", acks=expected_acks(2, 1), clock=clock,

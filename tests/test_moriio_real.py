@@ -100,10 +100,10 @@ def test_both_modes_on_real_nixl_agents_with_faults(mode: str) -> None:
 
 DUPLICATED_RELEASE = """
 import json, os, time
-from kvfsm.drivers.moriio import (
-    DecodeEngine, FaultPlan, FaultyTransport, PlaneTransport, PrefillEngine, Source, expected_acks,
-)
+from kvfsm.drivers.moriio import DecodeEngine, PlaneTransport, PrefillEngine, Source, expected_acks
 from kvfsm.drivers.nixl.agent import NixlAgent
+from kvfsm.harness.faults import FaultPlan
+from kvfsm.harness.moriio.cluster import faulty
 
 def until(what, step, limit=10.0):
     end = time.monotonic() + limit
@@ -115,7 +115,7 @@ def until(what, step, limit=10.0):
 
 p, d0, d1 = (PlaneTransport(NixlAgent(f"moriio-{name}")) for name in ("prefill", "decode-0", "decode-1"))
 prefill = PrefillEngine(p, 8, 1024, mode="read", acks=expected_acks(2, 1), params={"defer_timeout": 30.0})
-twice = FaultyTransport(d0, FaultPlan(1.0, ["duplicate_release"]))  # decode rank 0 sends each release twice
+twice = PlaneTransport(faulty(d0.agent, FaultPlan(1.0, ["duplicate_release"])))  # rank 0 sends each release twice
 decode = [
     DecodeEngine(t, 8, 1024, p.name, mode="read", rank=rank, params={"transfer_timeout": 10.0})
     for rank, t in enumerate([twice, d1])

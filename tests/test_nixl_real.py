@@ -24,7 +24,7 @@ pytest.importorskip("nixl", reason="needs the nixl wheels: pip install 'kvfsm[ni
 from kvfsm.drivers.nixl import DecodeRank, Topology
 from kvfsm.drivers.nixl.agent import NixlAgent
 from kvfsm.drivers.nixl.decode import BlockReader
-from kvfsm.drivers.nixl.faults import FaultyAgent
+from kvfsm.harness.nixl import faulty
 from kvfsm.harness.nixl.peer import PeerProcess
 from kvfsm.showcase.bench.nixl import soak
 from kvfsm.showcase.nixl_seed import LocalIdReader
@@ -41,14 +41,14 @@ class Real(PeerOutcomes):
         early_within: float = 0.5,
     ) -> None:  # fmt: skip
         """``lost``: every decode rank's notifications are lost; ``faults``: decode rank → the faults its agent
-        injects on every READ (see :class:`FaultyAgent`)."""
+        injects on every request (see :func:`kvfsm.harness.nixl.faulty`)."""
         self.topology = topology
         self.peer = PeerProcess(topology, 64, abort_timeout=abort_timeout, early_within=early_within)
         self.decode = []
         for d in range(topology.decode_tp):
             agent = NixlAgent(f"decode-{os.getpid()}-{next(_names)}")
             injected = ["lost_notif"] if lost else (faults or {}).get(d)
-            transport = FaultyAgent(agent, 1.0, faults=injected) if injected else agent
+            transport = faulty(agent, 1.0, faults=injected) if injected else agent
             rank = DecodeRank(d, topology, transport, 64, params={"read_timeout": read_timeout}, reader=reader)
             self.peer.add_decode(agent.metadata())
             rank.handshake(self.peer.peers)
@@ -264,7 +264,7 @@ def test_nixl_real_malformed_notifications_are_counted_and_dropped(real: list[Re
 def test_nixl_real_soak_with_ten_percent_faults_leaks_and_hangs_nothing() -> None:
     result = soak(requests=600, concurrency=128, fault_rate=0.1, real=True, abort_timeout=1.0, read_timeout=5.0)
     assert result.ok, result
-    assert set(result.faults) == {"failed_transfer", "lost_notif", "duplicate_notif", "malformed_notif"}
+    assert set(result.faults) == {"raising_read", "lost_notif", "duplicate_notif", "malformed_notif"}
 
 
 @pytest.mark.slow

@@ -74,9 +74,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ..drivers.dataplane import DataPlane, TransferError
 from ..drivers.kv_cache import KVLayout
 from ..drivers.nixl import BlockReader, DecodeRank, Fabric, PeerInfo, PrefillRank, Topology, decode_spec
-from ..drivers.nixl.faults import FAULTS, FaultyAgent
 from ..drivers.nixl.memory import BlockMemory, CacheBlocks, segments
+from ..drivers.nixl.notif import FAULTS
 from ..drivers.nixl.side_channel import Handshake, HandshakeError, SideChannel, fetch, new_incarnation
+from ..harness.faults import FaultyAgent
+from ..harness.nixl import faulty
 from .vllm_async import VLLM as VLLM
 from .vllm_kv_cache import adopt_layers
 from .vllm_pd import PDConnector, handshakes, held_for_decode, tp_rank
@@ -291,7 +293,7 @@ class NixlConnector(PDConnector[PrefillRank[BlockMemory], DecodeRank[BlockMemory
         if self.kv_role in ("kv_consumer", "kv_both"):
             agent = self._agent(f"{self.engine_id}/decode-{rank}")
             if s.inject is not None:
-                agent = FaultyAgent(agent, s.inject.rate, s.inject.seed, s.inject.faults)
+                agent = faulty(agent, s.inject.rate, s.inject.seed, s.inject.faults)
             params = {k: v for k, v in s.params.items() if k in DECODE_PARAMS}
             self.decode = DecodeRank(
                 rank, topology, agent, self.num_blocks, params=params, clock=self._now, reader=s.reader, blocks=memory

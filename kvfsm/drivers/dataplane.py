@@ -7,8 +7,9 @@ READ or a WRITE that notifies the peer when it is done; ``check_xfer_state``;
 the smallest one that covers the transfer systems kvfsm drives. It is
 implemented by :class:`~kvfsm.drivers.nixl.agent.NixlAgent` (a real NIXL
 agent) and by :class:`~kvfsm.drivers.fabric.EmbeddedAgent` (in process, on
-the one embedded fabric); :class:`~kvfsm.drivers.nixl.faults.FaultyAgent`
-wraps either. The NIXL drivers and MoRIIO's NIXL transport are written over it.
+the one embedded fabric) and :class:`~kvfsm.drivers.mooncake.agent.MooncakeAgent`
+(Mooncake's TransferEngine, WRITEs, with pyzmq); the harness's
+:class:`~kvfsm.harness.faults.FaultyAgent` wraps any of them. The NIXL drivers and MoRIIO's NIXL transport are written over it.
 """
 
 from __future__ import annotations

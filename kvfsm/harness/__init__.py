@@ -4,6 +4,8 @@
   a subprocess of its own, talked to in JSON lines with a deadline on every
   answer, paused, resumed, stopped and killed by pid; :func:`~.peer.say` and
   :func:`~.peer.serve` are the peer's half;
+- :class:`FaultPlan` / :class:`FaultyAgent` (:mod:`.faults`): one fault plan,
+  and one fault wrapper over the data plane, for every transfer driver;
 - :mod:`.moriio`: a MoRIIO prefill engine on the real Mooncake TransferEngine
   in a peer process, and the ready-made 1P1D runs (embedded, Mooncake, NIXL);
 - :mod:`.nixl`: NIXL prefill ranks with real agents in a peer process.
@@ -11,6 +13,7 @@
 The harness imports the drivers; no driver imports the harness.
 """
 
+from .faults import FaultPlan, FaultyAgent
 from .peer import PeerError, PeerProcess
 
-__all__ = ["PeerError", "PeerProcess"]
+__all__ = ["FaultPlan", "FaultyAgent", "PeerError", "PeerProcess"]

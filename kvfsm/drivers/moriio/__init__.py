@@ -11,14 +11,11 @@
   embedded one of :class:`Fabric`, a real ``kvfsm.drivers.nixl.agent.NixlAgent``
   (imports ``nixl``) or ``kvfsm.drivers.mooncake.agent.MooncakeAgent`` (imports
   ``mooncake`` and ``zmq``);
-- :class:`FaultPlan` / :class:`FaultyTransport`: failed and raising transfers, lost
-  and duplicated messages, one fault per transfer id;
 - :func:`run_load`: a closed-loop load at a given concurrency, and what it left.
 """
 
 from ..fabric import Fabric
 from .consumer import BlockLoader, BlockMismatch, BlockReader, DecodeEngine, Source, WriteReceiver
-from .faults import READ_FAULTS, WRITE_FAULTS, FaultPlan, FaultyTransport
 from .load import LoadResult, run_load
 from .messages import Message, Release, Released, RemoteBlocks, WriteDone, decode, encode
 from .plane import PlaneTransport
@@ -27,9 +24,7 @@ from .specs import TRANSFER_ID, moriio_spec
 from .transport import Status, TransferError, Transport
 
 __all__ = [
-    "READ_FAULTS",
     "TRANSFER_ID",
-    "WRITE_FAULTS",
     "BlockHolder",
     "BlockLender",
     "BlockLoader",
@@ -38,8 +33,6 @@ __all__ = [
     "BlockWriter",
     "DecodeEngine",
     "Fabric",
-    "FaultPlan",
-    "FaultyTransport",
     "LoadResult",
     "Message",
     "PlaneTransport",

@@ -132,3 +132,17 @@ def decode(raw: bytes) -> Message | None:
         return _decoder.decode(raw)
     except (msgspec.DecodeError, msgspec.ValidationError):
         return None
+
+
+FAULTED = (RemoteBlocks, WriteDone, Release)
+"""The messages a fault may strike (the harness's ``lost_``/``duplicate_`` faults): the protocol's, not the
+harness's own commands."""
+
+
+def fault_label(raw: bytes) -> tuple[str, str] | None:
+    """A message's tag and its ``transfer_id``, the key its fault is decided on: one fault per transfer, whichever
+    message of it a fault strikes (:mod:`kvfsm.harness.faults`). None for anything else."""
+    message = decode(raw)
+    if not isinstance(message, FAULTED):
+        return None
+    return type(message).__struct_config__.tag, message.transfer_id  # type: ignore[return-value]

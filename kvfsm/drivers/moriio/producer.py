@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +31,6 @@ from ..dataplane import Extent
 from ..nixl.blocks import KVBlocks
 from ..nixl.memory import BlockLayout, BlockMemory, Part, read_extents
 from ..report import Finished, Report, SendReport
-from .faults import FaultyTransport
 from .messages import Computed, Message, Prefill, Release, Released, RemoteBlocks, Stats, StatsQuery, WriteDone
 from .side import Side, count_senders, counted_events
 from .specs import moriio_spec
@@ -258,10 +257,12 @@ class PrefillEngine(Side):
         spec: Spec | None = None,
         driver: type[BlockWriter] | type[BlockLender] | None = None,
         blocks: BlockMemory | None = None,
+        faults: Callable[[], Mapping[str, int]] | None = None,
     ) -> None:
         """``blocks``: the rank's block memory (vLLM's cache); kvfsm's own ``num_blocks`` × ``block_bytes`` if None.
         ``acks`` (READ mode): how many decode ranks read each request's blocks (:func:`expected_acks`), the
-        spec's ``readers``; None leaves it to ``params`` or the spec."""
+        spec's ``readers``; None leaves it to ``params`` or the spec. ``faults``: what a fault wrapper in front of
+        the transport injected so far, reported in :meth:`stats` (a peer process's only way to say it)."""
         super().__init__(transport, num_blocks, block_bytes, mode, blocks)
         kind = driver if driver is not None else BlockWriter if mode == "write" else BlockLender
         self.driver: BlockHolder = kind(self.blocks, transport, rank)
@@ -273,6 +274,7 @@ class PrefillEngine(Side):
             self.driver.transfer_timeout = self.tracker.timeout("writing") or 0.0
         self.queued: OrderedDict[str, Prefill] = OrderedDict()
         """Requests waiting for free blocks, in arrival order (vLLM's waiting queue)."""
+        self._faults = faults
 
     # -- requests -----------------------------------------------------------------------
 
@@ -361,7 +363,7 @@ class PrefillEngine(Side):
             **self.side_stats(),
             "queued": len(self.queued),
             "transfers": dict(self.driver.stats),
-            "faults": dict(self.transport.injected) if isinstance(self.transport, FaultyTransport) else {},
+            "faults": dict(self._faults()) if self._faults is not None else {},
         }
 
     # -- internals ----------------------------------------------------------------------

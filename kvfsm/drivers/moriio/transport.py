@@ -7,7 +7,7 @@ messages to vLLM's own ZMQ sockets. The drivers see only this protocol;
 :class:`~.plane.PlaneTransport` implements it over any agent of the data
 plane (:mod:`kvfsm.drivers.dataplane`): the embedded one in process, a real
 NIXL agent, or Mooncake's TransferEngine with pyzmq across processes.
-:class:`~.faults.FaultyTransport` wraps it.
+:class:`kvfsm.harness.faults.FaultyAgent` wraps the agent to inject faults.
 """
 
 from __future__ import annotations

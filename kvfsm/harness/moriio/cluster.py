@@ -2,7 +2,8 @@
 
 What the tests, the soak benchmark and ``kvfsm demo --driver moriio`` run:
 :func:`embedded_run` and :func:`mooncake_run` build a prefill and a decode
-engine with a shared :class:`~kvfsm.drivers.moriio.faults.FaultPlan`,
+engine with a shared :class:`~kvfsm.harness.faults.FaultPlan` (each agent behind a
+:class:`~kvfsm.harness.faults.FaultyAgent`),
 optionally a prefill the caller names (seed 001's pre-fix shape), optionally a
 prefill that dies mid-run, and return the
 :class:`~kvfsm.drivers.moriio.load.LoadResult`. Timeouts are scaled down from
@@ -17,12 +18,32 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ...drivers.dataplane import DataPlane
 from ...drivers.fabric import Fabric
 from ...drivers.moriio.consumer import DecodeEngine
-from ...drivers.moriio.faults import READ_FAULTS, WRITE_FAULTS, FaultPlan, FaultyTransport
 from ...drivers.moriio.load import LoadResult, run_load
+from ...drivers.moriio.messages import fault_label
 from ...drivers.moriio.plane import PlaneTransport
 from ...drivers.moriio.producer import PrefillEngine
+from ..faults import FaultPlan, FaultyAgent
+
+WRITE_FAULTS = (
+    "failed_write", "raising_write", "lost_write_done", "duplicate_write_done", "lost_remote_blocks",
+    "duplicate_remote_blocks",
+)  # fmt: skip
+"""The faults of a WRITE-mode run: writes that fail or raise at the post, messages lost or sent twice."""
+READ_FAULTS = ("failed_read", "raising_read", "lost_release", "duplicate_release")
+"""The faults of a READ-mode run."""
+
+
+def faulty(agent: DataPlane, plan: FaultPlan, unreachable: str | None = None) -> FaultyAgent:
+    """``agent`` behind the plan's faults, MoRIIO's messages named by their transfer id (one fault per transfer)."""
+    return FaultyAgent(agent, plan, label=fault_label, unreachable=unreachable)
+
+
+def fault_plan(rate: float, kinds: Sequence[str], seed: int) -> FaultPlan:
+    """A plan over MoRIIO's faults (a misspelt one is refused)."""
+    return FaultPlan(rate, kinds, seed, known=WRITE_FAULTS + READ_FAULTS)
 
 
 @dataclass(frozen=True)
@@ -80,9 +101,9 @@ def embedded_run(
     """One run in this process. ``prefill``: another prefill than the bundled one (:func:`prefill_variant`);
     ``kill_after``: the prefill dies once that many requests have ended."""
     fabric = Fabric()
-    plan = FaultPlan(fault_rate, faults if faults is not None else default_faults(mode), seed)
-    pt = FaultyTransport(PlaneTransport(fabric.agent("prefill")), plan)
-    dt = FaultyTransport(PlaneTransport(fabric.agent("decode")), plan)
+    plan = fault_plan(fault_rate, faults if faults is not None else default_faults(mode), seed)
+    pa, da = faulty(fabric.agent("prefill"), plan), faulty(fabric.agent("decode"), plan)
+    pt, dt = PlaneTransport(pa), PlaneTransport(da)
     prefill_blocks = int(concurrency * blocks_per_request * prefill_headroom)
     extra = prefill_variant(prefill, mode)
     params = None if extra else timeouts.producer(mode)
@@ -105,7 +126,7 @@ def embedded_run(
     return run_load(
         decode, "prefill", requests=requests, concurrency=concurrency, blocks_per_request=blocks_per_request,
         deadline=timeouts.deadline(mode), settle=timeouts.defer + timeouts.transfer + 0.5, step_prefill=step_prefill,
-        prefill_stats=lambda: DEAD_PEER if dead else engine.stats(), faults=lambda: _merge(pt, dt), tick=tick,
+        prefill_stats=lambda: DEAD_PEER if dead else engine.stats(), faults=lambda: _merge(pa, da), tick=tick,
     )  # fmt: skip
 
 
@@ -146,14 +167,15 @@ def mooncake_run(
     from ...drivers.mooncake.agent import UNREACHABLE, MooncakeAgent
     from .peer import PeerProcess
 
-    plan = FaultPlan(fault_rate, faults, seed)
+    plan = fault_plan(fault_rate, faults, seed)
     with PeerProcess(
         blocks=int(concurrency * blocks_per_request * 1.25), block_bytes=block_bytes,
         params=timeouts.producer("write"), fault_rate=fault_rate, faults=tuple(faults), fault_seed=seed,
         prefill=prefill,
     ) as peer:  # fmt: skip
         base = MooncakeAgent()
-        dt = FaultyTransport(PlaneTransport(base), plan, UNREACHABLE)
+        da = faulty(base, plan, UNREACHABLE)
+        dt = PlaneTransport(da)
         decode = DecodeEngine(
             dt, concurrency * blocks_per_request, block_bytes, peer.name, params=timeouts.consumer("write")
         )
@@ -169,7 +191,7 @@ def mooncake_run(
             result = run_load(
                 decode, peer.name, requests=requests, concurrency=concurrency, blocks_per_request=blocks_per_request,
                 deadline=timeouts.deadline("write"), settle=timeouts.defer + timeouts.transfer + 0.5,
-                faults=lambda: dict(dt.injected), tick=tick,
+                faults=lambda: dict(da.injected), tick=tick,
                 prefill_stats=(lambda: DEAD_PEER) if kill_after is not None else None,
             )  # fmt: skip
         finally:
@@ -179,10 +201,10 @@ def mooncake_run(
     return result
 
 
-def _merge(*transports: FaultyTransport) -> dict[str, int]:
+def _merge(*agents: FaultyAgent) -> dict[str, int]:
     out: dict[str, int] = {}
-    for t in transports:
-        for k, v in t.injected.items():
+    for a in agents:
+        for k, v in a.injected.items():
             out[k] = out.get(k, 0) + v
     return out
 
@@ -205,9 +227,9 @@ def nixl_run(
     """
     from ...drivers.nixl.agent import NixlAgent
 
-    plan = FaultPlan(fault_rate, default_faults(mode), seed)
-    p, d = PlaneTransport(NixlAgent("moriio-prefill")), PlaneTransport(NixlAgent("moriio-decode"))
-    pt, dt = FaultyTransport(p, plan), FaultyTransport(d, plan)
+    plan = fault_plan(fault_rate, default_faults(mode), seed)
+    pa, da = faulty(NixlAgent("moriio-prefill"), plan), faulty(NixlAgent("moriio-decode"), plan)
+    p, d = pt, dt = PlaneTransport(pa), PlaneTransport(da)
     prefill = PrefillEngine(
         pt, int(concurrency * blocks_per_request * 1.25), block_bytes, mode=mode, params=timeouts.producer(mode)
     )
@@ -219,5 +241,5 @@ def nixl_run(
     return run_load(
         decode, p.name, requests=requests, concurrency=concurrency, blocks_per_request=blocks_per_request,
         deadline=timeouts.deadline(mode), settle=timeouts.defer + timeouts.transfer + 0.5,
-        step_prefill=prefill.step, prefill_stats=prefill.stats, faults=lambda: _merge(pt, dt),
+        step_prefill=prefill.step, prefill_stats=prefill.stats, faults=lambda: _merge(pa, da),
     )  # fmt: skip

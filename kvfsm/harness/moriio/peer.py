@@ -4,7 +4,7 @@
 :class:`~kvfsm.drivers.moriio.producer.PrefillEngine` over a
 :class:`~kvfsm.drivers.moriio.plane.PlaneTransport` over a
 :class:`~kvfsm.drivers.mooncake.agent.MooncakeAgent` (behind a
-:class:`~kvfsm.drivers.moriio.faults.FaultyTransport` when faults are named),
+:class:`~kvfsm.harness.faults.FaultyAgent` when faults are named),
 says its transport's name as its hello, and steps the engine until stdin
 closes. Requests (``prefill``), ``remote_blocks``, ``release`` and
 ``stats_query`` reach it over its ZMQ socket, like any other message.
@@ -64,20 +64,25 @@ def _serve(argv: list[str]) -> int:
     ap.add_argument("--prefill", default=None, help="another prefill, as 'module:function' (cluster.prefill_variant)")
     opts = ap.parse_args(argv)
     from ...drivers.mooncake.agent import UNREACHABLE, MooncakeAgent
-    from ...drivers.moriio.faults import FaultPlan, FaultyTransport
     from ...drivers.moriio.plane import PlaneTransport
     from ...drivers.moriio.producer import PrefillEngine
     from ...drivers.moriio.transport import Transport
-    from .cluster import prefill_variant
+    from ..faults import FaultyAgent
+    from .cluster import fault_plan, faulty, prefill_variant
 
     base = MooncakeAgent()
-    transport: Transport = PlaneTransport(base)
+    agent: MooncakeAgent | FaultyAgent = base
     kinds = tuple(k for k in opts.faults.split(",") if k)
     if kinds:
-        transport = FaultyTransport(transport, FaultPlan(opts.fault_rate, kinds, opts.fault_seed), UNREACHABLE)
+        agent = faulty(base, fault_plan(opts.fault_rate, kinds, opts.fault_seed), UNREACHABLE)
+    transport: Transport = PlaneTransport(agent)
     extra = prefill_variant(opts.prefill, opts.mode)
     params = None if extra else json.loads(opts.params)
-    engine = PrefillEngine(transport, opts.blocks, opts.block_bytes, mode=opts.mode, params=params, **extra)
+    injected = agent.injected if isinstance(agent, FaultyAgent) else None
+    engine = PrefillEngine(
+        transport, opts.blocks, opts.block_bytes, mode=opts.mode, params=params,
+        faults=(lambda: injected) if injected is not None else None, **extra,
+    )  # fmt: skip
 
     def step() -> None:
         engine.step()

@@ -4,7 +4,7 @@
 (this process) against a prefill engine of ``prefill_tp`` ranks (a
 :class:`~kvfsm.harness.nixl.peer.PeerProcess` with real NIXL agents, or
 :class:`~kvfsm.drivers.nixl.Fabric` agents in process), with a fraction of
-READs hit by :class:`~kvfsm.drivers.nixl.faults.FaultyAgent`. At the end it
+requests hit by :class:`~kvfsm.harness.faults.FaultyAgent`. At the end it
 waits out the prefill expiry and counts leaked blocks (holders left in either
 pool), hung requests (still live on either side) and late ones (still
 live after a step that began past their deadline), with latency percentiles.
@@ -25,8 +25,8 @@ from typing import Any, Protocol
 
 from ...drivers.nixl import DataPlane, DecodeRank, Fabric, PeerInfo, PrefillRank, Topology
 from ...drivers.nixl.decode import BlockReader
-from ...drivers.nixl.faults import FaultyAgent
 from ...drivers.nixl.prefill import engine_stats
+from ...harness.nixl import faulty
 
 
 class Prefill(Protocol):
@@ -128,7 +128,7 @@ def soak(
         prefill = EmbeddedPrefill(fabric, topo, pool, abort_timeout)
         inner = fabric.agent("decode-0")
     try:
-        agent = FaultyAgent(inner, fault_rate, seed)
+        agent = faulty(inner, fault_rate, seed)
         decode = DecodeRank(
             0, topo, agent, concurrency * blocks_per_request, params={"read_timeout": read_timeout}, reader=reader
         )
