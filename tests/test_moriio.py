@@ -37,13 +37,13 @@ from kvfsm.drivers.moriio import (
     expected_acks,
     moriio_spec,
 )
-from kvfsm.drivers.moriio.model import FACTORIES
 from kvfsm.drivers.moriio.producer import BlockWriter
 from kvfsm.drivers.nixl.blocks import KVBlocks
 from kvfsm.drivers.nixl.memory import CacheBlocks
 from kvfsm.explore import explore
 from kvfsm.harness.faults import FaultPlan
 from kvfsm.harness.moriio.cluster import embedded_run, faulty
+from kvfsm.showcase.moriio_modeltest import FACTORIES
 from kvfsm.showcase.moriio_seed import PRE_FIX_PREFILL, PreFixModelReader, PreFixModelWriter, pre_fix_spec
 from kvfsm.spec.system.loader import read_system_file
 from kvfsm.testing import VirtualClock

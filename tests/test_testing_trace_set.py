@@ -12,10 +12,10 @@ from buggy_drivers import FreesOnlyOnAck, frees_only_on_ack, never_takes_pages
 
 from kvfsm.cli import main
 from kvfsm.drivers import pd_loopback
-from kvfsm.drivers.moriio import model as moriio_model
 from kvfsm.drivers.pd_loopback import PDLoopback
 from kvfsm.explore import check_trace, explore
 from kvfsm.explore.local import LocalSystem, Move
+from kvfsm.showcase import moriio_modeltest as moriio_model
 from kvfsm.showcase import nixl_seed
 from kvfsm.showcase.mooncake_modeltest import embedded_job, embedded_requests
 from kvfsm.spec.system import System, check_system, is_system_file, load_system

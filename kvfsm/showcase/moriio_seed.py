@@ -20,11 +20,11 @@ from collections.abc import Hashable
 from typing import Any
 
 from ..drivers.moriio.consumer import BlockReader
-from ..drivers.moriio.model import ModelReader, ModelWriter
 from ..drivers.moriio.producer import BlockWriter
 from ..drivers.moriio.specs import FOLDER
 from ..spec import Spec, well_formed
 from ..spec.loader import read
+from .moriio_modeltest import ModelReader, ModelWriter
 
 PRE_FIX = {
     "write_producer": "write_producer_pre_fix.yaml",

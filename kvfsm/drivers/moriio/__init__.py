@@ -11,12 +11,10 @@
   embedded one of :class:`Fabric`, a real ``kvfsm.drivers.nixl.agent.NixlAgent``
   (imports ``nixl``) or ``kvfsm.drivers.mooncake.agent.MooncakeAgent`` (imports
   ``mooncake`` and ``zmq``);
-- :func:`run_load`: a closed-loop load at a given concurrency, and what it left.
 """
 
 from ..fabric import Fabric
 from .consumer import BlockLoader, BlockMismatch, BlockReader, DecodeEngine, Source, WriteReceiver
-from .load import LoadResult, run_load
 from .messages import Message, Release, Released, RemoteBlocks, WriteDone, decode, encode
 from .plane import PlaneTransport
 from .producer import BlockHolder, BlockLender, BlockWriter, PrefillEngine, expected_acks
@@ -33,7 +31,6 @@ __all__ = [
     "BlockWriter",
     "DecodeEngine",
     "Fabric",
-    "LoadResult",
     "Message",
     "PlaneTransport",
     "PrefillEngine",
@@ -50,5 +47,4 @@ __all__ = [
     "encode",
     "expected_acks",
     "moriio_spec",
-    "run_load",
 ]

@@ -6,7 +6,7 @@ engine with a shared :class:`~kvfsm.harness.faults.FaultPlan` (each agent behind
 :class:`~kvfsm.harness.faults.FaultyAgent`),
 optionally a prefill the caller names (seed 001's pre-fix shape), optionally a
 prefill that dies mid-run, and return the
-:class:`~kvfsm.drivers.moriio.load.LoadResult`. Timeouts are scaled down from
+:class:`~kvfsm.harness.moriio.load.LoadResult`. Timeouts are scaled down from
 vLLM's 30 s / 60 s so a run takes seconds; their order is the one the specs ask
 for (the decode side waits longer than the prefill side may still write).
 """
@@ -21,11 +21,11 @@ from typing import Any
 from ...drivers.dataplane import DataPlane
 from ...drivers.fabric import Fabric
 from ...drivers.moriio.consumer import DecodeEngine
-from ...drivers.moriio.load import LoadResult, run_load
 from ...drivers.moriio.messages import fault_label
 from ...drivers.moriio.plane import PlaneTransport
 from ...drivers.moriio.producer import PrefillEngine
 from ..faults import FaultPlan, FaultyAgent
+from .load import LoadResult, run_load
 
 WRITE_FAULTS = (
     "failed_write", "raising_write", "lost_write_done", "duplicate_write_done", "lost_remote_blocks",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...drivers.moriio.load import LoadResult
+from ...harness.moriio.load import LoadResult
 
 
 def moriio_ledger(

@@ -6,7 +6,7 @@ prefill engine (a ``prefill`` command on the decode transport, so it arrives
 before the request's ``remote_blocks``), and steps both engines until every
 request has finished or the run's own deadline has passed. The prefill engine
 is stepped here when it is in this process, or steps itself in its own
-(:mod:`.peer`). The result counts what a hang leaves behind: requests still
+(:mod:`kvfsm.harness.moriio.peer`). The result counts what a hang leaves behind: requests still
 live on either side or never admitted, and blocks still held.
 """
 
@@ -19,9 +19,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..block_pool import NoFreeBlocks
-from .consumer import DecodeEngine, Source
-from .messages import Prefill, StatsQuery
+from ...drivers.block_pool import NoFreeBlocks
+from ...drivers.moriio.consumer import DecodeEngine, Source
+from ...drivers.moriio.messages import Prefill, StatsQuery
 
 STARTS_PER_STEP = 64
 """Requests started per loop at most: a wave of 512 starts would delay the next poll, and with it every deadline."""

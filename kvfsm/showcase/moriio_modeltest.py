@@ -5,12 +5,12 @@ and asks the driver to make its next action raise. The classes here are the
 real drivers plus exactly that: :meth:`before_begin` allocates and fills a
 request's blocks (the scheduler's part), :meth:`before_fire` gives
 ``remote_blocks`` the blocks of a real peer endpoint on the same
-:class:`~.embedded.Fabric`, and :meth:`inject_fault` makes the next call of
+:class:`~kvfsm.drivers.fabric.Fabric`, and :meth:`inject_fault` makes the next call of
 an action raise. Everything else is the production code path.
 
 From the command line::
 
-    kvfsm test kvfsm/specs/moriio/write_producer.yaml --driver kvfsm.drivers.moriio.model:writer
+    kvfsm test kvfsm/specs/moriio/write_producer.yaml --driver kvfsm.showcase.moriio_modeltest:writer
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ import itertools
 from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
-from ..fabric import Fabric
-from ..nixl.blocks import KVBlocks
-from .consumer import BlockReader, Source, WriteReceiver
-from .messages import RemoteBlocks
-from .plane import PlaneTransport
-from .producer import BlockLender, BlockWriter
+from ..drivers.fabric import Fabric
+from ..drivers.moriio.consumer import BlockReader, Source, WriteReceiver
+from ..drivers.moriio.messages import RemoteBlocks
+from ..drivers.moriio.plane import PlaneTransport
+from ..drivers.moriio.producer import BlockLender, BlockWriter
+from ..drivers.nixl.blocks import KVBlocks
 
 NUM_BLOCKS = 32
 BLOCK_BYTES = 256
