@@ -6,9 +6,11 @@
   :func:`~.peer.serve` are the peer's half;
 - :class:`FaultPlan` / :class:`FaultyAgent` (:mod:`.faults`): one fault plan,
   and one fault wrapper over the data plane, for every transfer driver;
+- :func:`~.load.closed_loop` (:mod:`.load`): the closed loop the MoRIIO and
+  NIXL soaks and demos run;
 - :mod:`.moriio`: a MoRIIO prefill engine on the real Mooncake TransferEngine
-  in a peer process, the closed-loop load runner, and the ready-made 1P1D runs
-  (embedded, Mooncake, NIXL);
+  in a peer process, MoRIIO's load on the closed loop, and the ready-made 1P1D
+  runs (embedded, Mooncake, NIXL);
 - :mod:`.nixl`: NIXL prefill ranks with real agents in a peer process.
 
 The harness imports the drivers; no driver imports the harness.

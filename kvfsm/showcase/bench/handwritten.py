@@ -27,7 +27,7 @@ from typing import Any
 from ...errors import DuplicateKey, IllegalTransition
 
 Action = Callable[..., Any]
-Edge = tuple[int, tuple[Action, ...], tuple[Action, ...], float | None, bool]
+TableEdge = tuple[int, tuple[Action, ...], tuple[Action, ...], float | None, bool]
 """(target, actions before the state change, releases after it, timeout of the target, target is final)."""
 
 IGNORE: Any = object()

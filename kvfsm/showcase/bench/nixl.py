@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
+from collections.abc import Hashable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -26,6 +26,7 @@ from typing import Any, Protocol
 from ...drivers.nixl import DataPlane, DecodeRank, Fabric, PeerInfo, PrefillRank, Topology
 from ...drivers.nixl.decode import BlockReader
 from ...drivers.nixl.prefill import engine_stats
+from ...harness.load import closed_loop
 from ...harness.nixl import faulty
 
 
@@ -148,39 +149,30 @@ def _run(
     result: SoakResult, prefill: Any, decode: DecodeRank, requests: int, concurrency: int, per_request: int,
     read_timeout: float, abort_timeout: float,
 ) -> None:  # fmt: skip
-    started: dict[str, float] = {}
-    latencies: list[float] = []
-    submitted = 0
-    t0 = time.monotonic()
-    give_up = t0 + 60 + requests * 0.05
-    last_step = t0
-    while (submitted < requests or started) and time.monotonic() < give_up:
-        room = min(concurrency - len(started), requests - submitted)
-        if room > 0:
-            batch = {f"p-{submitted + i}": per_request for i in range(room)}
-            submitted += room
-            for rid, ranks in prefill.serve(batch).items():
-                key = "d" + rid[1:]
-                local = decode.blocks.pool.allocate(key, per_request)
-                decode.start_load(key, rid, prefill.engine_id, local, ranks[0])
-                started[key] = time.monotonic()  # the deadline was armed before this
+    def start(indices: range) -> list[Hashable]:
+        keys: list[Hashable] = []
+        for rid, ranks in prefill.serve({f"p-{i}": per_request for i in indices}).items():
+            key = "d" + rid[1:]
+            local = decode.blocks.pool.allocate(key, per_request)
+            decode.start_load(key, rid, prefill.engine_id, local, ranks[0])
+            keys.append(key)
+        return keys
+
+    def step() -> list[Hashable]:
         if isinstance(prefill, EmbeddedPrefill):
             prefill.step()
-        step = time.monotonic()
-        done = decode.step()
-        now = time.monotonic()
-        for key in done.recving:
-            began = started.pop(str(key))
-            latencies.append(now - began)
-            # Late: an earlier step began past the deadline and did not end it. Step start times, not the
-            # latency, so a loop the OS delays is not taken for a deadline that did not fire.
-            result.late += last_step > began + read_timeout
+        ended: list[Hashable] = [str(key) for key in decode.step().recving]
+        for key in ended:
             decode.blocks.pool.release(key)  # the scheduler frees the request's blocks
-        last_step = step
-        if not done.recving:
-            time.sleep(0.0005)
-    result.wall_s = time.monotonic() - t0
-    result.hung += len(started) + decode.tracker.live()
+        return ended
+
+    loop = closed_loop(
+        requests, concurrency, start=start, step=step, deadline=read_timeout, give_up=60 + requests * 0.05,
+        per_step=concurrency,
+    )  # fmt: skip
+    result.wall_s = loop.wall
+    result.late = loop.late
+    result.hung += len(loop.still_open) + decode.tracker.live()
     deadline = time.monotonic() + abort_timeout + 5.0
     stats = prefill.stats()
     while sum(stats["held"]) and time.monotonic() < deadline:
@@ -192,11 +184,9 @@ def _run(
     result.prefill_outcomes = stats["outcomes"]
     result.prefill_counts = stats["counts"]
     result.prefill_anomalies = stats["anomalies"]
-    if latencies:
-        ms = sorted(x * 1000 for x in latencies)
-        result.p50_ms = round(statistics.median(ms), 2)
-        result.p99_ms = round(ms[min(len(ms) - 1, int(len(ms) * 0.99))], 2)
-        result.max_ms = round(ms[-1], 2)
+    if loop.latencies:
+        ms = loop.ms()
+        result.p50_ms, result.p99_ms, result.max_ms = ms["p50_ms"], ms["p99_ms"], ms["max_ms"]
 
 
 def main(argv: list[str] | None = None) -> int:
