@@ -62,7 +62,8 @@ class DataPlane(Protocol):
         """Post a READ of ``remote`` (the peer's memory) into ``local``, or a WRITE of ``local`` to ``remote``;
         a non-empty ``notif`` reaches the peer when it is done.
 
-        Returns a handle for :meth:`state` and :meth:`release`; raises :class:`TransferError`.
+        Returns a handle for :meth:`state` and :meth:`release` (hashable, by identity); raises
+        :class:`TransferError`.
         """
         ...
 

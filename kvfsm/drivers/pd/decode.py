@@ -22,7 +22,7 @@ import heapq
 import time
 from collections.abc import Hashable
 from multiprocessing.queues import Queue
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...wire import AbortReq, Hello, Message, Metadata, Request
 from ..block_pool import BlockPool
@@ -30,7 +30,10 @@ from .config import JobConfig
 from .faults import Faults
 from .pages import Pages
 from .role import Role, expose, tag
-from .transport import MooncakeExposure
+from .transport import EMBEDDED
+
+if TYPE_CHECKING:
+    from ..mooncake.agent import MooncakeAgent
 
 DECODE, PREFILL = "decode", "prefill"
 
@@ -79,12 +82,13 @@ class Decode(Role):
         self.driver.faults = self.faults
         self.report = report
         self.pages = Pages(config.decode_pages, config.page_elems, config.shared_path or None)
-        self.exposure = MooncakeExposure(self.pages) if config.backend == "real" else None
+        self.agent = _real_agent(self.pages) if config.backend == "real" else None
+        """The agent decode's pages are registered with, for the real backend (the embedded one maps the file)."""
         self.hello = Hello(
             peer=DECODE,
             incarnation=1,
-            session=self.exposure.session if self.exposure else "embedded",
-            base=self.pages.base if self.exposure else 0,
+            session=self.agent.name if self.agent is not None else EMBEDDED,
+            base=self.pages.base if self.agent is not None else 0,
             page_bytes=self.pages.page_bytes,
             pages=self.pages.count,
         )
@@ -95,6 +99,11 @@ class Decode(Role):
         """Running decode requests: when each ends, its room, the pages it holds, the room's success final state."""
         self.corrupted: set[tuple[int, int]] = set()
         self.outcomes: list[tuple[int, str, float, int]] = []
+
+    def close(self) -> None:
+        super().close()
+        if self.agent is not None:
+            self.agent.close()
 
     def compose(self, name: str, room: Hashable) -> Message | None:
         assert isinstance(room, int)
@@ -230,6 +239,19 @@ class Decode(Role):
         began = self.begun.pop(room, now)
         bad = sum(1 for r, _ in self.corrupted if r == room)
         self.report.put(("done", room, outcome, now - began, bad))
+
+
+def _real_agent(pages: Pages) -> MooncakeAgent:
+    """An agent with decode's pages registered: what prefill's WRITEs go to over the TransferEngine."""
+    from ..mooncake.agent import MooncakeAgent  # imports mooncake and zmq
+
+    agent = MooncakeAgent()
+    try:
+        agent.register(pages.tensor)
+    except BaseException:
+        agent.close()
+        raise
+    return agent
 
 
 def serve(config: JobConfig, report: Queue[Any]) -> None:

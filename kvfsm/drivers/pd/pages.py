@@ -18,7 +18,7 @@ def pattern(room: int, index: int) -> float:
 class Pages:
     """``count`` pages of ``elems`` float16 each: in this process, or mapped from a shared file other processes map.
 
-    A shared file is how the embedded transport lets prefill write into
+    A shared file is how the embedded backend lets prefill write into
     decode's pages across processes, as an RDMA write would: nothing on that
     path asks whether decode still holds the page.
     """

@@ -16,7 +16,7 @@ import time
 from collections.abc import Hashable
 from ctypes import c_byte
 from multiprocessing.queues import Queue
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...wire import AbortAck, Failed, Hello, Message, Metadata, Request, Succeeded
 from ..block_pool import BlockPool, NoFreeBlocks
@@ -24,7 +24,10 @@ from .config import JobConfig
 from .faults import Faults
 from .pages import Pages
 from .role import Role, expose, tag
-from .transport import EmbeddedTransport, MooncakeTransport, Transport
+from .transport import PageWriter, embedded_writer
+
+if TYPE_CHECKING:
+    from ..mooncake.agent import MooncakeAgent
 
 DECODE, PREFILL = "decode", "prefill"
 
@@ -35,7 +38,7 @@ class PrefillDriver:
     def __init__(self, pool: BlockPool, faults: Faults) -> None:
         self.pool = pool
         self.faults = faults
-        self.transport: Transport | None = None
+        self.transport: PageWriter | None = None
         self.chunk_pages = 1
         self.chunk_time: tuple[float, float] = (0.0, 0.0)
         self.slow_time: tuple[float, float] = (0.0, 0.0)
@@ -80,14 +83,20 @@ class Prefill(Role):
         self.driver.chunk_time = config.chunk_time
         self.driver.slow_time = config.slow_write_time
         self.pages = Pages(config.prefill_pages, config.page_elems)
-        self.transport: Transport = (
-            MooncakeTransport(self.pages)
-            if config.backend == "real"
-            else EmbeddedTransport(self.pages, config.shared_path, config.decode_pages)
+        self.agent = _real_agent() if config.backend == "real" else None
+        self.transport = (
+            PageWriter(self.agent, self.pages)
+            if self.agent is not None
+            else embedded_writer(self.pages, config.shared_path, config.decode_pages)
         )
         self.driver.transport = self.transport
         self.forward: list[tuple[float, int]] = []
         self.reply_if_finished = self.system.messages["abort_req"].reply_if_finished
+
+    def close(self) -> None:
+        super().close()
+        if self.agent is not None:
+            self.agent.close()
 
     def check(self, message: Message) -> str | None:
         reason = super().check(message)
@@ -191,6 +200,12 @@ class Prefill(Role):
                 self.fire(room, "transfer_done")
         elif self.tracker.accepts(room, "drained"):
             self.fire(room, "drained")
+
+
+def _real_agent() -> MooncakeAgent:
+    from ..mooncake.agent import MooncakeAgent  # imports mooncake and zmq
+
+    return MooncakeAgent()
 
 
 def serve(config: JobConfig, incarnation: int, report: Queue[Any], stop: c_byte) -> None:

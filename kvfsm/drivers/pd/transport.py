@@ -1,164 +1,119 @@
-"""How prefill's pages reach decode's: one interface, an embedded transport and the Mooncake TransferEngine.
+"""How prefill's pages reach decode's: WRITEs of the data plane (:mod:`kvfsm.drivers.dataplane`), chunk by chunk.
 
-Prefill ``submit``s a chunk (source pages, destination pages) and later
-learns from :meth:`Transport.landed` that it has landed, or failed. Decode
-``expose``s its pages and sends the answer in its ``hello``; prefill
-``attach``es to it. As on a real fabric, a write lands wherever the
-destination indices point, whoever holds those pages by then.
+Decode registers its pages with an agent and names it in its ``hello``
+(session, base); prefill ``attach``es to it. For each chunk, prefill
+``submit``s its source pages and the destination pages; the
+:class:`PageWriter` posts the WRITE once the chunk's delay has passed (how
+long the write takes on a busy fabric) and later reports from
+:meth:`PageWriter.landed` that it has landed, or failed. As on a real
+fabric, a write lands wherever the destination indices point, whoever holds
+those pages by then.
+
+Two backends, one writer:
+
+- ``real``: Mooncake's TransferEngine on both sides
+  (:class:`~kvfsm.drivers.mooncake.agent.MooncakeAgent`), across processes;
+- ``embedded``: decode's pages are a file both processes map
+  (:class:`~.pages.Pages`); prefill maps it and writes into it through the
+  in-process fabric (:class:`~kvfsm.drivers.fabric.Fabric`), one agent for
+  its own pages and one that stands for decode's, mapped here.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-import queue
-import threading
 import time
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import Protocol
+from collections.abc import Callable, Sequence
 
-from ..mooncake.agent import mooncake_engine
+from ..dataplane import DataPlane, TransferError
+from ..fabric import Fabric
 from .pages import Pages
 
 Landed = tuple[int, int, bool]
-"""``(room, chunk, ok)``: a chunk's write completed (ok) or the transport reported it failed."""
+"""``(room, chunk, ok)``: a chunk's write completed (ok), or failed."""
+
+EMBEDDED = "embedded"
+"""The session an embedded decode names in its hello: its pages are the job's shared file."""
 
 
-class Transport(Protocol):
-    """What prefill's transfer worker needs from a fabric."""
+class PageWriter:
+    """Prefill's transfer worker: chunks posted as WRITEs once due, their states polled until they end."""
 
-    def attach(self, session: str, base: int, page_bytes: int, pages: int) -> None: ...
-    @property
-    def attached(self) -> bool: ...
-    def submit(self, room: int, chunk: int, src: Sequence[int], dst: Sequence[int], delay: float) -> None: ...
-    def landed(self) -> list[Landed]: ...
-    def in_flight(self) -> int: ...
-    def close(self) -> None: ...
-
-
-class EmbeddedTransport:
-    """Writes into decode's pages through the shared file both processes map: a tensor copy per chunk.
-
-    ``delay`` is when the write lands after it was submitted (the time the
-    RDMA write takes); the copy happens then, in the loop that calls
-    :meth:`landed`, so a slow write lands late exactly as on a fabric.
-    """
-
-    def __init__(self, src: Pages, shared_path: str, dst_pages: int) -> None:
+    def __init__(
+        self, agent: DataPlane, src: Pages, reach: Callable[[str, int, int], tuple[str, int]] | None = None
+    ) -> None:
+        """``reach(session, base, pages)``: the agent and base address a hello's pages are written at (default:
+        the session's agent, at the base it says)."""
+        self.agent = agent
         self.src = src
-        self._path = shared_path
-        self._dst_count = dst_pages
-        self.dst: Pages | None = None
+        agent.register(src.tensor)
+        self._reach = reach
+        self._peer: tuple[str, int] | None = None
         self._due: list[tuple[float, int, int, int, tuple[int, ...], tuple[int, ...]]] = []
         self._seq = itertools.count()
-
-    def attach(self, session: str, base: int, page_bytes: int, pages: int) -> None:
-        if page_bytes != self.src.page_bytes or pages != self._dst_count:
-            raise ValueError(f"decode's pages ({pages} × {page_bytes} B) do not match this job's layout")
-        if self.dst is None:
-            self.dst = Pages(self._dst_count, self.src.elems, self._path)
-
-    @property
-    def attached(self) -> bool:
-        return self.dst is not None
-
-    def submit(self, room: int, chunk: int, src: Sequence[int], dst: Sequence[int], delay: float) -> None:
-        heapq.heappush(self._due, (time.monotonic() + delay, next(self._seq), room, chunk, tuple(src), tuple(dst)))
-
-    def landed(self) -> list[Landed]:
-        out: list[Landed] = []
-        now = time.monotonic()
-        while self._due and self._due[0][0] <= now:
-            _, _, room, chunk, src, dst = heapq.heappop(self._due)
-            assert self.dst is not None
-            self.dst.tensor[list(dst)] = self.src.tensor[list(src)]
-            out.append((room, chunk, True))
-        return out
-
-    def in_flight(self) -> int:
-        return len(self._due)
-
-    def close(self) -> None:
-        self._due.clear()
-
-
-class MooncakeExposure:
-    """Decode's side of the real backend: its pages registered with a TransferEngine that peers write into."""
-
-    def __init__(self, pages: Pages) -> None:
-        self.engine = mooncake_engine()
-        self.pages = pages
-        rc = self.engine.register_memory(pages.base, pages.count * pages.page_bytes)
-        if rc != 0:
-            raise RuntimeError(f"TransferEngine.register_memory of decode's pages returned {rc}")
-        self.session = f"127.0.0.1:{self.engine.get_rpc_port()}"
-
-
-class MooncakeTransport:
-    """Prefill's side of the real backend: ``batch_transfer_sync_write`` per chunk, on a small pool of threads.
-
-    A sync write that returns -1 may still land later (Mooncake #4247,
-    dependencies_measured.md §7), so a failed chunk is reported only after
-    its call returned, and the room's ``transfer_timeout`` must exceed the
-    engine's own (``MC_TRANSFER_TIMEOUT``).
-    """
-
-    def __init__(self, src: Pages, workers: int = 4) -> None:
-        self.src = src
-        self.engine = mooncake_engine()
-        rc = self.engine.register_memory(src.base, src.count * src.page_bytes)
-        if rc != 0:
-            raise RuntimeError(f"TransferEngine.register_memory of prefill's pages returned {rc}")
-        self._peer: tuple[str, int] | None = None
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvfsm-transfer")
-        self._done: queue.SimpleQueue[Landed] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._flying = 0
+        self._flying: dict[object, tuple[int, int]] = {}
 
     def attach(self, session: str, base: int, page_bytes: int, pages: int) -> None:
         if page_bytes != self.src.page_bytes:
             raise ValueError(f"decode's pages are {page_bytes} B, this side's {self.src.page_bytes} B")
-        self._peer = (session, base)
+        self._peer = self._reach(session, base, pages) if self._reach is not None else (session, base)
 
     @property
     def attached(self) -> bool:
         return self._peer is not None
 
     def submit(self, room: int, chunk: int, src: Sequence[int], dst: Sequence[int], delay: float) -> None:
-        assert self._peer is not None
-        session, base = self._peer
-        size = self.src.page_bytes
-        srcs = [self.src.address(p) for p in src]
-        dsts = [base + p * size for p in dst]
-        with self._lock:
-            self._flying += 1
-        self._pool.submit(self._write, room, chunk, session, srcs, dsts, [size] * len(srcs), delay)
-
-    def _write(
-        self, room: int, chunk: int, session: str, srcs: list[int], dsts: list[int], sizes: list[int], delay: float
-    ) -> None:
-        ok = False
-        try:
-            if delay > 0:
-                time.sleep(delay)
-            ok = self.engine.batch_transfer_sync_write(session, srcs, dsts, sizes) == 0
-        finally:
-            with self._lock:
-                self._flying -= 1
-            self._done.put((room, chunk, ok))
+        heapq.heappush(self._due, (time.monotonic() + delay, next(self._seq), room, chunk, tuple(src), tuple(dst)))
 
     def landed(self) -> list[Landed]:
+        """Post the chunks now due, then report every posted one that ended."""
         out: list[Landed] = []
-        while True:
+        now = time.monotonic()
+        while self._due and self._due[0][0] <= now:
+            _, _, room, chunk, src, dst = heapq.heappop(self._due)
             try:
-                out.append(self._done.get_nowait())
-            except queue.Empty:
-                return out
+                handle = self._post(src, dst)
+            except TransferError:
+                out.append((room, chunk, False))
+                continue
+            self._flying[handle] = (room, chunk)
+        for handle, (room, chunk) in list(self._flying.items()):
+            state = self.agent.state(handle)
+            if state == "PROC":
+                continue
+            del self._flying[handle]
+            self.agent.release(handle)
+            out.append((room, chunk, state == "DONE"))
+        return out
 
     def in_flight(self) -> int:
-        with self._lock:
-            return self._flying
+        return len(self._due) + len(self._flying)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        """Forget what is still due; writes in flight are left to land (they cannot be recalled)."""
+        self._due.clear()
+
+    def _post(self, src: tuple[int, ...], dst: tuple[int, ...]) -> object:
+        assert self._peer is not None
+        peer, base = self._peer
+        size = self.src.page_bytes
+        local = [(self.src.address(p), size) for p in src]
+        remote = [(base + p * size, size) for p in dst]
+        return self.agent.post("WRITE", peer, local, remote, b"")
+
+
+def embedded_writer(src: Pages, shared_path: str, dst_pages: int) -> PageWriter:
+    """A writer into decode's pages through the job's shared file, on an in-process fabric."""
+    fabric = Fabric()
+    mapped: list[Pages] = []
+
+    def reach(session: str, base: int, pages: int) -> tuple[str, int]:
+        if session != EMBEDDED or pages != dst_pages:
+            raise ValueError(f"an embedded decode names session {EMBEDDED!r} and {dst_pages} pages, not {session!r}")
+        if not mapped:
+            mapped.append(Pages(dst_pages, src.elems, shared_path))
+            fabric.agent("decode").register(mapped[0].tensor)
+        return "decode", mapped[0].base
+
+    return PageWriter(fabric.agent("prefill"), src, reach)
