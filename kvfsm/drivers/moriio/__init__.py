@@ -6,20 +6,19 @@
   until every ``release``, reaped at ``defer_timeout``);
 - :class:`DecodeEngine` with :class:`WriteReceiver` (``write_consumer.yaml``) or
   :class:`BlockReader` (``read_consumer.yaml``: ``release`` on every outcome);
-- :class:`Transport`: the operations vLLM's ``moriio_engine.py`` uses, and
-  :class:`PlaneTransport`, which implements them over any data-plane agent: the
-  embedded one of :class:`Fabric`, a real ``kvfsm.drivers.nixl.agent.NixlAgent``
-  (imports ``nixl``) or ``kvfsm.drivers.mooncake.agent.MooncakeAgent`` (imports
-  ``mooncake`` and ``zmq``);
+- :class:`PlaneTransport`: the operations vLLM's ``moriio_engine.py`` uses, over any
+  data-plane agent: the embedded one of :class:`Fabric`, a real
+  ``kvfsm.drivers.nixl.agent.NixlAgent`` (imports ``nixl``) or
+  ``kvfsm.drivers.mooncake.agent.MooncakeAgent`` (imports ``mooncake`` and ``zmq``).
 """
 
+from ..dataplane import TransferError
 from ..fabric import Fabric
 from .consumer import BlockLoader, BlockMismatch, BlockReader, DecodeEngine, Source, WriteReceiver
 from .messages import Message, Release, Released, RemoteBlocks, WriteDone, decode, encode
-from .plane import PlaneTransport
+from .plane import PlaneTransport, Status
 from .producer import BlockHolder, BlockLender, BlockWriter, PrefillEngine, expected_acks
 from .specs import TRANSFER_ID, moriio_spec
-from .transport import Status, TransferError, Transport
 
 __all__ = [
     "TRANSFER_ID",
@@ -40,7 +39,6 @@ __all__ = [
     "Source",
     "Status",
     "TransferError",
-    "Transport",
     "WriteDone",
     "WriteReceiver",
     "decode",

@@ -28,9 +28,9 @@ from ..nixl.blocks import KVBlocks
 from ..nixl.memory import BlockMemory
 from ..report import Finished, RecvReport, Report
 from .messages import Computed, LayoutPart, Message, Release, Released, RemoteBlocks, Stats, WriteDone
+from .plane import PlaneTransport, split_statuses
 from .side import Side, count_senders, counted_events
 from .specs import moriio_spec
-from .transport import Transport, split_statuses
 
 
 class BlockMismatch(RuntimeError):
@@ -66,7 +66,7 @@ class BlockLoader(RecvReport):
     (``count: writers``), not this driver's.
     """
 
-    def __init__(self, blocks: BlockMemory, transport: Transport, peer: str, rank: int = 0) -> None:
+    def __init__(self, blocks: BlockMemory, transport: PlaneTransport, peer: str, rank: int = 0) -> None:
         self.blocks = blocks
         self.pool = blocks.pool
         self.transport = transport
@@ -116,7 +116,7 @@ class WriteReceiver(BlockLoader):
     and give the blocks back.
     """
 
-    def __init__(self, blocks: BlockMemory, transport: Transport, peer: str, rank: int = 0) -> None:
+    def __init__(self, blocks: BlockMemory, transport: PlaneTransport, peer: str, rank: int = 0) -> None:
         super().__init__(blocks, transport, peer, rank)
         self.announce_to: dict[Hashable, str] = {}
         self._granted: set[Hashable] = set()
@@ -171,7 +171,7 @@ class BlockReader(BlockLoader):
     the ``peer_release`` one (:meth:`owe_release`, :meth:`send_release`).
     """
 
-    def __init__(self, blocks: BlockMemory, transport: Transport, peer: str, rank: int = 0) -> None:
+    def __init__(self, blocks: BlockMemory, transport: PlaneTransport, peer: str, rank: int = 0) -> None:
         super().__init__(blocks, transport, peer, rank)
         self._sources: dict[Hashable, Source] = {}
         self._batches: dict[Hashable, object] = {}
@@ -230,7 +230,7 @@ class DecodeEngine(Side):
 
     def __init__(
         self,
-        transport: Transport,
+        transport: PlaneTransport,
         num_blocks: int,
         block_bytes: int,
         peer: str,

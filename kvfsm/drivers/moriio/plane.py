@@ -1,6 +1,11 @@
-"""MoRIIO's transport over the data plane (:mod:`kvfsm.drivers.dataplane`): any agent, READ and WRITE mode.
+"""MoRIIO's transport: the operations vLLM's ``moriio_engine.py`` uses, over any agent of the data plane
+(:mod:`kvfsm.drivers.dataplane`), READ and WRITE mode.
 
-A batch is one READ or WRITE of every block (on NIXL, ``initialize_xfer`` +
+MoRI's ``IOEngine`` registers memory, posts a batch of one-sided writes or
+reads under a transfer uid (``Session.batch_write`` / ``batch_read``),
+answers each with a ``TransferStatus`` that is polled, and leaves completion
+messages to vLLM's own ZMQ sockets. The drivers see only
+:class:`PlaneTransport`, which does the same over an agent. A batch is one READ or WRITE of every block (on NIXL, ``initialize_xfer`` +
 ``transfer``), its status the agent's ``state`` (``check_xfer_state``). The
 control messages ride the agent's notifications (``send_notif`` /
 ``get_new_notifs``), msgpack-encoded, and a message to a dead peer is lost
@@ -14,17 +19,21 @@ that can be stopped or killed): the same code runs on both.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
+from typing import Literal
 
 import torch
 
-from ..dataplane import DataPlane, Extent, Op
+from ..dataplane import DataPlane, Extent, Op, TransferError
 from .messages import Message, decode_all, encode
-from .transport import Status, TransferError
+
+Status = Literal["done", "pending", "failed"]
+"""A posted batch: every transfer succeeded, some still in flight, or every one ended and one failed."""
 
 
 class PlaneTransport:
-    """One data-plane agent behind the MoRIIO :class:`~.transport.Transport` protocol."""
+    """One engine's transfer endpoint over a data-plane agent: registered blocks, batches of writes or reads
+    (a handle each, its :meth:`status` polled, then released), and messages."""
 
     def __init__(self, agent: DataPlane) -> None:
         self.agent = agent
@@ -71,3 +80,16 @@ class PlaneTransport:
 
     def messages(self) -> list[Message]:
         return decode_all([message for _sender, message in self.agent.notifs()], self.dropped)
+
+
+def split_statuses(transport: PlaneTransport, batches: dict[Hashable, object]) -> tuple[list[Hashable], list[Hashable]]:
+    """The keys whose batch is done and those whose batch failed, polling each once (a step's completions)."""
+    done: list[Hashable] = []
+    failed: list[Hashable] = []
+    for key, batch in batches.items():
+        status = transport.status(batch)
+        if status == "done":
+            done.append(key)
+        elif status == "failed":
+            failed.append(key)
+    return done, failed

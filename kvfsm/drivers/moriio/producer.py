@@ -32,9 +32,9 @@ from ..nixl.blocks import KVBlocks
 from ..nixl.memory import BlockLayout, BlockMemory, Part, read_extents
 from ..report import Finished, Report, SendReport
 from .messages import Computed, Message, Prefill, Release, Released, RemoteBlocks, Stats, StatsQuery, WriteDone
+from .plane import PlaneTransport, split_statuses
 from .side import Side, count_senders, counted_events
 from .specs import moriio_spec
-from .transport import Transport, split_statuses
 
 
 def expected_acks(consumer_tp: int, producer_tp: int) -> int:
@@ -69,7 +69,7 @@ class BlockHolder(SendReport):
     as long as the hold.
     """
 
-    def __init__(self, blocks: BlockMemory, transport: Transport, rank: int = 0) -> None:
+    def __init__(self, blocks: BlockMemory, transport: PlaneTransport, rank: int = 0) -> None:
         self.blocks = blocks
         self.pool = blocks.pool
         self.transport = transport
@@ -109,7 +109,7 @@ class BlockWriter(BlockHolder):
     refused, so no write can land in blocks the decode side has given back.
     """
 
-    def __init__(self, blocks: BlockMemory, transport: Transport, rank: int = 0) -> None:
+    def __init__(self, blocks: BlockMemory, transport: PlaneTransport, rank: int = 0) -> None:
         super().__init__(blocks, transport, rank)
         self._batches: dict[Hashable, tuple[str, object | None]] = {}
         self._held_back: dict[Hashable, tuple[str, list[Extent], list[int], str]] | None = None
@@ -245,7 +245,7 @@ class PrefillEngine(Side):
 
     def __init__(
         self,
-        transport: Transport,
+        transport: PlaneTransport,
         num_blocks: int,
         block_bytes: int,
         *,

@@ -26,7 +26,7 @@ from ...observe import drain_outcomes
 from ...spec import Spec
 from ..nixl.blocks import own_blocks
 from ..nixl.memory import BlockMemory
-from .transport import Transport
+from .plane import PlaneTransport
 
 
 def counted_events(spec: Spec) -> frozenset[str]:
@@ -73,7 +73,7 @@ class Side:
     """The events the spec counts by sender (:func:`counted_events`): :meth:`_heard` says which rank sent each."""
 
     def __init__(
-        self, transport: Transport, num_blocks: int, block_bytes: int, mode: str, blocks: BlockMemory | None = None
+        self, transport: PlaneTransport, num_blocks: int, block_bytes: int, mode: str, blocks: BlockMemory | None = None
     ) -> None:
         """The rank's blocks (``blocks``, or kvfsm's own), registered with ``transport``; ``mode`` is ``write`` or
         ``read``."""

@@ -66,7 +66,6 @@ def _serve(argv: list[str]) -> int:
     from ...drivers.mooncake.agent import UNREACHABLE, MooncakeAgent
     from ...drivers.moriio.plane import PlaneTransport
     from ...drivers.moriio.producer import PrefillEngine
-    from ...drivers.moriio.transport import Transport
     from ..faults import FaultyAgent
     from .cluster import fault_plan, faulty, prefill_variant
 
@@ -75,7 +74,7 @@ def _serve(argv: list[str]) -> int:
     kinds = tuple(k for k in opts.faults.split(",") if k)
     if kinds:
         agent = faulty(base, fault_plan(opts.fault_rate, kinds, opts.fault_seed), UNREACHABLE)
-    transport: Transport = PlaneTransport(agent)
+    transport = PlaneTransport(agent)
     extra = prefill_variant(opts.prefill, opts.mode)
     params = None if extra else json.loads(opts.params)
     injected = agent.injected if isinstance(agent, FaultyAgent) else None
