@@ -11,9 +11,10 @@ from typing import Any
 import pytest
 from test_driver_binding import constants_outside_docstrings
 
-from kvfsm.drivers.pd import JobConfig, run_job
+from kvfsm.drivers.pd import JobConfig
 from kvfsm.drivers.pd.faults import KINDS
 from kvfsm.drivers.pd.role import Sends, system
+from kvfsm.harness.pd import run_job
 
 
 def test_the_sends_come_from_the_verified_role_spec() -> None:
@@ -77,7 +78,7 @@ def test_the_deadline_bounds_a_stall_not_the_jobs_length() -> None:
 def _decode(protocol: str) -> Any:
     """A decode role in this process, with no prefill: messages are handed to it by the test."""
     from kvfsm.drivers.pd.decode import Decode
-    from kvfsm.drivers.pd.job import free_port
+    from kvfsm.harness.pd.job import free_port
 
     config = JobConfig(
         requests=1, concurrency=1, fault_rate=0.0, protocol=protocol, decode_port=free_port(), prefill_port=free_port()

@@ -18,7 +18,8 @@ from .common import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, Subparsers, err, missing
 if TYPE_CHECKING:
     from collections import Counter
 
-    from ..drivers.pd import JobConfig, Ledger
+    from ..drivers.pd import JobConfig
+    from ..harness.pd import Ledger
     from ..showcase.bench.mooncake import SoakResult
     from ..showcase.demo import (
         CheckPart,
@@ -403,7 +404,7 @@ def _endpoint(role: str, url: str) -> None:
 
 
 def _pd(config: JobConfig) -> Ledger:
-    from ..drivers.pd import run_job
+    from ..harness.pd import run_job
 
     return run_job(config, on_endpoint=_endpoint)
 
@@ -411,7 +412,7 @@ def _pd(config: JobConfig) -> Ledger:
 def _pd_with_progress(config: JobConfig) -> Ledger:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from ..drivers.pd import run_job
+    from ..harness.pd import run_job
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=out, transient=True) as bar:

@@ -21,8 +21,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from .config import JobConfig
-from .pages import Pages
+from ...drivers.pd.config import JobConfig
+from ...drivers.pd.pages import Pages
 
 Progress = Callable[[int, int, Counter[str]], None]
 """Called as requests end: (ended, requested, outcomes so far)."""
@@ -129,7 +129,7 @@ def run_job(
     a new one on the same port. With ``config.metrics``, ``on_endpoint(role,
     url)`` is called as each process starts serving its state and metrics.
     """
-    from . import decode, prefill
+    from ...drivers.pd import decode, prefill
 
     if kill_prefill is None:
         kill_prefill = config.fault_rate > 0
