@@ -33,7 +33,6 @@ from kvfsm.drivers.mooncake import (
     BlockBuffer,
     EmbeddedMaster,
     Finished,
-    MasterProcess,
     MooncakeStore,
     MooncakeStoreWorker,
     ObjectStore,
@@ -42,6 +41,7 @@ from kvfsm.drivers.mooncake import (
     connect_embedded,
 )
 from kvfsm.drivers.mooncake.store import import_store_module
+from kvfsm.harness.mooncake import MasterProcess
 from kvfsm.showcase.mooncake_modeltest import ModelSender
 from kvfsm.showcase.prefix_sender import PreFixSender
 

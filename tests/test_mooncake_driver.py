@@ -25,17 +25,8 @@ from mooncake_fixtures import (  # noqa: F401
     unique,
 )
 
-from kvfsm.drivers.mooncake import (
-    BlockBuffer,
-    FaultyStore,
-    InjectedStoreFault,
-    MooncakeStoreWorker,
-    StoreError,
-    block_key,
-    codes,
-    raising,
-    returning,
-)
+from kvfsm.drivers.mooncake import BlockBuffer, MooncakeStoreWorker, StoreError, block_key, codes
+from kvfsm.harness.mooncake import FaultyStore, InjectedStoreFault, raising, returning
 
 BLOCKS = 64
 BLOCK_BYTES = 4096

@@ -24,7 +24,8 @@ from mooncake_fixtures import (  # noqa: F401
 )
 
 from kvfsm.drivers.kv_cache import KVCache, KVLayout
-from kvfsm.drivers.mooncake import BlockBuffer, FaultyStore, MooncakeStoreWorker, block_key, codes, returning
+from kvfsm.drivers.mooncake import BlockBuffer, MooncakeStoreWorker, block_key, codes
+from kvfsm.harness.mooncake import FaultyStore, returning
 
 BLOCKS = 12
 LAYOUT = KVLayout(num_layers=4, block_size=4, num_kv_heads=2, head_size=8, dtype=torch.float32)

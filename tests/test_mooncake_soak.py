@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 from mooncake_fixtures import mooncake_master_fixture, real_store_fixture  # noqa: F401
 
-from kvfsm.drivers.mooncake import BlockBuffer, EmbeddedMaster, FaultyStore, MooncakeStore, connect_embedded, raising
+from kvfsm.drivers.mooncake import BlockBuffer, EmbeddedMaster, MooncakeStore, connect_embedded
+from kvfsm.harness.mooncake import FaultyStore, raising
 from kvfsm.showcase.bench.mooncake import HandSendWorker, per_job, soak, throughput
 
 

@@ -23,17 +23,10 @@ from mooncake_fixtures import (  # noqa: F401
     unique,
 )
 
-from kvfsm.drivers.mooncake import (
-    EmbeddedMaster,
-    MasterProcess,
-    StoreClosed,
-    StoreUnavailable,
-    codes,
-    connect,
-    connect_embedded,
-)
-from kvfsm.drivers.mooncake.master import free_port
+from kvfsm.drivers.mooncake import EmbeddedMaster, StoreClosed, StoreUnavailable, codes, connect, connect_embedded
 from kvfsm.drivers.mooncake.store import probe
+from kvfsm.harness.mooncake import MasterProcess
+from kvfsm.harness.mooncake.master import free_port
 
 
 def test_put_on_an_existing_key_keeps_the_first_value(backend: Backend) -> None:

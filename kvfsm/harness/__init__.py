@@ -11,7 +11,12 @@
 - :mod:`.moriio`: a MoRIIO prefill engine on the real Mooncake TransferEngine
   in a peer process, MoRIIO's load on the closed loop, and the ready-made 1P1D
   runs (embedded, Mooncake, NIXL);
-- :mod:`.nixl`: NIXL prefill ranks with real agents in a peer process.
+- :mod:`.nixl`: NIXL prefill ranks with real agents in a peer process, and a
+  decode rank's agent behind faults;
+- :mod:`.mooncake`: faults in front of a Mooncake store, and a real
+  ``mooncake_master`` on loopback;
+- :mod:`.pd`: the P/D job (processes started, faults injected, the prefill
+  killed and restarted, the ledger).
 
 The harness imports the drivers; no driver imports the harness.
 """

@@ -29,9 +29,9 @@ from ..drivers.mooncake import codes as C
 from ..drivers.mooncake.buffer import BlockBuffer
 from ..drivers.mooncake.driver import BlockHash, StoreLoader, StoreRequests, StoreSender
 from ..drivers.mooncake.embedded import EmbeddedMaster, connect_embedded
-from ..drivers.mooncake.faults import Fault, FaultyStore, raising, returning
 from ..drivers.mooncake.store import KVStore, connect
 from ..drivers.report import Report
+from ..harness.mooncake.faults import Fault, FaultyStore, raising, returning
 
 NUM_BLOCKS = 32
 BLOCK_BYTES = 4096

@@ -9,8 +9,9 @@ from typing import Any
 
 import pytest
 
-from kvfsm.drivers.mooncake import MasterProcess, StoreUnavailable
+from kvfsm.drivers.mooncake import StoreUnavailable
 from kvfsm.drivers.mooncake.store import import_store_module
+from kvfsm.harness.mooncake import MasterProcess
 
 pytestmark = pytest.mark.mooncake
 

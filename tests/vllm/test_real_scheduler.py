@@ -12,7 +12,7 @@ from vllm.v1.request import RequestStatus
 
 from kvfsm.adapters.vllm_connector import CpuOffloadConnector, CpuOffloadWorkerReport
 from kvfsm.adapters.vllm_mooncake import MooncakeStoreConnector
-from kvfsm.drivers.mooncake import returning
+from kvfsm.harness.mooncake import returning
 from kvfsm.showcase.sim.real import EngineConfig, EngineWorkload, MooncakeEngine, RealEngine, make_request
 
 FAULTY = EngineConfig(copy_failure_rate=0.05, copy_loss_rate=0.03, duplicate_rate=0.05, late_rate=0.05)

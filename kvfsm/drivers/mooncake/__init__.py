@@ -5,9 +5,9 @@
   (which owns its store jobs), ``mooncake_store_send`` and ``mooncake_store_load``;
 - :class:`StoreRequests` / :class:`StoreSender` / :class:`StoreLoader`: those specs' drivers;
 - :func:`connect`: the real ``MooncakeDistributedStore``, set up with bounds;
-  :class:`EmbeddedMaster` / :class:`EmbeddedStore`: the in-process stand-in;
-  :class:`FaultyStore`: fault injection in front of either;
-- :class:`MasterProcess`: a real ``mooncake_master`` on loopback;
+  :class:`EmbeddedMaster` / :class:`EmbeddedStore`: the in-process stand-in
+  (fault injection in front of either, and a real ``mooncake_master`` on
+  loopback, are the harness's: :mod:`kvfsm.harness.mooncake`);
 - :class:`BlockBuffer`: the blocks of one :class:`~kvfsm.drivers.block_pool.BlockPool`
   as rows of one registered tensor, the staging copy of an engine's own KV
   cache once attached (:meth:`BlockBuffer.attach`);
@@ -20,8 +20,6 @@ from .buffer import BlockBuffer
 from .codes import StoreClosed, StoreError, StoreUnavailable
 from .driver import NotHeld, StoreLoader, StoreRequests, StoreSender, block_key
 from .embedded import EmbeddedMaster, EmbeddedStore, connect_embedded
-from .faults import FaultyStore, InjectedStoreFault, raising, returning
-from .master import MasterProcess
 from .store import KVStore, MooncakeStore, ObjectStore, connect
 from .worker import MooncakeStoreWorker, bundled_spec
 
@@ -30,12 +28,9 @@ __all__ = [
     "BlockPool",
     "EmbeddedMaster",
     "EmbeddedStore",
-    "FaultyStore",
     "Finished",
     "HolderError",
-    "InjectedStoreFault",
     "KVStore",
-    "MasterProcess",
     "MooncakeStore",
     "MooncakeStoreWorker",
     "NotHeld",
@@ -51,6 +46,4 @@ __all__ = [
     "bundled_spec",
     "connect",
     "connect_embedded",
-    "raising",
-    "returning",
 ]

@@ -31,18 +31,10 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ...drivers.mooncake import (
-    BlockBuffer,
-    FaultyStore,
-    KVStore,
-    MasterProcess,
-    MooncakeStoreWorker,
-    StoreSender,
-    block_key,
-    connect,
-)
+from ...drivers.mooncake import BlockBuffer, KVStore, MooncakeStoreWorker, StoreSender, block_key, connect
 from ...drivers.mooncake.codes import check_codes
 from ...errors import ActionError
+from ...harness.mooncake import FaultyStore, MasterProcess
 
 BLOCK_BYTES = 16 << 10
 

@@ -55,8 +55,9 @@ from vllm.v1.structured_output import StructuredOutputManager
 from ...adapters import vllm_api
 from ...adapters.vllm_connector import CpuOffloadConnector, as_worker_report
 from ...adapters.vllm_mooncake import VLLM, MooncakeStoreConnector
-from ...drivers.mooncake import EmbeddedMaster, FaultyStore
+from ...drivers.mooncake import EmbeddedMaster
 from ...engine import Tracker
+from ...harness.mooncake import FaultyStore
 from .opt125m import model_dir
 from .runner import DelayedCopier, OutputDelivery
 

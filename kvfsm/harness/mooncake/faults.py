@@ -16,8 +16,8 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from . import codes as C
-from .store import KVStore
+from ...drivers.mooncake import codes as C
+from ...drivers.mooncake.store import KVStore
 
 FAULTABLE = ("batch_is_exist", "batch_put_from", "batch_get_into")
 """The calls a store job or a load makes; faults go there."""

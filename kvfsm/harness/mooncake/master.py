@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from types import TracebackType
 
-from .codes import StoreUnavailable
+from ...drivers.mooncake.codes import StoreUnavailable
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
