@@ -119,12 +119,9 @@ class FaultyAgent:
         named = self.label(notif) if notif else None
         key = named[1] if named is not None else f"{peer}#{self._posts}"
         fault = self.plan.fault(key)
-        lower = op.lower()
-        if fault == f"raising_{lower}":
-            self.injected[fault] += 1
+        if self._hit(fault, "raising", op.lower()):
             raise TransferError(op, peer, "injected failure")
-        if fault == f"failed_{lower}":
-            self.injected[fault] += 1
+        if self._hit(fault, "failed", op.lower()):
             if self.unreachable is not None:
                 peer = self.unreachable
             else:
@@ -158,7 +155,7 @@ class FaultyAgent:
         return self.inner.notifs()
 
     def _hit(self, fault: str | None, how: str, kind: str) -> bool:
-        """Whether ``fault`` is ``how`` for notifications of ``kind``; counted if it is."""
+        """Whether ``fault`` is ``how`` for ``kind`` (a post's op, a notification's kind); counted if it is."""
         if fault != f"{how}_{kind}":
             return False
         self.injected[fault] += 1

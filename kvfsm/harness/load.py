@@ -108,7 +108,7 @@ def closed_loop(
                 last_look = now
                 if idle():
                     break
-        if not ended and not room > 0:
+        if not ended and room <= 0:
             time.sleep(0.0005)
     loop.wall = time.monotonic() - t0
     loop.still_open = list(began)

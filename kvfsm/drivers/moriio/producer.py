@@ -257,12 +257,12 @@ class PrefillEngine(Side):
         spec: Spec | None = None,
         driver: type[BlockWriter] | type[BlockLender] | None = None,
         blocks: BlockMemory | None = None,
-        faults: Callable[[], Mapping[str, int]] | None = None,
+        faults: Mapping[str, int] | None = None,
     ) -> None:
         """``blocks``: the rank's block memory (vLLM's cache); kvfsm's own ``num_blocks`` × ``block_bytes`` if None.
         ``acks`` (READ mode): how many decode ranks read each request's blocks (:func:`expected_acks`), the
-        spec's ``readers``; None leaves it to ``params`` or the spec. ``faults``: what a fault wrapper in front of
-        the transport injected so far, reported in :meth:`stats` (a peer process's only way to say it)."""
+        spec's ``readers``; None leaves it to ``params`` or the spec. ``faults``: the live count of what a fault
+        wrapper in front of the transport injected, reported in :meth:`stats` (a peer process's only way to say it)."""
         super().__init__(transport, num_blocks, block_bytes, mode, blocks)
         kind = driver if driver is not None else BlockWriter if mode == "write" else BlockLender
         self.driver: BlockHolder = kind(self.blocks, transport, rank)
@@ -363,7 +363,7 @@ class PrefillEngine(Side):
             **self.side_stats(),
             "queued": len(self.queued),
             "transfers": dict(self.driver.stats),
-            "faults": dict(self._faults()) if self._faults is not None else {},
+            "faults": dict(self._faults) if self._faults is not None else {},
         }
 
     # -- internals ----------------------------------------------------------------------

@@ -14,6 +14,7 @@ for (the decode side waits longer than the prefill side may still write).
 from __future__ import annotations
 
 import importlib
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -202,11 +203,7 @@ def mooncake_run(
 
 
 def _merge(*agents: FaultyAgent) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for a in agents:
-        for k, v in a.injected.items():
-            out[k] = out.get(k, 0) + v
-    return out
+    return dict(sum((a.injected for a in agents), Counter()))
 
 
 def nixl_run(

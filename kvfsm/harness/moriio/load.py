@@ -15,7 +15,6 @@ still held.
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
@@ -161,10 +160,3 @@ def ask_stats(decode: DecodeEngine, prefill: str, timeout: float = 10.0) -> dict
             return dict(decode.replies.pop().values)
         time.sleep(0.002)
     raise TimeoutError(f"the prefill engine {prefill!r} did not answer a stats query within {timeout} s")
-
-
-def count(*counters: Counter[str]) -> dict[str, int]:
-    total: Counter[str] = Counter()
-    for c in counters:
-        total.update(c)
-    return dict(total)

@@ -77,10 +77,9 @@ def _serve(argv: list[str]) -> int:
     transport = PlaneTransport(agent)
     extra = prefill_variant(opts.prefill, opts.mode)
     params = None if extra else json.loads(opts.params)
-    injected = agent.injected if isinstance(agent, FaultyAgent) else None
     engine = PrefillEngine(
         transport, opts.blocks, opts.block_bytes, mode=opts.mode, params=params,
-        faults=(lambda: injected) if injected is not None else None, **extra,
+        faults=agent.injected if isinstance(agent, FaultyAgent) else None, **extra,
     )  # fmt: skip
 
     def step() -> None:
