@@ -1,73 +1,39 @@
-"""The in-process network behind every embedded stand-in of a transfer engine, and the embedded agent of the
-data plane (:mod:`kvfsm.drivers.dataplane`).
+"""The in-process fabric of the data plane (:mod:`kvfsm.drivers.dataplane`): its agents by name, which of them are
+stopped or dead, and the bytes each registered.
 
-A :class:`Network` holds nodes by name, which of them are stopped or dead,
-and the bytes each registered. A stopped node is a SIGSTOPped process:
-transfers to it stay in flight and what is sent to it is swallowed. A dead
-one is a killed process: every call that names it fails. Each embedded
-endpoint (the MoRIIO transport, the data plane's :class:`EmbeddedAgent`) is
-a :class:`Node` of one network, which keeps who is reachable and which
-memory is registered; the endpoint keeps only what its protocol says about
-them (how a transfer completes, what its error says).
+A stopped agent is a SIGSTOPped process: transfers to it stay in flight and
+what is sent to it is swallowed. A dead one is a killed process: every call
+that names it fails. Every embedded stand-in runs on it: the NIXL ranks, the
+MoRIIO engines (through their transport), and the P/D job's writes into the
+shared file both processes map.
 """
 
 from __future__ import annotations
 
 import ctypes
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
 
 import torch
 
 from .dataplane import Extent, Op, TransferError, XferState
 
 
-class Node:
-    """One endpoint on a fabric: its name, and the address ranges it registered."""
-
-    def __init__(self, name: str, fabric: Network[Any]) -> None:
-        self._name = name
-        self.fabric = fabric
-        self._memory: list[tuple[int, int]] = []
-
-    @property
-    def name(self) -> str:
-        """The name peers reach it by."""
-        return self._name
-
-    def register(self, tensor: torch.Tensor) -> None:
-        self._memory.append((int(tensor.data_ptr()), tensor.numel() * tensor.element_size()))
-
-    def registered(self, addr: int, n: int) -> bool:
-        """Whether the ``n`` bytes at ``addr`` lie in one range this node registered."""
-        return any(base <= addr and addr + n <= base + size for base, size in self._memory)
-
-
-N = TypeVar("N", bound=Node)
-
-
-class Network(Generic[N]):
-    """The nodes of one process by name, and which of them are stopped or dead."""
+class Fabric:
+    """The data plane's agents of one process, by name, and which of them are stopped or dead."""
 
     def __init__(self) -> None:
-        self.nodes: dict[str, N] = {}
+        self.agents: dict[str, EmbeddedAgent] = {}
         self.stopped: set[str] = set()
         self.dead: set[str] = set()
 
-    def join(self, name: str, make: Callable[[str, Network[N]], N]) -> N:
-        """A new node named ``name``, made by ``make(name, fabric)``; a name already on the fabric is refused."""
-        if name in self.nodes:
-            raise ValueError(f"a node named {name!r} is already on this fabric")
-        self.nodes[name] = node = make(name, self)
-        return node
-
-    def reachable(self, name: str) -> N | None:
-        """The node a message to ``name`` reaches: None for an unknown, dead or stopped one (the message is lost)."""
-        if name in self.dead or name in self.stopped:
-            return None
-        return self.nodes.get(name)
+    def agent(self, name: str) -> EmbeddedAgent:
+        """A new agent named ``name``; a name already on the fabric is refused."""
+        if name in self.agents:
+            raise ValueError(f"an agent named {name!r} is already on this fabric")
+        self.agents[name] = agent = EmbeddedAgent(name, self)
+        return agent
 
     def stop(self, name: str) -> None:
         self.stopped.add(name)
@@ -89,27 +55,30 @@ class _Xfer:
     done: bool = False
 
 
-class Fabric(Network["EmbeddedAgent"]):
-    """The data plane's agents of one process, by name, and which of them are stopped or dead."""
-
-    @property
-    def agents(self) -> dict[str, EmbeddedAgent]:
-        return self.nodes
-
-    def agent(self, name: str) -> EmbeddedAgent:
-        return self.join(name, EmbeddedAgent)
-
-
-class EmbeddedAgent(Node):
+class EmbeddedAgent:
     """A :class:`~kvfsm.drivers.dataplane.DataPlane` agent in process, with NIXL's answers: a transfer completes
     on the next :meth:`state` unless the peer is stopped (``PROC``, its notification held back); a killed peer
     makes every call that names it raise (``nixlRemoteDisconnectError``), and a transfer to it end ``ERR``."""
 
-    def __init__(self, name: str, fabric: Network[EmbeddedAgent]) -> None:
-        super().__init__(name, fabric)
+    def __init__(self, name: str, fabric: Fabric) -> None:
+        self._name = name
+        self.fabric = fabric
+        self._memory: list[tuple[int, int]] = []
         self._inbox: list[tuple[str, bytes]] = []
         self._xfers: dict[int, _Xfer] = {}
         self._ids = itertools.count(1)
+
+    @property
+    def name(self) -> str:
+        """The name peers reach it by."""
+        return self._name
+
+    def register(self, tensor: torch.Tensor) -> None:
+        self._memory.append((int(tensor.data_ptr()), tensor.numel() * tensor.element_size()))
+
+    def registered(self, addr: int, n: int) -> bool:
+        """Whether the ``n`` bytes at ``addr`` lie in one range this agent registered."""
+        return any(base <= addr and addr + n <= base + size for base, size in self._memory)
 
     def metadata(self) -> bytes:
         return self._name.encode()
@@ -146,7 +115,7 @@ class EmbeddedAgent(Node):
                 ctypes.memmove(there, here, n)
         xfer.done = True
         if xfer.notif:
-            self.fabric.nodes[xfer.peer]._inbox.append((self._name, xfer.notif))
+            self.fabric.agents[xfer.peer]._inbox.append((self._name, xfer.notif))
         return "DONE"
 
     def release(self, handle: object) -> None:
@@ -169,7 +138,7 @@ class EmbeddedAgent(Node):
     def _peer(self, name: str, op: str) -> EmbeddedAgent:
         if name in self.fabric.dead:
             raise TransferError(op, name, "NIXL_ERR_REMOTE_DISCONNECT (the peer is dead)")
-        agent: EmbeddedAgent | None = self.fabric.nodes.get(name)
+        agent: EmbeddedAgent | None = self.fabric.agents.get(name)
         if agent is None:
             raise TransferError(op, name, "NIXL_ERR_NOT_FOUND (no such agent)")
         return agent
