@@ -11,6 +11,12 @@ counts it late when it ended after a step that began past its ``deadline``:
 step start times, not latencies, so a loop the OS delayed is not taken for a
 deadline that did not fire. Once every request has ended it waits up to
 ``settle`` seconds for ``idle``.
+
+The loop reads time from ``clock`` and idles with ``wait``: the wall clock
+and ``time.sleep`` by default. A system that runs in this one process can
+run on a :class:`~kvfsm.testing.VirtualClock` instead, moved by its own
+``step``: then every deadline fires at the same step in every run, however
+busy the machine (what a test that counts expiries needs).
 """
 
 from __future__ import annotations
@@ -67,6 +73,8 @@ def closed_loop(
     give_up: float | None = None,
     tick: Callable[[int], object] | None = None,
     per_step: int = STARTS_PER_STEP,
+    clock: Callable[[], float] = time.monotonic,
+    wait: Callable[[float], object] = time.sleep,
 ) -> Loop:
     """Run ``requests`` requests, ``concurrency`` open at a time (see the module docstring).
 
@@ -78,22 +86,22 @@ def closed_loop(
         raise ValueError(f"requests and concurrency must be positive, not {requests} and {concurrency}")
     loop = Loop(requests, concurrency)
     began: dict[Hashable, float] = {}
-    t0 = time.monotonic()
+    t0 = clock()
     limit = t0 + (give_up if give_up is not None else (requests / concurrency + 2) * (deadline + settle) + settle)
     last_step = last_end = last_look = t0
-    while time.monotonic() < limit:
+    while clock() < limit:
         if tick is not None:
             tick(loop.ended)
         room = min(concurrency - len(began), per_step, requests - loop.opened)
         if room > 0:
             keys = start(range(loop.opened, loop.opened + room))
-            now = time.monotonic()  # once they are open: a deadline the system armed on opening is not earlier
+            now = clock()  # once they are open: a deadline the system armed on opening is not earlier
             for key in keys:
                 began[key] = now
             loop.opened += room
-        step_began = time.monotonic()
+        step_began = clock()
         ended = list(step())
-        now = time.monotonic()
+        now = clock()
         for key in ended:
             opened_at = began.pop(key)
             loop.latencies.append(now - opened_at)
@@ -109,7 +117,7 @@ def closed_loop(
                 if idle():
                     break
         if not ended and room <= 0:
-            time.sleep(0.0005)
-    loop.wall = time.monotonic() - t0
+            wait(0.0005)
+    loop.wall = clock() - t0
     loop.still_open = list(began)
     return loop

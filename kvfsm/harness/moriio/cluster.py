@@ -25,6 +25,7 @@ from ...drivers.moriio.consumer import DecodeEngine
 from ...drivers.moriio.messages import fault_label
 from ...drivers.moriio.plane import PlaneTransport
 from ...drivers.moriio.producer import PrefillEngine
+from ...testing.clock import VirtualClock
 from ..faults import FaultPlan, FaultyAgent
 from .load import LoadResult, run_load
 
@@ -72,6 +73,8 @@ class Timeouts:
 
 
 FAST = Timeouts()
+VIRTUAL_STEP = 0.001
+"""Seconds a step of an :func:`embedded_run` on a virtual clock takes: about what one takes at concurrency 512."""
 MOONCAKE = Timeouts(defer=1.0, transfer=2.0, recv=4.0)
 DEAD_PEER: dict[str, Any] = {
     "live": 0, "queued": 0, "held_blocks": 0, "outcomes": {}, "anomalies": {}, "errors": 0,
@@ -98,20 +101,26 @@ def embedded_run(
     prefill: str | None = None,
     prefill_headroom: float = 1.25,
     kill_after: int | None = None,
+    clock: VirtualClock | None = None,
 ) -> LoadResult:
     """One run in this process. ``prefill``: another prefill than the bundled one (:func:`prefill_variant`);
-    ``kill_after``: the prefill dies once that many requests have ended."""
+    ``kill_after``: the prefill dies once that many requests have ended; ``clock``: the run's time, moved
+    :data:`VIRTUAL_STEP` a step, instead of the wall clock (the same deadlines fire in every run, however busy
+    the machine; latencies are then virtual too)."""
     fabric = Fabric()
+    clocked: dict[str, Any] = {} if clock is None else {"clock": clock}
+    looped: dict[str, Any] = {} if clock is None else {"clock": clock, "wait": clock.advance}
     plan = fault_plan(fault_rate, faults if faults is not None else default_faults(mode), seed)
     pa, da = faulty(fabric.agent("prefill"), plan), faulty(fabric.agent("decode"), plan)
     pt, dt = PlaneTransport(pa), PlaneTransport(da)
     prefill_blocks = int(concurrency * blocks_per_request * prefill_headroom)
     extra = prefill_variant(prefill, mode)
     params = None if extra else timeouts.producer(mode)
-    engine = PrefillEngine(pt, prefill_blocks, block_bytes, mode=mode, params=params, **extra)
+    engine = PrefillEngine(pt, prefill_blocks, block_bytes, mode=mode, params=params, **extra, **clocked)
     decode = DecodeEngine(
-        dt, concurrency * blocks_per_request, block_bytes, "prefill", mode=mode, params=timeouts.consumer(mode)
-    )
+        dt, concurrency * blocks_per_request, block_bytes, "prefill", mode=mode, params=timeouts.consumer(mode),
+        **clocked,
+    )  # fmt: skip
     dead = False
 
     def tick(ended: int) -> None:
@@ -121,6 +130,8 @@ def embedded_run(
             dead = True
 
     def step_prefill() -> None:
+        if clock is not None:
+            clock.advance(VIRTUAL_STEP)
         if not dead:
             engine.step()
 
@@ -128,6 +139,7 @@ def embedded_run(
         decode, "prefill", requests=requests, concurrency=concurrency, blocks_per_request=blocks_per_request,
         deadline=timeouts.deadline(mode), settle=timeouts.defer + timeouts.transfer + 0.5, step_prefill=step_prefill,
         prefill_stats=lambda: DEAD_PEER if dead else engine.stats(), faults=lambda: _merge(pa, da), tick=tick,
+        **looped,
     )  # fmt: skip
 
 

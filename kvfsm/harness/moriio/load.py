@@ -97,6 +97,8 @@ def run_load(
     faults: Callable[[], dict[str, int]] = dict,
     prefix: str = "r",
     tick: Callable[[int], object] | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    wait: Callable[[float], object] = time.sleep,
 ) -> LoadResult:
     """Run ``requests`` requests at ``concurrency`` through ``decode`` and the prefill engine named ``prefill``.
 
@@ -105,7 +107,8 @@ def run_load(
     side may take to finish too (its own deadlines). ``step_prefill`` steps
     an in-process prefill engine; ``prefill_stats`` reads its counters
     (default: ask it with a ``stats_query``). ``tick`` is called with the
-    number of requests ended so far on every loop (to kill a peer mid-run).
+    number of requests ended so far on every loop (to kill a peer mid-run);
+    ``clock`` and ``wait``: the loop's time (:func:`~kvfsm.harness.load.closed_loop`).
     """
     if blocks_per_request < 1:
         raise ValueError(f"blocks_per_request must be positive, not {blocks_per_request}")
@@ -140,7 +143,7 @@ def run_load(
 
     loop = closed_loop(
         requests, concurrency, start=open_requests, step=step, deadline=deadline, settle=settle,
-        idle=lambda: _idle(stats()), tick=tick,
+        idle=lambda: _idle(stats()), tick=tick, clock=clock, wait=wait,
     )  # fmt: skip
     return LoadResult(requests, concurrency, loop.opened - len(pending), decode.stats(), stats(), faults(), loop)
 
