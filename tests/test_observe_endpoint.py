@@ -8,11 +8,12 @@ stderr, and two trackers of one machine merged into one set of series.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import socket
 import statistics
 import struct
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -198,39 +199,71 @@ class Owner:
         return done, stall
 
 
-class Poller:
-    """A client polling ``path`` back to back while ``on`` is set: raw sockets, so it spends little of the GIL."""
+POLLERS = r"""
+import socket, sys, threading
+host, port, path, n = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+on, stop, answers = threading.Event(), threading.Event(), [0] * n
+request = f"GET {path} HTTP/1.0\r\n\r\n".encode()
+def poll(i):
+    while not stop.is_set():
+        if not on.wait(0.05):
+            continue
+        try:
+            with socket.create_connection((host, port), timeout=30) as sock:
+                sock.sendall(request)
+                head = b""
+                while chunk := sock.recv(1 << 16):
+                    head = head or chunk
+            answers[i] += head.startswith(b"HTTP/1.0 200")
+        except OSError:
+            pass
+threads = [threading.Thread(target=poll, args=(i,), daemon=True) for i in range(n)]
+for t in threads:
+    t.start()
+print("ready", flush=True)
+for line in sys.stdin:
+    if line.strip() == "on":
+        on.set()
+    elif line.strip() == "off":
+        on.clear()
+    else:
+        break
+on.clear()
+stop.set()
+for t in threads:
+    t.join(timeout=30)
+print(*answers, flush=True)
+"""
 
-    def __init__(self, where: tuple[str, int], path: str, on: threading.Event, stop: threading.Event) -> None:
-        self.where, self.request, self.on, self.stop = where, f"GET {path} HTTP/1.0\r\n\r\n".encode(), on, stop
-        self.answers = 0
-        self.sock: socket.socket | None = None
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
 
-    def _run(self) -> None:
-        while not self.stop.is_set():
-            if not self.on.wait(0.05):
-                continue
-            try:
-                with socket.create_connection(self.where, timeout=30) as sock:
-                    self.sock = sock
-                    sock.sendall(self.request)
-                    head = b""
-                    while chunk := sock.recv(1 << 16):
-                        head = head or chunk
-                if head.startswith(b"HTTP/1.0 200"):
-                    self.answers += 1
-            except OSError:
-                pass
+class Pollers:
+    """``n`` clients polling ``path`` back to back while on, in a process of their own as real clients are: their
+    side of each poll (connect, send, read) does not take the owner's GIL, only the server's side does."""
 
-    def halt(self) -> None:
-        """Stop polling now: cut a request in flight (the old endpoint takes seconds to answer one)."""
-        sock = self.sock
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-        self.thread.join(timeout=10)
+    def __init__(self, where: tuple[str, int], path: str, n: int) -> None:
+        host, port = where
+        argv = [sys.executable, "-c", POLLERS, host, str(port), path, str(n)]
+        self.process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.process.stdin is not None and self.process.stdout is not None
+        self.stdin, self.stdout = self.process.stdin, self.process.stdout
+        assert self.stdout.readline().strip() == "ready"
+
+    def switch(self, on: bool) -> None:
+        self.stdin.write("on\n" if on else "off\n")
+        self.stdin.flush()
+
+    def close(self) -> list[int]:
+        """Stop polling; every client's count of answers."""
+        try:
+            self.stdin.write("stop\n")
+            self.stdin.flush()
+            answers = [int(n) for n in self.stdout.readline().split()]
+            self.process.wait(timeout=60)
+        finally:
+            if self.process.poll() is None:
+                self.process.kill()
+                self.process.wait()
+        return answers
 
 
 def test_the_owner_keeps_its_pace_while_four_clients_poll_state_at_100000_live() -> None:
@@ -242,28 +275,24 @@ def test_the_owner_keeps_its_pace_while_four_clients_poll_state_at_100000_live()
     populate(tracker, 100_000)
     owner = Owner(tracker)
     owner.run(0.2)  # warm up
-    on, stop = threading.Event(), threading.Event()
     ratios: list[float] = []
     alone = polled = 0
     stalls = [0.0, 0.0]
     with DebugServer([tracker]) as server:
-        pollers = [Poller(address(server), "/state?limit=1", on, stop) for _ in range(4)]
+        pollers = Pollers(address(server), "/state?limit=1", 4)
         try:
             for _ in range(10):
-                on.clear()
+                pollers.switch(on=False)
                 quiet, stall = owner.run(0.2)
                 stalls[0] = max(stalls[0], stall)
-                on.set()
+                pollers.switch(on=True)
                 busy, stall = owner.run(0.2)
                 stalls[1] = max(stalls[1], stall)
                 alone, polled = alone + quiet, polled + busy
                 ratios.append(busy / max(quiet, 1))
         finally:
-            stop.set()
-            on.clear()
-            for poller in pollers:
-                poller.halt()
-    answers = sum(p.answers for p in pollers)
+            answered = pollers.close()
+    answers = sum(answered)
     median = statistics.median(ratios)
     report = (
         f"owner: {alone / 2:.0f} lifecycles/s alone (longest stall {stalls[0] * 1e3:.0f} ms), {polled / 2:.0f}/s "
@@ -271,7 +300,7 @@ def test_the_owner_keeps_its_pace_while_four_clients_poll_state_at_100000_live()
     )
     print(report)
     assert median >= 0.6, report
-    assert answers >= 8, report  # the pollers were answered, every one of them more than once
+    assert min(answered) >= 2, report  # the pollers were answered, every one of them more than once
 
 
 # -- 2. a bounded pool with timeouts; close() stops serving -----------------------------------------------------
