@@ -1,4 +1,4 @@
-"""The one fault plan and the one fault wrapper over the data plane, on the embedded agents.
+"""The one fault plan and the wrappers that apply it (the data plane, driver actions), on the embedded agents.
 
 What a wrapper injects must be what its plan says, decided by key alone (so two processes over one plan agree), and
 what reaches the peer must be what was sent, less the lost, plus the duplicated and the malformed.
@@ -18,7 +18,7 @@ from kvfsm.drivers.dataplane import TransferError
 from kvfsm.drivers.fabric import Fabric
 from kvfsm.drivers.moriio.messages import Release, WriteDone, encode, fault_label
 from kvfsm.drivers.nixl import notif
-from kvfsm.harness.faults import MALFORMED, FaultPlan, FaultyAgent
+from kvfsm.harness.faults import MALFORMED, FaultPlan, FaultyActions, FaultyAgent, InjectedFault
 
 KINDS = ["lost_release", "duplicate_release", "malformed_release", "lost_write_done"]
 
@@ -106,3 +106,31 @@ def test_what_arrives_is_what_was_sent_less_the_lost_plus_the_repeats(
             expected.append(MALFORMED[zlib.crc32(message.transfer_id.encode()) % len(MALFORMED)])
     assert arrived == expected
     assert agent.injected == hit
+
+
+def test_faulty_actions_raise_where_the_plan_says_and_pass_everything_else_through() -> None:
+    class Driver:
+        def __init__(self) -> None:
+            self.ran: list[int] = []
+            self.other = "kept"
+
+        def send(self, key: int, /, **payload: object) -> None:
+            self.ran.append(key)
+
+        def free(self, key: int, /) -> None:
+            self.ran.append(-key)
+
+    plan = FaultPlan(0.2, ["raising_send"], seed=3)
+    driver = Driver()
+    faulty = FaultyActions(driver, plan, ["send"])
+    raised = []
+    for key in range(500):
+        try:
+            faulty.send(key, size=1)
+        except InjectedFault:
+            raised.append(key)
+        faulty.free(key + 1)
+    assert faulty.injected["raising_send"] == len(raised) == plan.count(f"send/{k}" for k in range(500))["raising_send"]
+    assert 60 < len(raised) < 140  # a fifth of 500, give or take
+    assert [k for k in driver.ran if k >= 0] == [k for k in range(500) if k not in raised]  # a raise runs nothing
+    assert sum(1 for k in driver.ran if k < 0) == 500 and faulty.other == "kept"  # unnamed actions pass through

@@ -301,9 +301,8 @@ def test_each_lifecycle_is_a_span_with_a_child_per_state_and_crosses_processes_b
 def test_the_pd_jobs_processes_serve_metrics_for_every_state_of_their_role_specs() -> None:
     pytest.importorskip("torch", reason="the P/D job needs kvfsm[torch]")
     pytest.importorskip("zmq", reason="the P/D job needs kvfsm[zmq]")
-    from kvfsm.drivers.pd import JobConfig
-    from kvfsm.drivers.pd.role import system
-    from kvfsm.harness.pd import run_job
+    from kvfsm.harness.pd import JobConfig, run_job
+    from kvfsm.harness.pd.role import system
 
     roles = system("corrected").roles
     seen: dict[str, set[str]] = {}

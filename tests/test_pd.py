@@ -11,10 +11,9 @@ from typing import Any
 import pytest
 from test_driver_binding import constants_outside_docstrings
 
-from kvfsm.drivers.pd import JobConfig
-from kvfsm.drivers.pd.faults import KINDS
-from kvfsm.drivers.pd.role import Sends, system
-from kvfsm.harness.pd import run_job
+from kvfsm.harness.pd import JobConfig, run_job
+from kvfsm.harness.pd.faults import KINDS
+from kvfsm.harness.pd.role import Sends, system
 
 
 def test_the_sends_come_from_the_verified_role_spec() -> None:
@@ -77,7 +76,7 @@ def test_the_deadline_bounds_a_stall_not_the_jobs_length() -> None:
 
 def _decode(protocol: str) -> Any:
     """A decode role in this process, with no prefill: messages are handed to it by the test."""
-    from kvfsm.drivers.pd.decode import Decode
+    from kvfsm.harness.pd.decode import Decode
     from kvfsm.harness.pd.job import free_port
 
     config = JobConfig(
@@ -122,7 +121,7 @@ def test_a_status_that_ends_an_aborting_room_starts_no_decode_request() -> None:
 def test_the_decode_process_names_no_state_of_its_specs_and_reads_no_transition_table() -> None:
     """It asks the Tracker (accepts, state) and each state's declared outcome; a copy of the spec's names or its
     table would be a second lifecycle written by hand."""
-    import kvfsm.drivers.pd.decode as decode
+    import kvfsm.harness.pd.decode as decode
 
     states = {s for protocol in ("corrected", "merged_fix") for s in system(protocol).roles["decode"].spec.states}
     assert constants_outside_docstrings(decode) & states == set()

@@ -18,8 +18,7 @@ from .common import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, Subparsers, err, missing
 if TYPE_CHECKING:
     from collections import Counter
 
-    from ..drivers.pd import JobConfig
-    from ..harness.pd import Ledger
+    from ..harness.pd import JobConfig, Ledger
     from ..showcase.bench.mooncake import SoakResult
     from ..showcase.demo import (
         CheckPart,
@@ -370,7 +369,7 @@ def _render_moriio(ledger: dict[str, Any]) -> None:
 def run_pd(args: argparse.Namespace) -> int:
     """The main job: a P/D run across two processes, and its ledger."""
     try:
-        from ..drivers.pd import JobConfig
+        from ..harness.pd import JobConfig
     except ImportError as exc:
         return missing_extra("demo", "showcase", exc)
     try:

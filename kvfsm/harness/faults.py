@@ -1,10 +1,14 @@
-"""One fault plan, and one fault wrapper over the data plane, for every transfer driver's fault tests, demos and soaks.
+"""One fault plan, and the wrappers that apply it (the data plane, driver actions), for every driver's fault tests,
+demos and soaks.
 
 :class:`FaultPlan` decides, from a hash of the seed and an opportunity's
 key, whether the opportunity is hit (a fraction ``rate``) and by which fault
 (uniformly among ``kinds``). The same plan gives the same faults in every
 process and every run, so two engines that wrap their agents over one plan
 agree, and what a run injects is known in advance (:meth:`FaultPlan.count`).
+
+:class:`FaultyActions` wraps any driver and makes the actions it names
+raise (``raising_<action>``), as a driver action that fails does.
 
 :class:`FaultyAgent` wraps any agent of the data plane
 (:mod:`kvfsm.drivers.dataplane`) and applies the faults that happen on its
@@ -31,7 +35,8 @@ from __future__ import annotations
 import re
 import zlib
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import Any
 
 import torch
 
@@ -40,8 +45,10 @@ from ..drivers.dataplane import DataPlane, Extent, Op, TransferError, XferState
 Label = Callable[[bytes], "tuple[str, str] | None"]
 """A notification's kind and the key its fault is decided on; None for bytes the protocol does not know."""
 
-KIND = re.compile(r"(raising|failed)_(read|write)|(lost|duplicate|malformed)_[a-z][a-z_]*")
-"""What a fault's name says: where it strikes (a post, a notification of some kind) and how."""
+KIND = re.compile(r"(raising|failed|slow)_[a-z][a-z_]*|(lost|duplicate|malformed|delayed|reordered)_[a-z][a-z_]*")
+"""What a fault's name says, where it strikes and how: ``raising_``, ``failed_`` and ``slow_`` a call (a post's
+``read`` or ``write``, a driver's action, a store's call); ``lost_``, ``duplicate_``, ``malformed_``, ``delayed_``
+and ``reordered_`` a message of the kind named."""
 
 UNREGISTERED = 4096
 """An address no agent registers: a transfer to it is refused by the agent that owns the peer's memory."""
@@ -61,7 +68,7 @@ class FaultPlan:
         known = tuple(known)
         unknown = sorted(k for k in kinds if not KIND.fullmatch(k) or (known and k not in known))
         if unknown:
-            choose = f"choose from {list(known)}" if known else "name one as raising_read, failed_write, lost_<kind>"
+            choose = f"choose from {list(known)}" if known else "name one as raising_<call>, failed_<call>, lost_<kind>"
             raise ValueError(f"unknown faults {unknown}; {choose}")
         if not 0.0 <= rate <= 1.0:
             raise ValueError(f"rate must be within [0, 1], not {rate}")
@@ -176,3 +183,36 @@ def _unregistered(remote: Sequence[Extent]) -> list[Extent]:
         out.append((at, n))
         at += n
     return out
+
+
+class InjectedFault(RuntimeError):
+    """What a ``raising_<action>`` fault raises: distinct from every error a driver raises of its own."""
+
+
+class FaultyActions:
+    """``inner`` with ``raising_<action>`` faults from ``plan`` on the actions named; every other attribute is
+    ``inner``'s. Handed to a :class:`~kvfsm.Tracker` as its driver, a faulted action raises as a real one does,
+    before it ran, and the spec's ``on_error`` path takes the instance; ``injected`` counts them. The plan decides
+    per action and key, so each instance meets an action's fault at most once."""
+
+    def __init__(self, inner: object, plan: FaultPlan, actions: Iterable[str]) -> None:
+        self.inner = inner
+        self.plan = plan
+        self.injected: Counter[str] = Counter()
+        for name in actions:
+            setattr(self, name, self._faulty(name, getattr(inner, name)))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def _faulty(self, name: str, action: Callable[..., object]) -> Callable[..., object]:
+        fault = f"raising_{name}"
+
+        def act(key: Hashable, /, **payload: Any) -> object:
+            if self.plan.fault(f"{name}/{key}") == fault:
+                self.injected[fault] += 1
+                raise InjectedFault(f"injected: {name} for {key!r} failed")
+            return action(key, **payload)
+
+        act.__name__ = name
+        return act

@@ -1,8 +1,11 @@
-"""The PD abort protocol across processes: the prefill and decode roles, running the role specs the explorer
-verified, as :mod:`.prefill` and :mod:`.decode` serve them in processes of their own; :class:`JobConfig` says
-how. The job that starts them, injects faults and keeps the ledger is :func:`kvfsm.harness.pd.run_job`.
+"""The PD abort protocol's drivers (``specs/pd_abort/``): decode's pages preallocated and freed, prefill's KV
+written into them over the data plane (:class:`PageWriter`), chunk by chunk. The job that runs them in a prefill
+and a decode process, with faults, is :mod:`kvfsm.harness.pd`.
 """
 
-from .config import BACKENDS, PROTOCOLS, JobConfig
+from .decode import DecodeDriver
+from .pages import Pages
+from .prefill import PrefillDriver
+from .transport import EMBEDDED, PageWriter, embedded_writer
 
-__all__ = ["BACKENDS", "PROTOCOLS", "JobConfig"]
+__all__ = ["EMBEDDED", "DecodeDriver", "PageWriter", "Pages", "PrefillDriver", "embedded_writer"]

@@ -1,56 +1,29 @@
-"""The decode process: admits requests, takes pages, and reads every page it decodes from, byte-checked.
-
-Decode is also the job's load generator (the router): it begins ``requests``
-rooms, at most ``concurrency`` at a time, hands each to prefill, and aborts
-some at random points. Its pool has exactly the pages ``concurrency`` rooms
-hold, so a freed page is taken by the next room at once, as in a busy
-server: a write that lands after the free corrupts that room, and the byte
-check when decoding starts and ends sees it.
-
-The room's lifecycle is the verified role spec's and ends where it says: in a
-success final state (``received``) "the pages pass to the running decode
-request". That request is the serving engine's (SGLang's scheduler), not the
-connector's, so it is not in the spec; this process plays it. Which message
-hands the pages over is not named here: whatever event the tracker takes to
-a success final state does (:meth:`Decode._deliver`), and the decode request
-pins the pages before the room's release lets them go.
-"""
+"""Decode's driver for the PD abort protocol: a room's pages, preallocated from its pool and freed on release."""
 
 from __future__ import annotations
 
-import heapq
-import time
 from collections.abc import Hashable
-from multiprocessing.queues import Queue
-from typing import TYPE_CHECKING, Any
 
-from ...wire import AbortReq, Hello, Message, Metadata, Request
 from ..block_pool import BlockPool
-from .config import JobConfig
-from .faults import Faults
-from .pages import Pages
-from .role import Role, expose, tag
-from .transport import EMBEDDED
-
-if TYPE_CHECKING:
-    from ..mooncake.agent import MooncakeAgent
-
-DECODE, PREFILL = "decode", "prefill"
 
 
 class DecodeDriver:
-    """Decode's actions: ``kv_pages`` are pages of its pool, preallocated by ``send_metadata`` and freed on release."""
+    """Decode's actions: ``kv_pages`` are pages of its pool, preallocated by ``send_metadata`` and freed on release.
 
-    def __init__(self, pool: BlockPool, pages_per_room: int, faults: Faults) -> None:
+    The Tracker runs a transition's ``do`` before its acquires, so on
+    ``bootstrapped`` :meth:`send_metadata` preallocates the pages (held by
+    ``("prealloc", room)``), whose indices the ``metadata`` message carries
+    (SGLang's prealloc queue: allocate, then ``receiver.init``), and
+    :meth:`alloc_kv_pages` makes them the room's (held by ``("kv_pages", room)``).
+    """
+
+    def __init__(self, pool: BlockPool, pages_per_room: int) -> None:
         self.pool = pool
         self.pages_per_room = pages_per_room
-        self.faults = faults
         self._pages: dict[Hashable, list[int]] = {}
 
     def send_metadata(self, room: Hashable, /) -> None:
-        """Preallocate the room's pages (their indices go out in ``metadata``); may raise under fault injection."""
-        if self.faults.hit("raise", 0.5):
-            raise RuntimeError(f"injected: send_metadata for room {room} failed")
+        """Preallocate the room's pages: their indices are what ``metadata`` sends."""
         self._pages[room] = self.pool.allocate(("prealloc", room), self.pages_per_room)
 
     def alloc_kv_pages(self, room: Hashable, /) -> None:
@@ -63,210 +36,5 @@ class DecodeDriver:
         self.pool.release(("kv_pages", room))
 
     def pages(self, room: Hashable) -> list[int]:
+        """The pages the room holds now, in order (a copy; empty once freed)."""
         return list(self._pages.get(room, ()))
-
-
-class Decode(Role):
-    name, peer_name = DECODE, PREFILL
-
-    def __init__(self, config: JobConfig, report: Queue[Any]) -> None:
-        self.pool = BlockPool(config.decode_pages)
-        faults_seed = config.seed * 7 + 1
-        self.driver = DecodeDriver(self.pool, config.pages_per_room, Faults(0.0, 0))
-        params = {
-            "bootstrap_timeout": config.bootstrap_timeout,
-            "waiting_timeout": config.waiting_timeout,
-            "ack_timeout": config.ack_timeout,
-        }
-        super().__init__(config, self.driver, params, config.decode_port, config.prefill_port, faults_seed)
-        self.driver.faults = self.faults
-        self.report = report
-        self.pages = Pages(config.decode_pages, config.page_elems, config.shared_path or None)
-        self.agent = _real_agent(self.pages) if config.backend == "real" else None
-        """The agent decode's pages are registered with, for the real backend (the embedded one maps the file)."""
-        self.hello = Hello(
-            peer=DECODE,
-            incarnation=1,
-            session=self.agent.name if self.agent is not None else EMBEDDED,
-            base=self.pages.base if self.agent is not None else 0,
-            page_bytes=self.pages.page_bytes,
-            pages=self.pages.count,
-        )
-        self.begun: dict[int, float] = {}
-        self.waiting_pages: list[int] = []
-        self.aborts: list[tuple[float, int]] = []
-        self.decoding: list[tuple[float, int, list[int], str]] = []
-        """Running decode requests: when each ends, its room, the pages it holds, the room's success final state."""
-        self.corrupted: set[tuple[int, int]] = set()
-        self.outcomes: list[tuple[int, str, float, int]] = []
-
-    def close(self) -> None:
-        super().close()
-        if self.agent is not None:
-            self.agent.close()
-
-    def compose(self, name: str, room: Hashable) -> Message | None:
-        assert isinstance(room, int)
-        if name == "metadata":
-            return Metadata(peer=DECODE, room=room, pages=self.driver.pages(room))
-        if name == "abort_req":
-            return AbortReq(peer=DECODE, room=room)
-        raise ValueError(f"decode's spec sends {name!r}, which this driver cannot compose")
-
-    # -- the loop ----------------------------------------------------------------
-
-    def run(self) -> dict[str, Any]:
-        cfg = self.config
-        issued = 0
-        next_hello = 0.0
-        ended, progress = 0, time.monotonic()
-        while True:
-            now = time.monotonic()
-            if now >= next_hello:
-                self.link.send_reliably(self.hello)
-                next_hello = now + 0.2
-            while issued < cfg.requests and len(self.begun) < cfg.concurrency:
-                self._admit(issued, now)
-                issued += 1
-            self._bootstrap()
-            for message in self.listener.take(limit=4096):
-                self._on_message(message, now)
-            self._due_aborts(now)
-            self._end_decoding(now)
-            self.tracker.poll()
-            self.flush(now)
-            self._finish(now)
-            if issued == cfg.requests and not self.begun:
-                break
-            if issued - len(self.begun) != ended:
-                ended, progress = issued - len(self.begun), now
-            elif now - progress > cfg.deadline:  # nothing has ended for that long: the rest is hung
-                break
-            time.sleep(0.0003)
-        hung = len(self.begun)  # rooms not ended by the deadline (decoding ones included)
-        self.tracker.close()
-        self._finish(time.monotonic())
-        self.flush(time.monotonic())
-        for _, room, _pages, _final in self.decoding:
-            self.pool.release(("decoding", room))
-        leaked = sum(len(b) for b in self.pool.holdings().values())
-        return {
-            "role": DECODE,
-            "requests": cfg.requests,
-            "issued": issued,
-            "hung": hung,
-            "leaked_blocks": leaked,
-            "corrupted": len(self.corrupted),
-            **self.stats(),
-        }
-
-    def _admit(self, room: int, now: float) -> None:
-        self.link.send_reliably(Request(peer=DECODE, room=room))
-        self.tracker.begin(room)
-        self.begun[room] = now
-        self.waiting_pages.append(room)
-        if self.faults.hit("abort"):
-            heapq.heappush(self.aborts, (now + self.faults.rng.uniform(0, self.config.abort_within), room))
-
-    def _bootstrap(self) -> None:
-        """Rooms take their pages in admission order while the pool has them (SGLang's prealloc queue)."""
-        keep: list[int] = []
-        for room in self.waiting_pages:
-            if not self.tracker.accepts(room, "bootstrapped"):
-                continue  # aborted or expired before it got pages
-            if self.pool.num_free >= self.config.pages_per_room:
-                self.fire(room, "bootstrapped")
-            else:
-                keep.append(room)
-        self.waiting_pages = keep
-
-    def _on_message(self, message: Message, now: float) -> None:
-        event = tag(message)
-        room = getattr(message, "room", None)
-        if room is None:
-            return  # hello / heartbeat from prefill: liveness only
-        self._deliver(room, event, now)
-
-    def _deliver(self, room: int, event: str, now: float) -> None:
-        """Deliver ``event``; if the tracker takes the room to a success final state, its decode request starts.
-
-        The decode request pins the room's pages before the transition
-        releases ``kv_pages`` (a freed page is the next room's at once); if
-        the room ends any other way, it lets them go again.
-        """
-        pages = self.driver.pages(room) if self.tracker.accepts(room, event) else []
-        if pages:
-            self.pool.pin(("decoding", room), pages)
-        self.deliver(room, event)
-        if not pages:
-            return
-        final = self.tracker.state(room)
-        if final is not None and self._succeeded(final):
-            self._check(room, pages)
-            heapq.heappush(self.decoding, (now + self.faults.uniform(self.config.decode_time), room, pages, final))
-        else:
-            self.pool.release(("decoding", room))
-
-    def _succeeded(self, state: str) -> bool:
-        """Whether ``state`` is one of the spec's success final states: the room's pages went to its decode request."""
-        return self.spec.states[state].final == "success"
-
-    def _check(self, room: int, pages: list[int]) -> None:
-        for page in self.pages.wrong(room, pages):
-            self.corrupted.add((room, page))
-
-    def _due_aborts(self, now: float) -> None:
-        while self.aborts and self.aborts[0][0] <= now:
-            _, room = heapq.heappop(self.aborts)
-            if self.live(room):
-                self.fire(room, "abort")
-
-    def _end_decoding(self, now: float) -> None:
-        while self.decoding and self.decoding[0][0] <= now:
-            _, room, pages, final = heapq.heappop(self.decoding)
-            self._check(room, pages)
-            self.pool.release(("decoding", room))
-            self._done(room, final, now)
-
-    def _finish(self, now: float) -> None:
-        """Report the rooms that ended; one that succeeded is reported when its decode request ends."""
-        for room, final in self.tracker.finished():
-            assert isinstance(room, int)
-            if not self._succeeded(final):
-                self._done(room, final, now)
-
-    def _done(self, room: int, outcome: str, now: float) -> None:
-        began = self.begun.pop(room, now)
-        bad = sum(1 for r, _ in self.corrupted if r == room)
-        self.report.put(("done", room, outcome, now - began, bad))
-
-
-def _real_agent(pages: Pages) -> MooncakeAgent:
-    """An agent with decode's pages registered: what prefill's WRITEs go to over the TransferEngine."""
-    from ..mooncake.agent import MooncakeAgent  # imports mooncake and zmq
-
-    agent = MooncakeAgent()
-    try:
-        agent.register(pages.tensor)
-    except BaseException:
-        agent.close()
-        raise
-    return agent
-
-
-def serve(config: JobConfig, report: Queue[Any]) -> None:
-    """The decode process's entry point: run the job, then report its ledger (or the error that stopped it)."""
-    try:
-        decode = Decode(config, report)
-    except Exception as exc:
-        report.put(("error", DECODE, f"{type(exc).__name__}: {exc}"))
-        return
-    server = expose(decode.tracker, config, report, DECODE)
-    try:
-        report.put(("decode", decode.run()))
-    except Exception as exc:
-        report.put(("error", DECODE, f"{type(exc).__name__}: {exc}"))
-    finally:
-        if server is not None:
-            server.close()
-        decode.close()

@@ -1,63 +1,41 @@
-"""The prefill process: computes each room's KV and writes it, chunk by chunk, into the pages decode named.
-
-Its transfer worker skips the remaining chunks of a room that is no longer
-``transferring`` (the spec says so: only ``transferring`` accepts
-``transfer_done``); a room whose last write in flight has landed while
-``draining`` takes ``drained``. ABORT for a room this process does not run
-(finished, or begun by an earlier incarnation that was killed) is answered
-with the system's ``reply_if_finished`` message, as SGLang's bootstrap thread
-does.
-"""
+"""Prefill's driver for the PD abort protocol: a room's KV written into decode's pages, chunk by chunk."""
 
 from __future__ import annotations
 
-import heapq
-import time
-from collections.abc import Hashable
-from ctypes import c_byte
-from multiprocessing.queues import Queue
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Hashable
 
-from ...wire import AbortAck, Failed, Hello, Message, Metadata, Request, Succeeded
-from ..block_pool import BlockPool, NoFreeBlocks
-from .config import JobConfig
-from .faults import Faults
-from .pages import Pages
-from .role import Role, expose, tag
-from .transport import PageWriter, embedded_writer
-
-if TYPE_CHECKING:
-    from ..mooncake.agent import MooncakeAgent
-
-DECODE, PREFILL = "decode", "prefill"
+from ..block_pool import BlockPool
+from .transport import PageWriter
 
 
 class PrefillDriver:
-    """Prefill's actions: ``send_kv`` starts the room's first chunk; the release frees its own pages."""
+    """Prefill's actions: ``send_kv`` starts the room's first chunk; the release frees its own pages.
 
-    def __init__(self, pool: BlockPool, faults: Faults) -> None:
+    ``src[room]`` and ``dst[room]`` are the room's own pages and decode's,
+    set when decode's ``metadata`` is taken. The caller submits each next
+    chunk as the one before lands (:meth:`submit`); ``delay(room, chunk)``
+    is how long a chunk's write waits before it is posted (how long it takes
+    on a busy fabric; none by default).
+    """
+
+    def __init__(self, pool: BlockPool, writer: PageWriter, chunk_pages: int = 1) -> None:
         self.pool = pool
-        self.faults = faults
-        self.transport: PageWriter | None = None
-        self.chunk_pages = 1
-        self.chunk_time: tuple[float, float] = (0.0, 0.0)
-        self.slow_time: tuple[float, float] = (0.0, 0.0)
+        self.writer = writer
+        self.chunk_pages = chunk_pages
+        self.delay: Callable[[int, int], float] = lambda room, chunk: 0.0
         self.src: dict[Hashable, list[int]] = {}
         self.dst: dict[Hashable, list[int]] = {}
 
     def send_kv(self, room: Hashable, /) -> None:
-        """Enqueue the room's first chunk (SGLang's ``send`` → transfer queue); may raise under fault injection."""
-        if self.faults.hit("raise", 0.5):
-            raise RuntimeError(f"injected: send_kv for room {room} failed")
+        """Enqueue the room's first chunk (SGLang's ``send`` → transfer queue)."""
         self.submit(room, 0)
 
     def submit(self, room: Hashable, chunk: int) -> None:
-        assert self.transport is not None and isinstance(room, int)
+        if not isinstance(room, int):
+            raise TypeError(f"rooms are ints, not {room!r}")
         n = self.chunk_pages
         src, dst = self.src[room][chunk * n : (chunk + 1) * n], self.dst[room][chunk * n : (chunk + 1) * n]
-        slow = self.faults.hit("slow_write")
-        delay = self.faults.uniform(self.slow_time if slow else self.chunk_time)
-        self.transport.submit(room, chunk, src, dst, delay)
+        self.writer.submit(room, chunk, src, dst, self.delay(room, chunk))
 
     def chunks(self, room: Hashable) -> int:
         return len(self.dst.get(room, ())) // self.chunk_pages
@@ -66,165 +44,3 @@ class PrefillDriver:
         self.src.pop(room, None)
         self.dst.pop(room, None)
         self.pool.release(("src_pages", room))
-
-
-class Prefill(Role):
-    name, peer_name = PREFILL, DECODE
-
-    def __init__(self, config: JobConfig, incarnation: int) -> None:
-        self.pool = BlockPool(config.prefill_pages)
-        self.driver = PrefillDriver(self.pool, Faults(0.0, 0))
-        params = {"bootstrap_timeout": config.prefill_bootstrap_timeout, "transfer_timeout": config.transfer_timeout}
-        seed = config.seed * 7 + 2 + 100 * incarnation
-        super().__init__(config, self.driver, params, config.prefill_port, config.decode_port, seed)
-        self.incarnation = incarnation
-        self.driver.faults = self.faults
-        self.driver.chunk_pages = config.chunk_pages
-        self.driver.chunk_time = config.chunk_time
-        self.driver.slow_time = config.slow_write_time
-        self.pages = Pages(config.prefill_pages, config.page_elems)
-        self.agent = _real_agent() if config.backend == "real" else None
-        self.transport = (
-            PageWriter(self.agent, self.pages)
-            if self.agent is not None
-            else embedded_writer(self.pages, config.shared_path, config.decode_pages)
-        )
-        self.driver.transport = self.transport
-        self.forward: list[tuple[float, int]] = []
-        self.reply_if_finished = self.system.messages["abort_req"].reply_if_finished
-
-    def close(self) -> None:
-        super().close()
-        if self.agent is not None:
-            self.agent.close()
-
-    def check(self, message: Message) -> str | None:
-        reason = super().check(message)
-        if (
-            reason is None
-            and isinstance(message, Metadata)
-            and (len(message.pages) != self.config.pages_per_room or max(message.pages) >= self.config.decode_pages)
-        ):
-            return "unknown_id"  # not pages of decode's pool, or not a room's worth
-        return reason
-
-    def compose(self, name: str, room: Hashable) -> Message | None:
-        assert isinstance(room, int)
-        kinds: dict[str, type[Succeeded | Failed | AbortAck]] = {
-            "success": Succeeded,
-            "failure": Failed,
-            "abort_ack": AbortAck,
-        }
-        if name not in kinds:
-            raise ValueError(f"prefill's spec sends {name!r}, which this driver cannot compose")
-        return kinds[name](peer=PREFILL, room=room)
-
-    def run(self, stop: c_byte) -> dict[str, Any]:
-        """Serve until ``stop.value`` is set, then drain; ``stop`` is a raw shared byte (see :func:`serve`)."""
-        drain_until: float | None = None
-        while True:
-            now = time.monotonic()
-            for message in self.listener.take(limit=4096):
-                self._on_message(message, now)
-            self._forward(now)
-            for room, chunk, ok in self.transport.landed():
-                self._landed(room, chunk, ok)
-            self.tracker.poll()
-            self.flush(now)
-            self.tracker.finished()
-            if stop.value:
-                if drain_until is None:
-                    drain_until = now + self.config.prefill_bootstrap_timeout + self.config.transfer_timeout
-                if (self.tracker.live() == 0 and not self.transport.in_flight()) or now > drain_until:
-                    break
-            time.sleep(0.0003)
-        hung = self.tracker.live()
-        self.tracker.close()
-        self.flush(time.monotonic())
-        self.tracker.finished()
-        leaked = sum(len(b) for b in self.pool.holdings().values())
-        self.transport.close()
-        return {"role": PREFILL, "incarnation": self.incarnation, "hung": hung, "leaked_blocks": leaked, **self.stats()}
-
-    def _on_message(self, message: Message, now: float) -> None:
-        if isinstance(message, Hello):
-            if not self.transport.attached:
-                self.transport.attach(message.session, message.base, message.page_bytes, message.pages)
-            return
-        room = getattr(message, "room", None)
-        if room is None:
-            return
-        if isinstance(message, Request):
-            if self.tracker.state(room) is None:
-                self.tracker.begin(room)
-            return
-        event = tag(message)
-        if isinstance(message, Metadata) and self.tracker.accepts(room, "metadata"):
-            try:
-                src = self.pool.allocate(("src_pages", room), len(message.pages))
-            except NoFreeBlocks:
-                self.counts["no_pages"] += 1
-                return
-            self.driver.src[room], self.driver.dst[room] = src, list(message.pages)
-            heapq.heappush(self.forward, (now + self.faults.uniform(self.config.forward_time), room))
-        if event == "abort_req" and not self.live(room) and self.reply_if_finished:
-            self.sends.pending.append((room, self.reply_if_finished))
-            return
-        self.deliver(room, event)
-
-    def _forward(self, now: float) -> None:
-        """Rooms whose forward pass is done: their KV is in their pages, and the transfer starts."""
-        while self.forward and self.forward[0][0] <= now:
-            _, room = heapq.heappop(self.forward)
-            if not self.tracker.accepts(room, "forward_done"):
-                continue
-            if not self.transport.attached:
-                heapq.heappush(self.forward, (now + 0.005, room))  # no hello from decode yet
-                continue
-            self.pages.fill(room, self.driver.src[room])
-            self.fire(room, "forward_done")
-
-    def _landed(self, room: int, chunk: int, ok: bool) -> None:
-        """A chunk's write has landed: start the next, conclude the room, or let a draining room go."""
-        if not ok:
-            self.counts["transfer_errors"] += 1
-            if self.tracker.accepts(room, "transfer_failed"):
-                self.fire(room, "transfer_failed")
-            elif self.tracker.accepts(room, "drained"):
-                self.fire(room, "drained")
-            return
-        if self.tracker.accepts(room, "transfer_done"):
-            if chunk + 1 < self.driver.chunks(room):
-                self.driver.submit(room, chunk + 1)
-            else:
-                self.fire(room, "transfer_done")
-        elif self.tracker.accepts(room, "drained"):
-            self.fire(room, "drained")
-
-
-def _real_agent() -> MooncakeAgent:
-    from ..mooncake.agent import MooncakeAgent  # imports mooncake and zmq
-
-    return MooncakeAgent()
-
-
-def serve(config: JobConfig, incarnation: int, report: Queue[Any], stop: c_byte) -> None:
-    """The prefill process's entry point: serve until ``stop``, drain, then report (or the error that stopped it).
-
-    ``stop`` is a lock-free shared byte, not a ``multiprocessing.Event``: the job SIGKILLs a prefill mid-run, and
-    one killed while it held an Event's lock (polling ``is_set``) would leave every later ``set`` waiting forever.
-    """
-    try:
-        prefill = Prefill(config, incarnation)
-    except Exception as exc:
-        report.put(("error", PREFILL, f"{type(exc).__name__}: {exc}"))
-        return
-    server = expose(prefill.tracker, config, report, PREFILL)
-    try:
-        report.put(("prefill", prefill.run(stop)))
-    except Exception as exc:
-        report.put(("error", PREFILL, f"{type(exc).__name__}: {exc}"))
-    finally:
-        if server is not None:
-            server.close()
-        prefill.close()

@@ -21,8 +21,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ...drivers.pd.config import JobConfig
-from ...drivers.pd.pages import Pages
+from ...drivers.pd import Pages
+from .config import JobConfig
 
 Progress = Callable[[int, int, Counter[str]], None]
 """Called as requests end: (ended, requested, outcomes so far)."""
@@ -129,7 +129,7 @@ def run_job(
     a new one on the same port. With ``config.metrics``, ``on_endpoint(role,
     url)`` is called as each process starts serving its state and metrics.
     """
-    from ...drivers.pd import decode, prefill
+    from . import decode, prefill
 
     if kill_prefill is None:
         kill_prefill = config.fault_rate > 0

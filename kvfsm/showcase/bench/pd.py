@@ -105,8 +105,7 @@ def fuzz(n: int, seed: int = 0, max_pages: int = 1024) -> FuzzResult:
 
 def main(argv: list[str] | None = None) -> int:
     """Print the fuzz and soak figures (``--json`` for one object)."""
-    from ...drivers.pd import JobConfig
-    from ...harness.pd import run_job
+    from ...harness.pd import JobConfig, run_job
 
     p = argparse.ArgumentParser(description="PD control-plane fuzz and P/D soaks (see docs/wire.md, docs/demo.md)")
     p.add_argument("--messages", type=int, default=100_000, help="malformed messages to fuzz (100,000)")

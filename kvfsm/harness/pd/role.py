@@ -10,6 +10,7 @@ by a timeout or by ``on_error``.
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 from collections.abc import Hashable, Mapping
 from typing import Any
@@ -21,8 +22,10 @@ from ...spec.bundled import SPECS
 from ...spec.system import System, load_system
 from ...wire import Message
 from ...wire.listener import Listener
+from ...wire.sender import Sender
+from ..faults import FaultyActions
 from .config import JobConfig
-from .faults import Faults, FaultyLink
+from .faults import MESSAGE_FAULTS, FaultyLink, plan
 
 
 def system(protocol: str) -> System:
@@ -52,10 +55,13 @@ class Sends:
 
 
 class Role:
-    """One side of the job: a tracker over the role's spec, a listener, and a faulty link to the peer."""
+    """One side of the job: a tracker over the role's spec, its driver behind the role's fault plan, a listener,
+    and a faulty link to the peer."""
 
     name = ""
     peer_name = ""
+    actions: tuple[str, ...] = ()
+    """The actions of this role's driver that raise under fault injection (``raising_<action>``)."""
 
     def __init__(
         self, config: JobConfig, driver: object, params: Mapping[str, float], port: int, peer_port: int, seed: int
@@ -64,15 +70,20 @@ class Role:
         self.system = system(config.protocol)
         self.spec = self.system.roles[self.name].spec
         self.sends = Sends(self.spec)
+        self.rng = random.Random(seed)
+        """The job's scenario (work times, aborts) and the mechanics of a fault (a delay's length, a mangling)."""
+        raising = tuple(f"raising_{a}" for a in self.actions)
+        self.faulty = FaultyActions(driver, plan(config.fault_rate / 2, raising, seed), self.actions)
         params = {k: v for k, v in params.items() if k in self.spec.params}  # the protocols differ in their params
         # One thread moves the tracker; a debug endpoint reading it from its own thread needs the lock.
         locked = config.metrics
-        self.tracker = Tracker(self.spec, driver, params=params, observer=self.sends, threadsafe=locked)
-        self.faults = Faults(config.fault_rate, seed)
+        self.tracker = Tracker(self.spec, self.faulty, params=params, observer=self.sends, threadsafe=locked)
         self.listener = Listener(port=port, check=self.check)
-        from ...wire.sender import Sender
-
-        self.link = FaultyLink(Sender(f"tcp://127.0.0.1:{peer_port}"), self.faults)
+        self.link = FaultyLink(
+            Sender(f"tcp://127.0.0.1:{peer_port}"), plan(config.fault_rate, MESSAGE_FAULTS, seed), self.rng
+        )
+        self.injected: Counter[str] = Counter()
+        """Faults and scenario events this role applied itself (a slow write, an abort)."""
         self.counts: Counter[str] = Counter()
 
     def check(self, message: Message) -> str | None:
@@ -118,7 +129,7 @@ class Role:
     def stats(self) -> dict[str, Any]:
         listener = self.listener.stats()
         return {
-            "faults": dict(self.faults.counts),
+            "faults": dict(self.injected + self.link.injected + self.faulty.injected),
             "drops": listener.drops,
             "listener_alive": listener.alive,
             "received": listener.received,
