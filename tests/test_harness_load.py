@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 import pytest
 
-from kvfsm.harness.load import closed_loop
+from kvfsm.harness.load import Loop, closed_loop
+from kvfsm.testing import VirtualClock
 
 
 class Toy:
@@ -76,3 +77,42 @@ def test_the_loop_waits_for_the_far_side_to_be_idle_but_not_past_settle() -> Non
 def test_bad_sizes_are_refused() -> None:
     with pytest.raises(ValueError, match="must be positive"):
         closed_loop(0, 1, start=Toy(1).start, step=Toy(1).step, deadline=1.0)
+
+
+def test_a_stall_bound_stops_a_hang_but_not_a_long_run_on_a_virtual_clock() -> None:
+    clock = VirtualClock()
+
+    def ticking(toy: Toy) -> Callable[[], list[Hashable]]:
+        def step() -> list[Hashable]:
+            clock.advance(1.0)  # a step is a second: 300 requests take far longer than the stall bound
+            return toy.step()
+
+        return step
+
+    toy = Toy(after=2)
+    long = closed_loop(300, 4, start=toy.start, step=ticking(toy), deadline=100.0, stall=5.0, clock=clock)
+    assert long.ended == 300 and long.wall > 100.0 and long.late == 0
+    hang = Toy(after=2, ends=False)
+    stuck = closed_loop(
+        300, 4, start=hang.start, step=ticking(hang), deadline=1.0, stall=5.0, clock=clock, wait=clock.advance
+    )
+    assert stuck.ended == 0 and len(stuck.still_open) == 4 and 5.0 < stuck.wall <= 7.0
+
+
+def test_on_a_virtual_clock_late_is_exact_however_slow_the_machine() -> None:
+    def run(after: int) -> Loop:
+        clock = VirtualClock()
+        toy = Toy(after=after, pause=0.01)  # real time passes; the loop reads only the virtual clock
+
+        def step() -> list[Hashable]:
+            clock.advance(0.5)
+            return toy.step()
+
+        return closed_loop(8, 8, start=toy.start, step=step, deadline=1.0, clock=clock)
+
+    # Steps begin at 0, 0.5, 1.0, ...: a request is late once a step before the one that ended it began past 1.0.
+    assert [(loop.ended, loop.late, loop.latencies[0]) for loop in map(run, (3, 4, 5))] == [
+        (8, 0, 1.5),
+        (8, 0, 2.0),
+        (8, 8, 2.5),
+    ]

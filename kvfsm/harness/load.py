@@ -71,6 +71,7 @@ def closed_loop(
     settle: float = 0.0,
     idle: Callable[[], bool] | None = None,
     give_up: float | None = None,
+    stall: float | None = None,
     tick: Callable[[int], object] | None = None,
     per_step: int = STARTS_PER_STEP,
     clock: Callable[[], float] = time.monotonic,
@@ -79,15 +80,19 @@ def closed_loop(
     """Run ``requests`` requests, ``concurrency`` open at a time (see the module docstring).
 
     ``deadline``: seconds a request may take; ``give_up``: seconds after which the loop stops whatever is left
-    (default: room for every wave to take its deadline and settle twice over); ``tick`` is called with the
-    number of requests ended so far before each step (to kill a peer mid-run).
+    (default: room for every wave to take its deadline and settle twice over); ``stall``: seconds after which
+    the loop stops once no request has ended for that long (a bound on a hang, not on the run's length, so any
+    number of requests runs: with it, ``give_up`` has no default); ``tick`` is called with the number of
+    requests ended so far before each step (to kill a peer mid-run).
     """
     if requests < 1 or concurrency < 1:
         raise ValueError(f"requests and concurrency must be positive, not {requests} and {concurrency}")
     loop = Loop(requests, concurrency)
     began: dict[Hashable, float] = {}
     t0 = clock()
-    limit = t0 + (give_up if give_up is not None else (requests / concurrency + 2) * (deadline + settle) + settle)
+    if give_up is None:
+        give_up = float("inf") if stall is not None else (requests / concurrency + 2) * (deadline + settle) + settle
+    limit = t0 + give_up
     last_step = last_end = last_look = t0
     while clock() < limit:
         if tick is not None:
@@ -116,6 +121,8 @@ def closed_loop(
                 last_look = now
                 if idle():
                     break
+        if stall is not None and now - last_end > stall:
+            break
         if not ended and room <= 0:
             wait(0.0005)
     loop.wall = clock() - t0

@@ -1,8 +1,9 @@
 """The P/D job's decode process: admits requests, takes pages, and reads every page it decodes from, byte-checked.
 
-Decode is also the job's load generator (the router): it begins ``requests``
-rooms, at most ``concurrency`` at a time, hands each to prefill, and aborts
-some at random points. Its pool has exactly the pages ``concurrency`` rooms
+Decode is also the job's load generator (the router): on the closed loop
+every soak runs (:mod:`kvfsm.harness.load`) it begins ``requests`` rooms, at
+most ``concurrency`` at a time, hands each to prefill, and aborts some at
+random points. Its pool has exactly the pages ``concurrency`` rooms
 hold, so a freed page is taken by the next room at once, as in a busy
 server: a write that lands after the free corrupts that room, and the byte
 check when decoding starts and ends sees it.
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from ...drivers.block_pool import BlockPool
 from ...drivers.pd import EMBEDDED, DecodeDriver, Pages
 from ...wire import AbortReq, Hello, Message, Metadata, Request
+from ..load import closed_loop
 from .config import JobConfig
 from .role import Role, expose, tag
 
@@ -68,7 +70,9 @@ class Decode(Role):
         self.decoding: list[tuple[float, int, list[int], str]] = []
         """Running decode requests: when each ends, its room, the pages it holds, the room's success final state."""
         self.corrupted: set[tuple[int, int]] = set()
-        self.outcomes: list[tuple[int, str, float, int]] = []
+        self._ended: list[Hashable] = []
+        """Rooms reported done since the last step."""
+        self._next_hello = 0.0
 
     def close(self) -> None:
         super().close()
@@ -86,33 +90,13 @@ class Decode(Role):
     # -- the loop ----------------------------------------------------------------
 
     def run(self) -> dict[str, Any]:
+        """The job's requests on the closed loop (:func:`~kvfsm.harness.load.closed_loop`), until every one has
+        ended or none has for ``config.deadline`` seconds; then this side's ledger."""
         cfg = self.config
-        issued = 0
-        next_hello = 0.0
-        ended, progress = 0, time.monotonic()
-        while True:
-            now = time.monotonic()
-            if now >= next_hello:
-                self.link.send_reliably(self.hello)
-                next_hello = now + 0.2
-            while issued < cfg.requests and len(self.begun) < cfg.concurrency:
-                self._admit(issued, now)
-                issued += 1
-            self._bootstrap()
-            for message in self.listener.take(limit=4096):
-                self._on_message(message, now)
-            self._due_aborts(now)
-            self._end_decoding(now)
-            self.tracker.poll()
-            self.flush(now)
-            self._finish(now)
-            if issued == cfg.requests and not self.begun:
-                break
-            if issued - len(self.begun) != ended:
-                ended, progress = issued - len(self.begun), now
-            elif now - progress > cfg.deadline:  # nothing has ended for that long: the rest is hung
-                break
-            time.sleep(0.0003)
+        loop = closed_loop(
+            cfg.requests, cfg.concurrency, start=self._admit_all, step=self._step, deadline=cfg.deadline,
+            stall=cfg.deadline,
+        )  # fmt: skip
         hung = len(self.begun)  # rooms not ended by the deadline (decoding ones included)
         self.tracker.close()
         self._finish(time.monotonic())
@@ -123,12 +107,36 @@ class Decode(Role):
         return {
             "role": DECODE,
             "requests": cfg.requests,
-            "issued": issued,
+            "issued": loop.opened,
             "hung": hung,
             "leaked_blocks": leaked,
             "corrupted": len(self.corrupted),
             **self.stats(),
         }
+
+    def _admit_all(self, rooms: range) -> list[Hashable]:
+        now = time.monotonic()
+        for room in rooms:
+            self._admit(room, now)
+        return list(rooms)
+
+    def _step(self) -> list[Hashable]:
+        """Say hello now and then, give rooms their pages, take prefill's messages, abort, end decode requests and
+        send what the transitions sent; the rooms that ended."""
+        now = time.monotonic()
+        if now >= self._next_hello:
+            self.link.send_reliably(self.hello)
+            self._next_hello = now + 0.2
+        self._bootstrap()
+        for message in self.listener.take(limit=4096):
+            self._on_message(message, now)
+        self._due_aborts(now)
+        self._end_decoding(now)
+        self.tracker.poll()
+        self.flush(now)
+        self._finish(now)
+        ended, self._ended = self._ended, []
+        return ended
 
     def _admit(self, room: int, now: float) -> None:
         self.link.send_reliably(Request(peer=DECODE, room=room))
@@ -209,6 +217,7 @@ class Decode(Role):
     def _done(self, room: int, outcome: str, now: float) -> None:
         began = self.begun.pop(room, now)
         bad = sum(1 for r, _ in self.corrupted if r == room)
+        self._ended.append(room)
         self.report.put(("done", room, outcome, now - began, bad))
 
 
