@@ -29,8 +29,9 @@ from ...drivers.block_pool import BlockPool
 from ...drivers.pd import EMBEDDED, DecodeDriver, Pages
 from ...wire import AbortReq, Hello, Message, Metadata, Request
 from ..load import closed_loop
+from . import role
 from .config import JobConfig
-from .role import Role, expose, tag
+from .role import Role, tag
 
 if TYPE_CHECKING:
     from ...drivers.mooncake.agent import MooncakeAgent
@@ -236,17 +237,4 @@ def _real_agent(pages: Pages) -> MooncakeAgent:
 
 def serve(config: JobConfig, report: Queue[Any]) -> None:
     """The decode process's entry point: run the job, then report its ledger (or the error that stopped it)."""
-    try:
-        decode = Decode(config, report)
-    except Exception as exc:
-        report.put(("error", DECODE, f"{type(exc).__name__}: {exc}"))
-        return
-    server = expose(decode.tracker, config, report, DECODE)
-    try:
-        report.put(("decode", decode.run()))
-    except Exception as exc:
-        report.put(("error", DECODE, f"{type(exc).__name__}: {exc}"))
-    finally:
-        if server is not None:
-            server.close()
-        decode.close()
+    role.serve(DECODE, lambda: Decode(config, report), Decode.run, config, report)

@@ -21,9 +21,10 @@ from typing import TYPE_CHECKING, Any
 from ...drivers.block_pool import BlockPool, NoFreeBlocks
 from ...drivers.pd import Pages, PageWriter, PrefillDriver, embedded_writer
 from ...wire import AbortAck, Failed, Hello, Message, Metadata, Request, Succeeded
+from . import role
 from .config import JobConfig
 from .faults import plan
-from .role import Role, expose, tag
+from .role import Role, tag
 
 if TYPE_CHECKING:
     from ...drivers.mooncake.agent import MooncakeAgent
@@ -182,17 +183,4 @@ def serve(config: JobConfig, incarnation: int, report: Queue[Any], stop: c_byte)
     ``stop`` is a lock-free shared byte, not a ``multiprocessing.Event``: the job SIGKILLs a prefill mid-run, and
     one killed while it held an Event's lock (polling ``is_set``) would leave every later ``set`` waiting forever.
     """
-    try:
-        prefill = Prefill(config, incarnation)
-    except Exception as exc:
-        report.put(("error", PREFILL, f"{type(exc).__name__}: {exc}"))
-        return
-    server = expose(prefill.tracker, config, report, PREFILL)
-    try:
-        report.put(("prefill", prefill.run(stop)))
-    except Exception as exc:
-        report.put(("error", PREFILL, f"{type(exc).__name__}: {exc}"))
-    finally:
-        if server is not None:
-            server.close()
-        prefill.close()
+    role.serve(PREFILL, lambda: Prefill(config, incarnation), lambda prefill: prefill.run(stop), config, report)

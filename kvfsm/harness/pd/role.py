@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from collections.abc import Hashable, Mapping
-from typing import Any
+from collections.abc import Callable, Hashable, Mapping
+from typing import Any, TypeVar
 
 from ...engine import Tracker
 from ...errors import ActionError, IllegalTransition
@@ -152,3 +152,25 @@ def expose(tracker: Tracker, config: JobConfig, report: Any, role: str) -> Any:
     server = serve([tracker], port=port)
     report.put(("metrics", role, server.url))
     return server
+
+
+R = TypeVar("R", bound=Role)
+
+
+def serve(name: str, make: Callable[[], R], run: Callable[[R], dict[str, Any]], config: JobConfig, report: Any) -> None:
+    """A role process's entry point: make the role, run it and report its ledger under ``name``, or the error that
+    stopped it; the role and its endpoint are closed either way."""
+    try:
+        role = make()
+    except Exception as exc:
+        report.put(("error", name, f"{type(exc).__name__}: {exc}"))
+        return
+    server = expose(role.tracker, config, report, name)
+    try:
+        report.put((name, run(role)))
+    except Exception as exc:
+        report.put(("error", name, f"{type(exc).__name__}: {exc}"))
+    finally:
+        if server is not None:
+            server.close()
+        role.close()
