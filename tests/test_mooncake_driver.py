@@ -25,8 +25,17 @@ from mooncake_fixtures import (  # noqa: F401
     unique,
 )
 
-from kvfsm.drivers.mooncake import BlockBuffer, MooncakeStoreWorker, StoreError, block_key, codes
-from kvfsm.harness.mooncake import FaultyStore, InjectedStoreFault, raising, returning
+from kvfsm.drivers.mooncake import (
+    BlockBuffer,
+    EmbeddedMaster,
+    MooncakeStoreWorker,
+    StoreError,
+    block_key,
+    codes,
+    connect_embedded,
+)
+from kvfsm.harness.mooncake import STORE_FAULTS, FaultyStore, InjectedStoreFault, raising, returning, store_plan
+from kvfsm.harness.mooncake.faults import FAILED_CODES, FAULTABLE, call_keys
 
 BLOCKS = 64
 BLOCK_BYTES = 4096
@@ -397,3 +406,59 @@ def test_a_load_whose_blocks_cannot_be_pinned_is_still_reported_with_every_block
     assert [f.action for f in worker.failures] == ["pin_load_blocks"]
     buffer.pool.release("writer")
     assert_everything_released(worker, buffer)
+
+
+def plan_driven_calls(seed: int, calls: int = 80) -> tuple[list[tuple[str, object]], FaultyStore]:
+    """``calls`` rounds of put, exists and get on a fresh embedded store failing at 30%: each call's answer or error."""
+    master = EmbeddedMaster()
+    store = connect_embedded(master)
+    faulty = FaultyStore(store, store_plan(0.3, seed))
+    data = torch.arange(2 * BLOCK_BYTES, dtype=torch.int32).to(torch.uint8).reshape(2, BLOCK_BYTES)
+    out = torch.zeros_like(data)
+    assert faulty.register_buffer(data.data_ptr(), data.numel()) >= 0
+    assert faulty.register_buffer(out.data_ptr(), out.numel()) >= 0
+    seen: list[tuple[str, object]] = []
+    put, get = [data[0].data_ptr(), data[1].data_ptr()], [out[0].data_ptr(), out[1].data_ptr()]
+    try:
+        for i in range(calls):
+            keys = [f"k{i}.0", f"k{i}.1"]
+            for op, args in (
+                ("batch_put_from", (keys, put, [BLOCK_BYTES] * 2)),
+                ("batch_is_exist", (keys,)),
+                ("batch_get_into", (keys, get, [BLOCK_BYTES] * 2)),
+            ):
+                try:
+                    seen.append((op, getattr(faulty, op)(*args)))
+                except InjectedStoreFault as exc:
+                    seen.append((op, str(exc)))
+    finally:
+        store.close()
+        master.stop()
+    return seen, faulty
+
+
+def test_plan_driven_faults_are_the_same_in_every_run_and_the_ones_the_plan_counts() -> None:
+    first, faulty = plan_driven_calls(seed=11)
+    second, again = plan_driven_calls(seed=11)
+    assert first == second and faulty.injected == again.injected
+    assert set(faulty.injected) == set(STORE_FAULTS), "each call meets both of its faults at 30% of 80 calls"
+    assert faulty.injected == faulty.planned()
+    for op in FAULTABLE:  # the calls the one plan hits are the calls that failed, whichever fault it names
+        hit = sum(faulty.plan.count(call_keys(op, faulty.calls[op])).values())
+        assert faulty.injected[f"raising_{op}"] + faulty.injected[f"failed_{op}"] == hit
+        answers = [a for o, a in first if o == op]
+        for key, answer in zip(call_keys(op, faulty.calls[op]), answers, strict=True):
+            fault = faulty.plans[op].fault(key)  # what the n-th call met, read off the plan alone
+            if fault is None or fault.startswith("failed_"):
+                assert isinstance(answer, list)
+                assert fault is None or answer[0] in FAILED_CODES, (key, answer)
+            else:
+                assert answer == f"injected {fault} ({key})"
+    other, _ = plan_driven_calls(seed=12)
+    assert other != first, "another seed fails other calls"
+    faulty.fail_next("batch_is_exist")
+    with pytest.raises(InjectedStoreFault):
+        faulty.batch_is_exist(["k0.0"])
+    assert faulty.injected["raising_batch_is_exist"] == again.injected["raising_batch_is_exist"] + 1, (
+        "an armed fault is counted by its name too"
+    )

@@ -162,7 +162,7 @@ def test_mooncake_random_workload_with_failing_store_calls_leaves_nothing_held(s
         engine.close()
     assert report.clean, report
     assert report.preemptions > 0 and report.aborts_mid_load > 0
-    assert report.faults["store_batch_is_exist"] > 0 and report.faults["bugs"] == 0
+    assert report.faults["store_raising_batch_is_exist"] > 0 and report.faults["bugs"] == 0
     assert report.connector["outcomes"].get("send:failed", 0) > 0
 
 

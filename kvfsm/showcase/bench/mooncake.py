@@ -1,10 +1,12 @@
 """Soak and overhead of the Mooncake store worker against a real ``mooncake_master``.
 
 - :func:`soak`: thousands of requests (stores, dedup hits, loads, aborts)
-  through :class:`~kvfsm.drivers.mooncake.MooncakeStoreWorker` with a fraction
-  of the store calls failing (raising, or negative codes); at the end every
-  request must have been reported exactly once, nothing may be live, and the
-  pool must hold nothing: leaked blocks and hung requests are counted.
+  through :class:`~kvfsm.drivers.mooncake.MooncakeStoreWorker`, in the
+  closed loop every soak runs (:func:`~kvfsm.harness.load.closed_loop`),
+  with a fraction of the store calls failing as a fault plan says (raising,
+  or negative codes: :func:`~kvfsm.harness.mooncake.store_plan`); at the end
+  every request must have been reported exactly once, nothing may be live,
+  and the pool must hold nothing: leaked blocks and hung requests are counted.
 - :func:`throughput`: the same send-only workload through the kvfsm worker and
   through :class:`HandSendWorker`, vLLM's fixed sending thread (a counter per
   request, ``try/finally``), in one run: requests per second, and their ratio.
@@ -26,7 +28,7 @@ import statistics
 import sys
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -34,9 +36,13 @@ from typing import Any
 from ...drivers.mooncake import BlockBuffer, KVStore, MooncakeStoreWorker, StoreSender, block_key, connect
 from ...drivers.mooncake.codes import check_codes
 from ...errors import ActionError
-from ...harness.mooncake import FaultyStore, MasterProcess
+from ...harness.load import closed_loop
+from ...harness.mooncake import FaultyStore, MasterProcess, store_plan
 
 BLOCK_BYTES = 16 << 10
+
+STORE_TIMEOUT = 30.0
+"""The soak's store-job deadline (``store_timeout``), and so the time a request may take before it counts late."""
 
 
 @dataclass
@@ -57,6 +63,10 @@ class SoakResult:
     over_releases: int
     corrupt_loads: int
     failures: int
+    late: int = 0
+    """Requests reported sent after :data:`STORE_TIMEOUT`, the store jobs' own deadline (not a leak)."""
+    latency_ms: dict[str, float] = field(default_factory=dict)
+    """p50, p99 and max of a request's time from opening to its report (:meth:`~kvfsm.harness.load.Loop.ms`)."""
 
     @property
     def clean(self) -> bool:
@@ -88,31 +98,47 @@ def soak(
 ) -> SoakResult:
     """Run ``requests`` requests through a worker over ``store`` with ``fault_rate`` of its calls failing.
 
+    The requests run in the closed loop of every soak
+    (:func:`~kvfsm.harness.load.closed_loop`), ``inflight`` at a time: each
+    saves its blocks (sometimes twice, as over two steps), may be aborted or
+    preempted, finishes, and is open until the worker reports it sent. After
+    some, a load of an earlier request's prefix follows; loads are not the
+    loop's requests, but the soak waits for them to end too. A request the
+    loop opens waits for 16 free blocks before it begins.
+
     ``timeout`` bounds the whole soak: a sender that leaks stalls it (no room
     in the pool, too many requests never reported), and what it leaked by then
     is counted. ``sender``: the store-job driver to run, e.g. a copy with a known bug.
     """
     rng = random.Random(seed)
-    faulty = FaultyStore(store, rate=fault_rate, seed=seed)
+    faulty = FaultyStore(store, store_plan(fault_rate, seed))
     buffer = BlockBuffer(blocks, BLOCK_BYTES)
     pool = buffer.pool
     prefix = f"soak-{seed}-{time.time_ns():x}"
     worker = MooncakeStoreWorker(
-        faulty, buffer, prefix=prefix, params={"store_timeout": 30.0}, sender=sender(faulty, buffer, prefix=prefix)
+        faulty,
+        buffer,
+        prefix=prefix,
+        params={"store_timeout": STORE_TIMEOUT},
+        sender=sender(faulty, buffer, prefix=prefix),
     )
     sent: Counter[Hashable] = Counter()
     recved: Counter[Hashable] = Counter()
     loading: dict[Hashable, tuple[list[int], int]] = {}
     contents: list[int] = []
-    corrupt = 0
-    issued = loads = 0
-    start = time.monotonic()
-    deadline = start + timeout
+    waiting: deque[str] = deque()  # opened by the loop, not begun: no room in the pool yet
+    begun: set[Hashable] = set()
+    corrupt = issued = loads = 0
 
-    def step() -> None:
+    def drain() -> list[Hashable]:
+        """Take the worker's reports; returns the requests reported sent for the first time."""
         nonlocal corrupt
         done = worker.get_finished()
-        sent.update(done.sending)
+        ended: list[Hashable] = []
+        for rid in done.sending:
+            sent[rid] += 1
+            if sent[rid] == 1 and rid in begun:
+                ended.append(rid)
         for rid in done.recving:
             recved[rid] += 1
             if rid in loading:
@@ -121,43 +147,56 @@ def soak(
                     if b not in done.invalid_blocks and int(buffer.kv[b][0]) != (content * 31 + i) % 251:
                         corrupt += 1
                 pool.release(rid, dst)
+        return ended
+
+    def begin(rid: str) -> None:
+        """Save ``rid``'s blocks, maybe abort or preempt it, finish it, and maybe load an earlier prefix."""
+        nonlocal issued, loads
+        begun.add(rid)
+        issued += 1
+        n = rng.randint(1, 4)
+        content = rng.choice(contents) if contents and rng.random() < 0.2 else issued  # 20% repeat a prefix
+        contents.append(content)
+        held = pool.allocate(rid, n)
+        hashes = _fill(buffer, held, content)
+        if n > 1 and rng.random() < 0.5:
+            worker.save(rid, held[: n // 2], hashes[: n // 2])  # an earlier step's save
+        worker.save(rid, held, hashes)
+        if rng.random() < abort_fraction:
+            worker.abort(rid) if rng.random() < 0.5 else worker.preempt(rid)
+        worker.request_finished(rid)
+        pool.release(rid)
+        if rng.random() < load_fraction and len(contents) > 1:
+            lid, old = f"L{loads}", rng.choice(contents[:-1])
+            loads += 1
+            old_hashes = [f"{old:x}.{i}" for i in range(4)]
+            hits = worker.lookup(lid, old_hashes)
+            if hits and pool.num_free >= hits:
+                dst = pool.allocate(lid, hits)
+                loading[lid] = (dst, old)
+                worker.start_load(lid, dst)
+            elif hits:
+                worker.start_load(lid, [])
+
+    def start(indices: range) -> list[Hashable]:
+        rids = [f"r{i}" for i in indices]
+        waiting.extend(rids)
+        return list(rids)
+
+    def step() -> list[Hashable]:
+        while waiting and pool.num_free >= 16:
+            begin(waiting.popleft())
+        return drain()
+
+    def idle() -> bool:
+        return not (worker.live() or worker.unfinished_tasks() or loading)
 
     try:
-        while issued < requests and time.monotonic() < deadline:
-            step()
-            if issued - len(sent) >= inflight or pool.num_free < 16:
-                time.sleep(0.0005)
-                continue
-            rid = f"r{issued}"
-            issued += 1
-            n = rng.randint(1, 4)
-            content = rng.choice(contents) if contents and rng.random() < 0.2 else issued  # 20% repeat a prefix
-            contents.append(content)
-            held = pool.allocate(rid, n)
-            hashes = _fill(buffer, held, content)
-            if n > 1 and rng.random() < 0.5:
-                worker.save(rid, held[: n // 2], hashes[: n // 2])  # an earlier step's save
-            worker.save(rid, held, hashes)
-            if rng.random() < abort_fraction:
-                worker.abort(rid) if rng.random() < 0.5 else worker.preempt(rid)
-            worker.request_finished(rid)
-            pool.release(rid)
-            if rng.random() < load_fraction and len(contents) > 1:
-                lid, old = f"L{loads}", rng.choice(contents[:-1])
-                loads += 1
-                old_hashes = [f"{old:x}.{i}" for i in range(4)]
-                hits = worker.lookup(lid, old_hashes)
-                if hits and pool.num_free >= hits:
-                    dst = pool.allocate(lid, hits)
-                    loading[lid] = (dst, old)
-                    worker.start_load(lid, dst)
-                elif hits:
-                    worker.start_load(lid, [])
-        while (worker.live() or worker.unfinished_tasks() or loading) and time.monotonic() < deadline:
-            step()
-            time.sleep(0.001)
-        step()
-        seconds = time.monotonic() - start
+        loop = closed_loop(
+            requests, inflight, start=start, step=step, idle=idle, deadline=STORE_TIMEOUT, settle=timeout,
+            give_up=timeout,
+        )  # fmt: skip
+        drain()
     finally:
         worker.close()
     for load_id, (dst, _content) in loading.items():  # hung loads: give their blocks back so the pool count is honest
@@ -166,8 +205,8 @@ def soak(
     return SoakResult(
         requests=issued,
         loads=loads,
-        seconds=seconds,
-        requests_per_s=issued / seconds,
+        seconds=loop.wall,
+        requests_per_s=issued / loop.wall,
         fault_rate=fault_rate,
         faults_injected=dict(faulty.injected),
         outcomes=dict(sorted(worker.outcomes.items())),
@@ -180,6 +219,8 @@ def soak(
         over_releases=pool.refused_releases,
         corrupt_loads=corrupt,
         failures=len(worker.failures),
+        late=loop.late,
+        latency_ms=loop.ms(),
     )
 
 
@@ -314,7 +355,7 @@ def throughput(store: KVStore, *, requests: int = 1000, fault_rate: float = 0.10
     for r in range(-1, repeats):  # repeat -1 warms the master up and is not counted
         for variant in (0, 1) if r % 2 == 0 else (1, 0):
             buffer = BlockBuffer(256, BLOCK_BYTES)
-            faulty = FaultyStore(store, rate=fault_rate, seed=r + 1)
+            faulty = FaultyStore(store, store_plan(fault_rate, r + 1))
             salt = time.time_ns() % 1_000_000_007
             prefix = f"tp-{salt:x}"
             if variant == 0:
@@ -449,6 +490,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"({sum(s.faults_injected.values())} faults), {s.seconds:.1f} s, {s.requests_per_s:.0f} requests/s"
         )
         print(f"  outcomes {s.outcomes}")
+        lat = s.latency_ms
+        print(
+            f"  request latency p50 {lat.get('p50_ms', 0.0)} ms, p99 {lat.get('p99_ms', 0.0)} ms, "
+            f"max {lat.get('max_ms', 0.0)} ms; {s.late} past the {STORE_TIMEOUT:.0f} s store deadline"
+        )
         print(
             f"  leaked blocks {s.leaked_blocks}, leaked holders {s.leaked_holders}, hung requests {s.hung_requests}, "
             f"hung loads {s.hung_loads}, reported twice {s.reported_twice}, unfinished queue tasks {s.unfinished_tasks}, "

@@ -10,7 +10,7 @@ engine that is late, fails or loses reports
 (:class:`~kvfsm.showcase.sim.runner.DelayedCopier`), a process boundary that
 delivers worker outputs twice or much later
 (:class:`~kvfsm.showcase.sim.runner.OutputDelivery`), store calls that raise
-or fail (:class:`~kvfsm.drivers.mooncake.FaultyStore`).
+or fail (:class:`~kvfsm.harness.mooncake.FaultyStore`).
 
 After every step, :meth:`Engine.check` holds vLLM and kvfsm to each other:
 every GPU block's ``ref_cnt`` is exactly the requests vLLM gives it plus the
@@ -57,7 +57,7 @@ from ...adapters.vllm_connector import CpuOffloadConnector, as_worker_report
 from ...adapters.vllm_mooncake import VLLM, MooncakeStoreConnector
 from ...drivers.mooncake import EmbeddedMaster
 from ...engine import Tracker
-from ...harness.mooncake import FaultyStore
+from ...harness.mooncake import FaultyStore, store_plan
 from .opt125m import model_dir
 from .runner import DelayedCopier, OutputDelivery
 
@@ -568,7 +568,7 @@ class MooncakeEngine(Engine):
         assert isinstance(connector, MooncakeStoreConnector)
         self.connector = connector
         self._worker = MooncakeStoreConnector(self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config)
-        self.faulty = FaultyStore(self._worker.store, rate=fault_rate, seed=seed)
+        self.faulty = FaultyStore(self._worker.store, store_plan(fault_rate, seed))
         self._worker.rebuild_worker(clock=lambda: float(self.now), store=self.faulty)
         self._worker.register_kv_caches(engine_kv_caches(self.kv_cache_config))
 
