@@ -1,4 +1,5 @@
-"""An in-process PD transport: the drivers of ``specs/pd_abort/`` over real KV tensors, prefill writing into decode's.
+"""The PD drivers in one process (:mod:`kvfsm.drivers.pd`, the ones the P/D job runs) over real KV tensors, prefill
+writing into decode's.
 
 One :class:`PDLoopback` stands for a prefill server and a decode server joined
 by an RDMA fabric. Each side owns a :class:`~kvfsm.drivers.kv_cache.KVCache`
@@ -18,12 +19,13 @@ driver's.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Collection, Hashable
+from collections.abc import Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from . import pd
 from .block_pool import BlockPool, BlockPoolError
 from .kv_cache import KVCache, KVLayout, copy_blocks
 
@@ -103,48 +105,33 @@ class PDLoopback:
                 raise BlockPoolError(f"{name} pool has holders no driver knows: {stray}")
 
 
-class DecodeDriver:
-    """Decode's side of a room: ``kv_pages`` are pages of decode's pool, freed back to it.
+class DecodeDriver(pd.DecodeDriver):
+    """Decode's side of a room: the PD driver (:class:`kvfsm.drivers.pd.DecodeDriver`) on decode's pool, whose
+    ``metadata`` the loopback records as sent (:attr:`PDLoopback.metadata`)."""
 
-    The Tracker runs a transition's ``do`` before its acquires, so on
-    ``bootstrapped`` :meth:`send_metadata` preallocates the pages (held by
-    ``("prealloc", room)``) and sends their indices (SGLang's prealloc queue:
-    allocate, then ``receiver.init``), and :meth:`alloc_kv_pages` makes them
-    the room's (held by ``("kv_pages", room)``), which is what
-    :meth:`observe` reads. ``_pages[room]`` keeps their order.
-    """
+    def __init__(self, loop: PDLoopback) -> None:
+        super().__init__(loop.decode_pool, loop.pages_per_room)
+        self.loop = loop
+
+    def send_metadata(self, room: Hashable, /) -> None:
+        super().send_metadata(room)
+        self.loop.metadata[room] = Metadata(room, tuple(self.pages(room)))
+
+
+class CacheWriter:
+    """Prefill's writes in one process: the room's pages copied into decode's cache at once, on any device."""
 
     def __init__(self, loop: PDLoopback) -> None:
         self.loop = loop
-        self._pages: dict[Hashable, list[int]] = {}
 
-    def send_metadata(self, room: Hashable, /) -> None:
-        pages = self.loop.decode_pool.allocate(("prealloc", room), self.loop.pages_per_room)
-        self.loop.metadata[room] = Metadata(room, tuple(pages))
-
-    def alloc_kv_pages(self, room: Hashable, /) -> None:
-        pool = self.loop.decode_pool
-        pages = list(self.loop.metadata[room].pages)
-        pool.pin(("kv_pages", room), pages)
-        pool.release(("prealloc", room))
-        self._pages[room] = pages
-
-    def release_kv_cache(self, room: Hashable, /) -> None:
-        """Free the room's pages back to the pool: the next request may take them at once."""
-        self._pages.pop(room, None)
-        self.loop.decode_pool.release(("kv_pages", room))
-
-    def pages(self, room: Hashable) -> list[int]:
-        """The pages ``room`` holds now (a copy; empty once freed)."""
-        return list(self._pages.get(room, ()))
-
-    def observe(self, room: Hashable) -> set[str]:
-        """``kv_pages`` while the pool really has the room as a holder of its pages."""
-        return {"kv_pages"} if self.loop.decode_pool.held_by(("kv_pages", room)) else set()
+    def submit(self, room: Hashable, chunk: int, src: Sequence[int], dst: Sequence[int], delay: float) -> None:
+        moved = copy_blocks(self.loop.prefill_cache, list(src), self.loop.decode_cache, list(dst))
+        self.loop.writes.append(Write(room, tuple(src), tuple(dst), moved))
 
 
-class PrefillDriver:
-    """Prefill's side of a room: ``src_pages`` are its own KV pages; :meth:`send_kv` writes them into decode's.
+class PrefillDriver(pd.PrefillDriver):
+    """Prefill's side of a room: the PD driver (:class:`kvfsm.drivers.pd.PrefillDriver`) on prefill's pool,
+    writing the whole room as one chunk into the pages decode's ``metadata`` named.
 
     ``src_pages`` has no acquire action in the specs: the request's pages are
     taken by the prefill scheduler when decode's indices are in, so the
@@ -152,33 +139,27 @@ class PrefillDriver:
     """
 
     def __init__(self, loop: PDLoopback) -> None:
+        super().__init__(loop.prefill_pool, CacheWriter(loop), chunk_pages=loop.pages_per_room)
         self.loop = loop
-        self._src: dict[Hashable, list[int]] = {}
 
     def before_fire(self, room: Hashable, event: str, resources: Collection[str]) -> None:
         """Take the room's own pages and fill them with its KV (the forward pass, as a known pattern)."""
         if "src_pages" in resources:
-            pages = self.loop.prefill_pool.allocate(("src_pages", room), self.loop.pages_per_room)
+            pages = self.pool.allocate(("src_pages", room), self.loop.pages_per_room)
             self.loop.prefill_cache.storage[pages] = pattern(room)
-            self._src[room] = pages
+            self.src[room] = pages
 
     def send_kv(self, room: Hashable, /) -> None:
-        """The transfer: copy the room's pages into decode's cache at the indices its metadata named."""
+        """The transfer: the room's pages into decode's cache at the indices its metadata named."""
         meta = self.loop.metadata.get(room)
         if meta is None:
             raise KeyError(f"room {room!r}: no metadata from decode, so no destination pages to write into")
-        src = self._src[room]
-        if len(src) != len(meta.pages):
-            raise ValueError(f"room {room!r}: {len(src)} source pages but decode sent {len(meta.pages)} indices")
-        moved = copy_blocks(self.loop.prefill_cache, src, self.loop.decode_cache, meta.pages)
-        self.loop.writes.append(Write(room, tuple(src), meta.pages, moved))
-
-    def release_kv_cache(self, room: Hashable, /) -> None:
-        self._src.pop(room, None)
-        self.loop.prefill_pool.release(("src_pages", room))
-
-    def observe(self, room: Hashable) -> set[str]:
-        return {"src_pages"} if self.loop.prefill_pool.held_by(("src_pages", room)) else set()
+        if len(self.src[room]) != len(meta.pages):
+            raise ValueError(
+                f"room {room!r}: {len(self.src[room])} source pages but decode sent {len(meta.pages)} indices"
+            )
+        self.dst[room] = list(meta.pages)
+        super().send_kv(room)
 
 
 DriverFactory = Callable[[], object]

@@ -38,3 +38,7 @@ class DecodeDriver:
     def pages(self, room: Hashable) -> list[int]:
         """The pages the room holds now, in order (a copy; empty once freed)."""
         return list(self._pages.get(room, ()))
+
+    def observe(self, room: Hashable) -> set[str]:
+        """``kv_pages`` while the pool really has the room as a holder of its pages (what a replay checks)."""
+        return {"kv_pages"} if self.pool.held_by(("kv_pages", room)) else set()

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
+from typing import Protocol
 
 from ..block_pool import BlockPool
-from .transport import PageWriter
+
+
+class ChunkWriter(Protocol):
+    """Where a chunk's write goes: :class:`~.transport.PageWriter` (the data plane), or a copy in one process."""
+
+    def submit(self, room: Hashable, chunk: int, src: Sequence[int], dst: Sequence[int], delay: float) -> None: ...
 
 
 class PrefillDriver:
@@ -18,11 +24,11 @@ class PrefillDriver:
     on a busy fabric; none by default).
     """
 
-    def __init__(self, pool: BlockPool, writer: PageWriter, chunk_pages: int = 1) -> None:
+    def __init__(self, pool: BlockPool, writer: ChunkWriter, chunk_pages: int = 1) -> None:
         self.pool = pool
         self.writer = writer
         self.chunk_pages = chunk_pages
-        self.delay: Callable[[int, int], float] = lambda room, chunk: 0.0
+        self.delay: Callable[[Hashable, int], float] = lambda room, chunk: 0.0
         self.src: dict[Hashable, list[int]] = {}
         self.dst: dict[Hashable, list[int]] = {}
 
@@ -31,8 +37,6 @@ class PrefillDriver:
         self.submit(room, 0)
 
     def submit(self, room: Hashable, chunk: int) -> None:
-        if not isinstance(room, int):
-            raise TypeError(f"rooms are ints, not {room!r}")
         n = self.chunk_pages
         src, dst = self.src[room][chunk * n : (chunk + 1) * n], self.dst[room][chunk * n : (chunk + 1) * n]
         self.writer.submit(room, chunk, src, dst, self.delay(room, chunk))
@@ -44,3 +48,7 @@ class PrefillDriver:
         self.src.pop(room, None)
         self.dst.pop(room, None)
         self.pool.release(("src_pages", room))
+
+    def observe(self, room: Hashable) -> set[str]:
+        """``src_pages`` while the pool really has the room as a holder of its pages (what a replay checks)."""
+        return {"src_pages"} if self.pool.held_by(("src_pages", room)) else set()

@@ -24,13 +24,13 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 from ..dataplane import DataPlane, TransferError
 from ..fabric import Fabric
 from .pages import Pages
 
-Landed = tuple[int, int, bool]
+Landed = tuple[Hashable, int, bool]
 """``(room, chunk, ok)``: a chunk's write completed (ok), or failed."""
 
 EMBEDDED = "embedded"
@@ -50,9 +50,9 @@ class PageWriter:
         agent.register(src.tensor)
         self._reach = reach
         self._peer: tuple[str, int] | None = None
-        self._due: list[tuple[float, int, int, int, tuple[int, ...], tuple[int, ...]]] = []
+        self._due: list[tuple[float, int, Hashable, int, tuple[int, ...], tuple[int, ...]]] = []
         self._seq = itertools.count()
-        self._flying: dict[object, tuple[int, int]] = {}
+        self._flying: dict[object, tuple[Hashable, int]] = {}
 
     def attach(self, session: str, base: int, page_bytes: int, pages: int) -> None:
         if page_bytes != self.src.page_bytes:
@@ -63,7 +63,7 @@ class PageWriter:
     def attached(self) -> bool:
         return self._peer is not None
 
-    def submit(self, room: int, chunk: int, src: Sequence[int], dst: Sequence[int], delay: float) -> None:
+    def submit(self, room: Hashable, chunk: int, src: Sequence[int], dst: Sequence[int], delay: float) -> None:
         heapq.heappush(self._due, (time.monotonic() + delay, next(self._seq), room, chunk, tuple(src), tuple(dst)))
 
     def landed(self) -> list[Landed]:

@@ -55,7 +55,7 @@ class Prefill(Role):
         self.forward: list[tuple[float, int]] = []
         self.reply_if_finished = self.system.messages["abort_req"].reply_if_finished
 
-    def _write_time(self, room: int, chunk: int) -> float:
+    def _write_time(self, room: Hashable, chunk: int) -> float:
         """How long a chunk's write takes: the job's chunk time, or a slow write's where the plan says so."""
         if self.slow.fault(f"write/{room}/{chunk}") == "slow_write":
             self.injected["slow_write"] += 1
@@ -153,7 +153,7 @@ class Prefill(Role):
             self.pages.fill(room, self.driver.src[room])
             self.fire(room, "forward_done")
 
-    def _landed(self, room: int, chunk: int, ok: bool) -> None:
+    def _landed(self, room: Hashable, chunk: int, ok: bool) -> None:
         """A chunk's write has landed: start the next, conclude the room, or let a draining room go."""
         if not ok:
             self.counts["transfer_errors"] += 1

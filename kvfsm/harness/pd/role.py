@@ -94,7 +94,7 @@ class Role:
             return "unexpected"
         return None
 
-    def deliver(self, room: int, event: str) -> None:
+    def deliver(self, room: Hashable, event: str) -> None:
         """Fire ``event`` at ``room`` by its id space; what the spec refuses is counted, never raised."""
         try:
             self.tracker.fire_by(self.spec.key, room, event)
@@ -103,7 +103,7 @@ class Role:
         except ActionError:
             self.counts["action_errors"] += 1
 
-    def fire(self, room: int, event: str) -> None:
+    def fire(self, room: Hashable, event: str) -> None:
         """A local event; an action that raised has already taken the spec's ``on_error`` path."""
         try:
             self.tracker.fire(room, event)
@@ -121,7 +121,7 @@ class Role:
     def compose(self, name: str, room: Hashable) -> Message | None:
         raise NotImplementedError
 
-    def live(self, room: int) -> bool:
+    def live(self, room: Hashable) -> bool:
         """Whether the room's instance is still under way (not finished, not unknown)."""
         state = self.tracker.state(room)
         return state is not None and state in self.spec.live
