@@ -18,6 +18,7 @@ from kvfsm.drivers.dataplane import TransferError
 from kvfsm.drivers.fabric import Fabric
 from kvfsm.drivers.moriio.messages import Release, WriteDone, encode, fault_label
 from kvfsm.drivers.nixl import notif
+from kvfsm.harness import nixl as nixl_faults
 from kvfsm.harness.faults import MALFORMED, FaultPlan, FaultyActions, FaultyAgent, InjectedFault
 
 KINDS = ["lost_release", "duplicate_release", "malformed_release", "lost_write_done"]
@@ -40,7 +41,7 @@ def test_a_plan_refuses_what_no_wrapper_can_inject_and_what_its_protocol_does_no
     with pytest.raises(ValueError, match=r"unknown faults \['typo'\]"):
         FaultPlan(0.1, ["typo"])
     with pytest.raises(ValueError, match=r"unknown faults \['lost_release'\]; choose from"):
-        FaultPlan(0.1, ["lost_release"], known=notif.FAULTS)
+        FaultPlan(0.1, ["lost_release"], known=nixl_faults.FAULTS)
     with pytest.raises(ValueError, match="rate must be within"):
         FaultPlan(1.5, ["raising_read"])
     assert FaultPlan(0.5, []).fault("anything") is None

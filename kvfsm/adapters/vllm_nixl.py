@@ -75,10 +75,9 @@ from ..drivers.dataplane import DataPlane, TransferError
 from ..drivers.kv_cache import KVLayout
 from ..drivers.nixl import BlockReader, DecodeRank, Fabric, PeerInfo, PrefillRank, Topology, decode_spec
 from ..drivers.nixl.memory import BlockMemory, CacheBlocks, segments
-from ..drivers.nixl.notif import FAULTS
 from ..drivers.nixl.side_channel import Handshake, HandshakeError, SideChannel, fetch, new_incarnation
 from ..harness.faults import FaultyAgent
-from ..harness.nixl import faulty
+from ..harness.nixl import FAULTS, faulty
 from .vllm_async import VLLM as VLLM
 from .vllm_kv_cache import adopt_layers
 from .vllm_pd import PDConnector, handshakes, held_for_decode, tp_rank

@@ -26,11 +26,6 @@ def encode(request_id: str, world_size: int) -> bytes:
     return f"{request_id}:{world_size}".encode()
 
 
-FAULTS = ("raising_read", "lost_notif", "duplicate_notif", "malformed_notif")
-"""The faults a decode rank's agent meets in the NIXL tests and soaks (:class:`kvfsm.harness.faults.FaultyAgent`): a
-READ whose post raises, and a notification lost, sent twice, or followed by bytes that do not parse."""
-
-
 def fault_label(raw: bytes) -> tuple[str, str] | None:
     """``("notif", request id)``: the key a notification's fault is decided on, one per request; None if malformed."""
     notif = parse(raw)

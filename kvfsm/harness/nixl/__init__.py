@@ -6,8 +6,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ...drivers.dataplane import DataPlane
-from ...drivers.nixl.notif import FAULTS, fault_label
+from ...drivers.nixl.notif import fault_label
 from ..faults import FaultPlan, FaultyAgent
+
+FAULTS = ("raising_read", "lost_notif", "duplicate_notif", "malformed_notif")
+"""The faults a decode rank's agent meets in the NIXL tests and soaks (:class:`~kvfsm.harness.faults.FaultyAgent`): a
+READ whose post raises, and a notification lost, sent twice, or followed by bytes that do not parse."""
 
 
 def faulty(agent: DataPlane, rate: float, seed: int = 0, faults: Sequence[str] = FAULTS) -> FaultyAgent:
