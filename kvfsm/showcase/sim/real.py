@@ -411,7 +411,23 @@ class Engine:
             if not (self.scheduler.has_requests() or self.connector_busy()):
                 return
             self.step()
-        raise AssertionError(f"not idle after {max_steps} steps: {self.scheduler.get_request_counts()} requests")
+        raise AssertionError(f"not idle after {max_steps} steps: {self.stuck()}")
+
+    def stuck(self) -> str:
+        """What a drain that never ends is waiting on: vLLM's requests and free blocks, and the connector's state."""
+        requests = [
+            f"{rid} {r.status.name} {r.num_computed_tokens}/{r.num_tokens} tokens"
+            for rid, r in list(self.scheduler.requests.items())[:6]
+        ]
+        running, waiting = self.scheduler.get_request_counts()
+        return (
+            f"vLLM: {running} running, {waiting} waiting ({'; '.join(requests)}), "
+            f"{self.block_pool.get_num_free_blocks()} free GPU blocks; connector: {self.connector_state()}"
+        )
+
+    def connector_state(self) -> str:
+        """The connector's instances under way, for :meth:`stuck`."""
+        return f"busy {self.connector_busy()}"
 
     def _reset_prefix_cache(self) -> None:
         """Make the GPU forget its prefix cache, preempting every running request, when vLLM can.
@@ -598,6 +614,16 @@ class MooncakeEngine(Engine):
         until = time.monotonic() + 1.0
         while w.unfinished_tasks() and time.monotonic() < until:
             time.sleep(0.0001)
+
+    def connector_state(self) -> str:
+        w = self._worker.worker
+        trackers = {"requests": w.requests, "send": w.send, "load": w.load}
+        census = {name: {s: n for s, n in t.census().items() if n} for name, t in trackers.items()}
+        holders = sorted(str(h) for h in w.pool.holdings() if h != VLLM)[:6]
+        return (
+            f"states {census}, first live {[(n, k, st) for n, t in trackers.items() for k, st in t.snapshot()][:6]}, "
+            f"reports owed {w.report.owed()}, queued tasks {w.unfinished_tasks()}, worker pool holders {holders}"
+        )
 
     def check_connector(self) -> None:
         w = self._worker.worker
