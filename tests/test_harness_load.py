@@ -20,7 +20,7 @@ class Toy:
         self.most = 0
 
     def start(self, indices: range) -> list[Hashable]:
-        keys = [f"r{i}" for i in indices]
+        keys: list[Hashable] = [f"r{i}" for i in indices]
         self.age.update(dict.fromkeys(keys, 0))
         self.most = max(self.most, len(self.age))
         return keys
