@@ -415,14 +415,24 @@ class Engine:
 
     def stuck(self) -> str:
         """What a drain that never ends is waiting on: vLLM's requests and free blocks, and the connector's state."""
+        s = self.scheduler
+        queues = {
+            "running": s.running, "waiting": s.waiting, "holding": getattr(s, "kv_holding_waiting", ()),
+            "in-flight prefill": getattr(s, "_inflight_prefills", ()),
+        }  # fmt: skip
+
+        def where(r: Request) -> str:
+            return ",".join(name for name, queue in queues.items() if r in queue) or "in no queue"
+
         requests = [
-            f"{rid} {r.status.name} {r.num_computed_tokens}/{r.num_tokens} tokens"
-            for rid, r in list(self.scheduler.requests.items())[:6]
+            f"{rid} {r.status.name} {r.num_computed_tokens}/{r.num_tokens} tokens ({where(r)})"
+            for rid, r in list(s.requests.items())[:6]
         ]
-        running, waiting = self.scheduler.get_request_counts()
+        running, waiting = s.get_request_counts()
         return (
-            f"vLLM: {running} running, {waiting} waiting ({'; '.join(requests)}), "
-            f"{self.block_pool.get_num_free_blocks()} free GPU blocks; connector: {self.connector_state()}"
+            f"vLLM: {running} running, {waiting} waiting ({'; '.join(requests)}), heard loaded "
+            f"{sorted(s.finished_recving_kv_req_ids)}, {self.block_pool.get_num_free_blocks()} free GPU blocks; "
+            f"connector: {self.connector_state()}"
         )
 
     def connector_state(self) -> str:
