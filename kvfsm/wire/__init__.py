@@ -24,6 +24,7 @@ from .messages import (
     Metadata,
     Request,
     Succeeded,
+    tag,
 )
 
 if TYPE_CHECKING:
@@ -80,4 +81,5 @@ __all__ = [
     "WireError",
     "decode",
     "encode",
+    "tag",
 ]

@@ -100,3 +100,8 @@ MESSAGE_TYPES: tuple[type[_Message], ...] = (Request, Metadata, AbortReq, AbortA
 
 ROOM_MESSAGES: tuple[type[_Message], ...] = (Request, Metadata, AbortReq, AbortAck, Succeeded, Failed)
 """The messages that name a room: their tag is an event of the receiving role's spec."""
+
+
+def tag(message: Message) -> str:
+    """The message's ``type`` tag: for a room message, the event it is at the receiving role."""
+    return str(message.__struct_config__.tag)

@@ -27,11 +27,11 @@ from typing import TYPE_CHECKING, Any
 
 from ...drivers.block_pool import BlockPool
 from ...drivers.pd import EMBEDDED, DecodeDriver, Pages
-from ...wire import AbortReq, Hello, Message, Metadata, Request
+from ...wire import AbortReq, Hello, Message, Metadata, Request, tag
 from ..load import closed_loop
 from . import role
 from .config import JobConfig
-from .role import Role, tag
+from .role import Role
 
 if TYPE_CHECKING:
     from ...drivers.mooncake.agent import MooncakeAgent

@@ -18,22 +18,23 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-from ...wire import Message, encode
+from ...wire import Message, encode, tag
 from ...wire.sender import Sender
 from ..faults import FaultPlan
 
 MESSAGE_FAULTS = ("lost_message", "duplicate_message", "delayed_message", "reordered_message", "malformed_message")
-PREFILL_FAULTS = (*MESSAGE_FAULTS, "raising_send_kv", "slow_write")
-DECODE_FAULTS = (*MESSAGE_FAULTS, "raising_send_metadata")
+FAULTS = (*MESSAGE_FAULTS, "raising_send_kv", "raising_send_metadata", "slow_write")
+"""Every fault a role's plans may name: a message's, an action's (prefill's ``send_kv``, decode's
+``send_metadata``), a chunk's write."""
 SCENARIO = ("abort", "kill")
 """Requests decode aborts, and the prefill process killed and restarted (the coordinator's)."""
-KINDS = (*dict.fromkeys(PREFILL_FAULTS + DECODE_FAULTS), *SCENARIO)
+KINDS = (*FAULTS, *SCENARIO)
 """Every kind a ledger counts."""
 
 
 def plan(rate: float, kinds: tuple[str, ...], seed: int) -> FaultPlan:
     """A plan for one kind of a role's opportunities: a fraction ``rate`` of them meet one of ``kinds``."""
-    return FaultPlan(rate, kinds, seed, known=KINDS[: -len(SCENARIO)])
+    return FaultPlan(rate, kinds, seed, known=FAULTS)
 
 
 class FaultyLink:
@@ -54,7 +55,7 @@ class FaultyLink:
 
     def send(self, message: Message, now: float) -> None:
         frames = encode(message)
-        which = (str(message.__struct_config__.tag), getattr(message, "room", None))
+        which = (tag(message), getattr(message, "room", None))
         fault = self.plan.fault(f"{which[0]}/{which[1]}/{self._sent[which]}")
         self._sent[which] += 1
         if fault in MESSAGE_FAULTS:

@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, Any
 
 from ...drivers.block_pool import BlockPool, NoFreeBlocks
 from ...drivers.pd import Pages, PageWriter, PrefillDriver, embedded_writer
-from ...wire import AbortAck, Failed, Hello, Message, Metadata, Request, Succeeded
+from ...wire import AbortAck, Failed, Hello, Message, Metadata, Request, Succeeded, tag
 from . import role
 from .config import JobConfig
 from .faults import plan
-from .role import Role, tag
+from .role import Role
 
 if TYPE_CHECKING:
     from ...drivers.mooncake.agent import MooncakeAgent

@@ -20,7 +20,7 @@ from ...errors import ActionError, IllegalTransition
 from ...spec import Spec
 from ...spec.bundled import SPECS
 from ...spec.system import System, load_system
-from ...wire import Message
+from ...wire import Message, tag
 from ...wire.listener import Listener
 from ...wire.sender import Sender
 from ..faults import FaultyActions
@@ -31,11 +31,6 @@ from .faults import MESSAGE_FAULTS, FaultyLink, plan
 def system(protocol: str) -> System:
     """The composition ``specs/pd_abort/<protocol>.yaml``: both role specs and the messages between them."""
     return load_system(SPECS / "pd_abort" / f"{protocol}.yaml")
-
-
-def tag(message: Message) -> str:
-    """The message's type tag: for a room message, the event it is at the receiving role."""
-    return str(message.__struct_config__.tag)
 
 
 class Sends:
