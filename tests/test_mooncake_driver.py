@@ -35,7 +35,7 @@ from kvfsm.drivers.mooncake import (
     connect_embedded,
 )
 from kvfsm.harness.mooncake import STORE_FAULTS, FaultyStore, InjectedStoreFault, raising, returning, store_plan
-from kvfsm.harness.mooncake.faults import FAILED_CODES, FAULTABLE, call_keys
+from kvfsm.harness.mooncake.faults import FAILED_CODES, FAULTABLE, call_faults, call_keys
 from kvfsm.testing import VirtualClock
 
 BLOCKS = 64
@@ -453,7 +453,7 @@ def test_plan_driven_faults_are_the_same_in_every_run_and_the_ones_the_plan_coun
         assert faulty.injected[f"raising_{op}"] + faulty.injected[f"failed_{op}"] == hit
         answers = [a for o, a in first if o == op]
         for key, answer in zip(call_keys(op, faulty.calls[op]), answers, strict=True):
-            fault = faulty.plans[op].fault(key)  # what the n-th call met, read off the plan alone
+            fault = faulty.plan.fault(key, call_faults(op))  # what the n-th call met, read off the plan alone
             if fault is None or fault.startswith("failed_"):
                 assert isinstance(answer, list)
                 assert fault is None or answer[0] in FAILED_CODES, (key, answer)

@@ -35,7 +35,7 @@ from __future__ import annotations
 import re
 import zlib
 from collections import Counter
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -76,18 +76,24 @@ class FaultPlan:
         self.kinds = tuple(kinds)
         self.seed = seed
 
-    def fault(self, key: str) -> str | None:
-        """The fault that meets the opportunity ``key``, or None."""
-        if not self.kinds:
+    def fault(self, key: str, among: Collection[str] | None = None) -> str | None:
+        """The fault that meets the opportunity ``key``, or None.
+
+        ``among``: the faults that can strike this opportunity (a store's call meets only that call's); the
+        plan's others are left out of the choice, so the opportunity is hit at the plan's rate whatever else the
+        plan names. Without it, a fault chosen that does not fit the opportunity strikes nothing.
+        """
+        kinds = self.kinds if among is None else [k for k in self.kinds if k in among]
+        if not kinds:
             return None
         h = zlib.crc32(f"{self.seed}/{key}".encode())
         if (h % 10_000) >= self.rate * 10_000:
             return None
-        return self.kinds[(h // 10_000) % len(self.kinds)]
+        return kinds[(h // 10_000) % len(kinds)]
 
-    def count(self, keys: Iterable[str]) -> Counter[str]:
+    def count(self, keys: Iterable[str], among: Collection[str] | None = None) -> Counter[str]:
         """How many of ``keys`` each fault hits (what a run injects, known in advance)."""
-        return Counter(f for f in map(self.fault, keys) if f is not None)
+        return Counter(f for f in (self.fault(key, among) for key in keys) if f is not None)
 
 
 def unlabelled(raw: bytes) -> tuple[str, str] | None:

@@ -28,7 +28,13 @@ from ..faults import FaultPlan
 FAULTABLE = ("batch_is_exist", "batch_put_from", "batch_get_into")
 """The calls a store job or a load makes; faults go there."""
 
-STORE_FAULTS = tuple(f"{how}_{op}" for op in FAULTABLE for how in ("raising", "failed"))
+
+def call_faults(op: str) -> tuple[str, str]:
+    """The faults that can strike a call of ``op``: it raises, or it fails with a negative code."""
+    return f"raising_{op}", f"failed_{op}"
+
+
+STORE_FAULTS = tuple(fault for op in FAULTABLE for fault in call_faults(op))
 """Every fault a plan may name for a store: each of :data:`FAULTABLE` raising, or failing with a negative code."""
 
 FAILED_CODES = (C.RPC_FAIL, C.NO_AVAILABLE_HANDLE, C.TRANSFER_FAIL)
@@ -89,10 +95,9 @@ class FaultyStore:
     """``store`` with faults injected into :data:`FAULTABLE` calls; other calls pass through.
 
     A call takes an armed fault (:meth:`fail_next`) first; otherwise ``plan``
-    decides it. The plan says whether the call is hit (a fraction
-    ``plan.rate`` of each call's opportunities), and the fault is one of the
-    plan's faults for that call, so the rate is a rate of calls whatever
-    other calls the plan names (:attr:`plans`: the plan as each call meets it).
+    decides it, among that call's faults (:func:`call_faults`): a fraction
+    ``plan.rate`` of each call's opportunities is hit, whatever other calls
+    the plan names.
 
     A code fault for every key replaces the call: a put that "returned -900"
     wrote nothing, as with a master that did not answer.
@@ -101,11 +106,6 @@ class FaultyStore:
     def __init__(self, store: KVStore, plan: FaultPlan | None = None) -> None:
         self.store = store
         self.plan = plan if plan is not None else store_plan(0.0)
-        self.plans = {
-            op: FaultPlan(self.plan.rate, [k for k in self.plan.kinds if k.endswith(f"_{op}")], self.plan.seed)
-            for op in FAULTABLE
-        }
-        """Per call: the plan's rate and seed with its faults for that call (it hits the keys ``plan`` hits)."""
         self._armed: list[tuple[str, Fault]] = []
         self._lock = threading.Lock()
         self.calls: Counter[str] = Counter()
@@ -133,7 +133,7 @@ class FaultyStore:
         fault was armed."""
         with self._lock:
             calls = dict(self.calls)
-        return sum((self.plans[op].count(call_keys(op, n)) for op, n in calls.items()), Counter())
+        return sum((self.plan.count(call_keys(op, n), call_faults(op)) for op, n in calls.items()), Counter())
 
     def _fault_for(self, op: str) -> Fault | None:
         with self._lock:
@@ -144,7 +144,7 @@ class FaultyStore:
                     del self._armed[i]
                     self.injected[fault.name(op)] += 1
                     return fault
-            name = self.plans[op].fault(key)
+            name = self.plan.fault(key, call_faults(op))
             if name is None:
                 return None
             self.injected[name] += 1
