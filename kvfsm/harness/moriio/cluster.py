@@ -14,8 +14,9 @@ for (the decode side waits longer than the prefill side may still write).
 from __future__ import annotations
 
 import importlib
+import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,18 +109,18 @@ def embedded_run(
     :data:`VIRTUAL_STEP` a step, instead of the wall clock (the same deadlines fire in every run, however busy
     the machine; latencies are then virtual too)."""
     fabric = Fabric()
-    clocked: dict[str, Any] = {} if clock is None else {"clock": clock}
-    looped: dict[str, Any] = {} if clock is None else {"clock": clock, "wait": clock.advance}
+    now: Callable[[], float] = clock if clock is not None else time.monotonic
+    wait: Callable[[float], object] = clock.advance if clock is not None else time.sleep
     plan = fault_plan(fault_rate, faults if faults is not None else default_faults(mode), seed)
     pa, da = faulty(fabric.agent("prefill"), plan), faulty(fabric.agent("decode"), plan)
     pt, dt = PlaneTransport(pa), PlaneTransport(da)
     prefill_blocks = int(concurrency * blocks_per_request * prefill_headroom)
     extra = prefill_variant(prefill, mode)
     params = None if extra else timeouts.producer(mode)
-    engine = PrefillEngine(pt, prefill_blocks, block_bytes, mode=mode, params=params, **extra, **clocked)
+    engine = PrefillEngine(pt, prefill_blocks, block_bytes, mode=mode, params=params, **extra, clock=now)
     decode = DecodeEngine(
         dt, concurrency * blocks_per_request, block_bytes, "prefill", mode=mode, params=timeouts.consumer(mode),
-        **clocked,
+        clock=now,
     )  # fmt: skip
     dead = False
 
@@ -139,7 +140,7 @@ def embedded_run(
         decode, "prefill", requests=requests, concurrency=concurrency, blocks_per_request=blocks_per_request,
         deadline=timeouts.deadline(mode), settle=timeouts.defer + timeouts.transfer + 0.5, step_prefill=step_prefill,
         prefill_stats=lambda: DEAD_PEER if dead else engine.stats(), faults=lambda: _merge(pa, da), tick=tick,
-        **looped,
+        clock=now, wait=wait,
     )  # fmt: skip
 
 
